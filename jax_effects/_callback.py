@@ -1,0 +1,70 @@
+"""``jax_effects.callback``: host functions with results, in program order.
+
+The callback receives NumPy arrays (the pytree structure of ``*args`` and
+``**kwargs`` is kept) and must return a pytree matching
+``result_shape_dtypes``: same structure, and each leaf of the declared shape
+and dtype (Python scalars and lists are converted to the declared dtype;
+NumPy arrays of another dtype are an error naming expected and actual).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jax_effects import _arguments
+from jax_effects import _primitives
+
+
+def _result_avals(what: str, result_shape_dtypes):
+  leaves, treedef = tree_util.tree_flatten(result_shape_dtypes)
+  avals = []
+  for leaf in leaves:
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise TypeError(
+          f"{what}: result_shape_dtypes must be a pytree of jax.ShapeDtypeStruct"
+          f" (or arrays), got a leaf {leaf!r}")
+    dtype = np.dtype(leaf.dtype)
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    if canonical != dtype:
+      raise TypeError(
+          f"{what}: result dtype {dtype} is not available with jax_enable_x64 "
+          f"disabled; declare {canonical}")
+    avals.append(jax.core.ShapedArray(tuple(leaf.shape), dtype))
+  return tuple(avals), treedef
+
+
+def callback(fn: Callable, result_shape_dtypes: Any, *args, ordered: bool = True,
+             effect=None, **kwargs):
+  """Calls ``fn(*args, **kwargs)`` on the host when the computation runs.
+
+  Returns arrays matching ``result_shape_dtypes`` (a pytree of
+  ``jax.ShapeDtypeStruct``, or None for no result).
+  """
+  if not callable(fn):
+    raise TypeError(f"jax_effects.callback: {fn!r} is not callable")
+  name = getattr(fn, "__qualname__", None) or repr(fn)
+  what = f"jax_effects.callback({name})"
+  operands, rebuild = _arguments.split(what, args, kwargs, allow_str=False)
+  avals, out_tree = _result_avals(what, result_shape_dtypes)
+
+  def call(*np_operands):
+    a, k = rebuild(np_operands)
+    out = fn(*a, **k)
+    if result_shape_dtypes is None:
+      return ()
+    leaves, tree = tree_util.tree_flatten(out)
+    if tree != out_tree:
+      raise TypeError(
+          f"{what} returned a value of structure {tree}; expected {out_tree} "
+          f"(from result_shape_dtypes)")
+    return leaves
+
+  results = _primitives.bind_effect(
+      _primitives.HostCallback(call, what), operands, effect=effect,
+      ordered=ordered, result_avals=avals)
+  if result_shape_dtypes is None:
+    return None
+  return tree_util.tree_unflatten(out_tree, results)

@@ -1,0 +1,269 @@
+"""``jax_effects.jit``: the dispatch hook around ``jax.jit``.
+
+A :class:`Function` owns ``jax.jit`` objects whose traced function is::
+
+    g(*args, __jax_effects_runtime_tokens__=(t_1, ..., t_k), **kwargs)
+        -> (outputs, token)
+
+where ``t_i`` is the calling thread's runtime token of the i-th ordered chain
+the function uses (in a fixed order, :attr:`Function.keys`). Tracing ``g``
+traces the user function to a jaxpr and runs the token-threading pass on it
+(``_thread_tokens``), re-tracing the result into ``g``'s trace. The pass leaves
+no JAX-level effect behind, so ``jax.jit``'s C++ fast path dispatches ``g``;
+the Python hook around it only reads the runtime tokens from
+:mod:`~jax_effects._runtime_tokens` and stores the returned token.
+
+Which chains a function uses is learnt while tracing: a trace that finds a
+chain the call did not pass a runtime token for raises :class:`NeedsTokens`,
+the hook adds the chain to :attr:`Function.keys` and calls again (a new token
+tuple length is a new ``jax.jit`` cache entry). Until a trace finds any
+effect, calls go through a ``jax.jit`` with no token argument: a function with
+no effects costs a plain ``jax.jit`` call.
+
+Calls under an enclosing transformation or trace, and calls with
+``jax.disable_jit()``, run the user function directly: the enclosing
+``jax_effects.jit`` (or the eager impl rules) takes care of the effects.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+
+from jax_effects import _compat
+from jax_effects import _effects
+from jax_effects import _runtime_tokens
+from jax_effects import _thread_tokens
+
+TOKENS_KW = "__jax_effects_runtime_tokens__"
+
+
+class NeedsTokens(Exception):
+  """Raised from inside a trace: the call did not pass these chains' tokens."""
+
+  def __init__(self, keys):
+    super().__init__(f"jax_effects: retrace with runtime tokens for {keys}")
+    self.keys = keys
+
+
+def _signature_with_tokens(fun):
+  try:
+    sig = inspect.signature(fun)
+  except (TypeError, ValueError):
+    return None
+  params = list(sig.parameters.values())
+  extra = inspect.Parameter(TOKENS_KW, inspect.Parameter.KEYWORD_ONLY,
+                            default=None)
+  if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
+    params.insert(len(params) - 1, extra)
+  else:
+    params.append(extra)
+  return sig.replace(parameters=params)
+
+
+class Function:
+  """A jitted function whose side effects are token-threaded.
+
+  Call it like the function it wraps. ``.lower(*args, **kwargs)`` returns a
+  :class:`Lowered` whose ``.as_text()`` is the StableHLO of the threaded
+  computation.
+  """
+
+  def __init__(self, fun: Callable, **jit_kwargs):
+    if not callable(fun):
+      raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
+    if TOKENS_KW in (jit_kwargs.get("static_argnames") or ()):
+      raise ValueError(f"{TOKENS_KW} is reserved by jax_effects")
+    functools.update_wrapper(self, fun)
+    self._fun = fun
+    self._jit_kwargs = jit_kwargs
+    self._signature = _signature_with_tokens(fun)
+    self._effectful = False
+    #: ordering mode -> tuple of ordered chain keys passed as runtime tokens
+    self.keys: dict[str, tuple] = {}
+    self._threaded: dict[str, Any] = {}
+    self._pure = jax.jit(self._wrap(self._trace_pure), **jit_kwargs)
+
+  def __repr__(self):
+    return f"<jax_effects.jit of {getattr(self._fun, '__qualname__', self._fun)}>"
+
+  def __get__(self, instance, owner=None):
+    if instance is None:
+      return self
+    return functools.partial(self, instance)
+
+  # --- tracing -----------------------------------------------------------------
+
+  def _wrap(self, traced):
+    @functools.wraps(self._fun)
+    def g(*args, **kwargs):
+      return traced(args, kwargs)
+    if self._signature is not None:
+      g.__signature__ = self._signature
+    return g
+
+  def _trace(self, args, kwargs):
+    """Traces the user function on the dynamic leaves of ``(args, kwargs)``."""
+    leaves, treedef = tree_util.tree_flatten((args, kwargs))
+    dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+    dyn = [leaves[i] for i in dyn_pos]
+
+    @functools.wraps(self._fun)
+    def flat_fun(*dyn_vals):
+      full = list(leaves)
+      for i, x in zip(dyn_pos, dyn_vals):
+        full[i] = x
+      a, k = tree_util.tree_unflatten(treedef, full)
+      return self._fun(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
+    return closed, dyn, tree_util.tree_structure(out_shape)
+
+  def _trace_pure(self, args, kwargs):
+    closed, dyn, out_tree = self._trace(args, kwargs)
+    mode = _effects.get_ordering()
+    keys = _thread_tokens.chain_keys(closed.effects, mode)
+    if keys:
+      raise NeedsTokens(keys)
+    outs, _ = _thread_tokens.thread_tokens(closed, dyn, {}, mode)
+    return tree_util.tree_unflatten(out_tree, outs)
+
+  def _trace_threaded(self, mode, args, kwargs):
+    kwargs = dict(kwargs)
+    runtime = kwargs.pop(TOKENS_KW)
+    closed, dyn, out_tree = self._trace(args, kwargs)
+    known = self.keys.get(mode, ())
+    missing = tuple(k for k in _thread_tokens.chain_keys(closed.effects, mode)
+                    if k is not _effects.UNORDERED and k not in known)
+    if missing or len(runtime) != len(known):
+      raise NeedsTokens(missing)
+    outs, token = _thread_tokens.thread_tokens(
+        closed, dyn, dict(zip(known, runtime)), mode)
+    if token is None:
+      token = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
+    return tree_util.tree_unflatten(out_tree, outs), token
+
+  def _threaded_jit(self, mode: str):
+    jitted = self._threaded.get(mode)
+    if jitted is None:
+      kwargs = dict(self._jit_kwargs)
+      if "out_shardings" in kwargs:
+        kwargs["out_shardings"] = (kwargs["out_shardings"], None)
+      jitted = jax.jit(self._wrap(functools.partial(self._trace_threaded, mode)),
+                       **kwargs)
+      self._threaded[mode] = jitted
+    return jitted
+
+  def _learn(self, mode: str, err: NeedsTokens) -> None:
+    self._effectful = True
+    known = self.keys.get(mode, ())
+    self.keys[mode] = known + tuple(k for k in err.keys if k not in known)
+
+  # --- dispatch ------------------------------------------------------------------
+
+  def __call__(self, *args, **kwargs):
+    if not self._effectful:
+      try:
+        return self._pure(*args, **kwargs)
+      except NeedsTokens as err:
+        self._learn(_effects.get_ordering(), err)
+    if not _compat.at_top_level() or jax.config.jax_disable_jit:
+      return self._fun(*args, **kwargs)
+    mode = _effects.get_ordering()
+    state = _runtime_tokens.thread_tokens()
+    while True:
+      keys = self.keys.get(mode, ())
+      runtime = state.runtime
+      initial = _runtime_tokens.initial_token()
+      tokens = tuple([runtime.get(k, initial) for k in keys])
+      try:
+        out, token = self._threaded_jit(mode)(*args, **kwargs,
+                                              **{TOKENS_KW: tokens})
+      except NeedsTokens as err:
+        self._learn(mode, err)
+        continue
+      except jax.errors.JaxRuntimeError as err:
+        _runtime_tokens.reraise(err, state)
+      _runtime_tokens.update(state, keys, token)
+      return out
+
+  def lower(self, *args, **kwargs) -> "Lowered":
+    """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
+    if not self._effectful:
+      try:
+        return Lowered(self, self._pure.lower(*args, **kwargs), None, ())
+      except NeedsTokens as err:
+        self._learn(_effects.get_ordering(), err)
+    mode = _effects.get_ordering()
+    while True:
+      keys = self.keys.get(mode, ())
+      tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
+                     for _ in keys)
+      try:
+        lowered = self._threaded_jit(mode).lower(*args, **kwargs,
+                                                 **{TOKENS_KW: tokens})
+      except NeedsTokens as err:
+        self._learn(mode, err)
+        continue
+      return Lowered(self, lowered, mode, keys)
+
+
+class Lowered:
+  """A lowered :class:`Function`; ``.as_text()`` shows the threaded StableHLO."""
+
+  def __init__(self, function: Function, lowered, mode, keys):
+    self._function = function
+    self._lowered = lowered
+    self._mode = mode
+    self._keys = keys
+
+  def as_text(self, *args, **kwargs) -> str:
+    return self._lowered.as_text(*args, **kwargs)
+
+  def compiler_ir(self, *args, **kwargs):
+    return self._lowered.compiler_ir(*args, **kwargs)
+
+  def compile(self, *args, **kwargs) -> "Compiled":
+    return Compiled(self._lowered.compile(*args, **kwargs), self._mode,
+                    self._keys)
+
+
+class Compiled:
+  """A compiled :class:`Function`; calling it runs the dispatch hook."""
+
+  def __init__(self, compiled, mode, keys):
+    self._compiled = compiled
+    self._mode = mode
+    self._keys = keys
+
+  def as_text(self) -> str:
+    return self._compiled.as_text()
+
+  def __call__(self, *args, **kwargs):
+    if self._mode is None:
+      return self._compiled(*args, **kwargs)
+    state = _runtime_tokens.thread_tokens()
+    initial = _runtime_tokens.initial_token()
+    tokens = tuple(state.runtime.get(k, initial) for k in self._keys)
+    try:
+      out, token = self._compiled(*args, **kwargs, **{TOKENS_KW: tokens})
+    except jax.errors.JaxRuntimeError as err:
+      _runtime_tokens.reraise(err, state)
+    _runtime_tokens.update(state, self._keys, token)
+    return out
+
+
+def jit(fun: Callable | None = None, **jit_kwargs):
+  """Drop-in for ``jax.jit`` that keeps side effects in program order.
+
+  Takes ``jax.jit``'s keyword arguments (``static_argnums``,
+  ``static_argnames``, ``donate_argnums``, ``in_shardings``, ...). Usable as
+  ``@jit``, ``@jit(static_argnums=...)`` or ``jit(f, ...)``.
+  """
+  if fun is None:
+    return functools.partial(jit, **jit_kwargs)
+  return Function(fun, **jit_kwargs)

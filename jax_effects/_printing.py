@@ -1,0 +1,93 @@
+"""``jax_effects.print``: formatted lines from compiled code, in order.
+
+The format string is checked when the call is traced (fields against
+arguments, with Python's own ``str.format`` rules, and no unused arguments), so
+a bad format fails at trace time naming the format string, never inside XLA.
+At run time the host callback formats the NumPy values and hands the line to
+:func:`jax_effects._capture.deliver_line` (``sys.stdout`` plus listeners).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jax_effects import _arguments
+from jax_effects import _capture
+from jax_effects import _primitives
+
+
+class _Probe:
+  """Stands for an argument during the trace-time format check."""
+  __slots__ = ("used",)
+
+  def __init__(self):
+    self.used = False
+
+  def __format__(self, spec):
+    self.used = True
+    return ""
+
+  def __getitem__(self, key):
+    self.used = True
+    return self
+
+  def __getattr__(self, name):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    self.used = True
+    return self
+
+  def __str__(self):
+    self.used = True
+    return ""
+
+  __repr__ = __str__
+
+
+def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
+  """Raises ValueError/TypeError naming ``fmt`` if it does not fit the args."""
+  if not isinstance(fmt, str):
+    raise TypeError(f"{what}: the format must be a str, got {type(fmt).__name__}")
+  probes = [_Probe() for _ in args]
+  kw_probes = {k: _Probe() for k in kwargs}
+  try:
+    fmt.format(*probes, **kw_probes)
+  except IndexError:
+    raise ValueError(
+        f"{what}: format string {fmt!r} refers to more positional arguments "
+        f"than the {len(args)} given") from None
+  except KeyError as err:
+    raise ValueError(
+        f"{what}: format string {fmt!r} refers to keyword argument "
+        f"{err.args[0]!r}, which was not given (given: {sorted(kwargs)})") from None
+  except ValueError as err:
+    raise ValueError(f"{what}: bad format string {fmt!r}: {err}") from None
+  unused = [f"#{i}" for i, p in enumerate(probes) if not p.used]
+  unused += [repr(k) for k, p in kw_probes.items() if not p.used]
+  if unused:
+    raise ValueError(
+        f"{what}: format string {fmt!r} does not use argument(s) "
+        f"{', '.join(unused)}")
+
+
+def print(fmt: str, *args, ordered: bool = True, effect=None, **kwargs) -> None:  # noqa: A001
+  """Prints ``fmt.format(*args, **kwargs)`` when the computation runs.
+
+  Works inside and outside ``jax_effects.jit`` (outside any trace it prints
+  immediately). ``ordered=True`` keeps program order with every other ordered
+  effect of the same ``effect`` (default :data:`jax_effects.DEFAULT`).
+  Arguments are pytrees of arrays (0-d arrays format as scalars); ``str``
+  leaves are static.
+  """
+  what = f"jax_effects.print({fmt!r})"
+  check_format(what, fmt, args, kwargs)
+  operands, rebuild = _arguments.split(what, args, kwargs, allow_str=True)
+
+  def emit(*np_operands):
+    a, k = rebuild(np_operands)
+    _capture.deliver_line(fmt.format(*a, **k))
+    return ()
+
+  _primitives.bind_effect(_primitives.HostCallback(emit, what), operands,
+                          effect=effect, ordered=ordered)
+
+
