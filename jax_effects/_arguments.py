@@ -42,6 +42,14 @@ def split(what: str, args: tuple, kwargs: dict, *, allow_str: bool):
           f", which is not an array; pass arrays, NumPy or Python numbers"
           + (", or str" if allow_str else ""))
 
+  if (not kwargs and len(positions) == len(args)
+      and all(a is leaf for a, leaf in zip(args, leaves))):
+    # Only positional array arguments (the common case): no pytree to rebuild
+    # on every run of the callback.
+    def rebuild(np_operands) -> tuple[tuple, dict]:
+      return tuple([x[()] if x.ndim == 0 else x for x in np_operands]), {}
+    return operands, rebuild
+
   def rebuild(np_operands) -> tuple[tuple, dict]:
     full = list(leaves)
     for i, x in zip(positions, np_operands):

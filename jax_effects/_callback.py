@@ -36,12 +36,17 @@ def _result_avals(what: str, result_shape_dtypes):
   return tuple(avals), treedef
 
 
-def callback(fn: Callable, result_shape_dtypes: Any, *args, ordered: bool = True,
+def callback(fn: Callable, result_shape_dtypes: Any, *args,
+             ordered: bool | None = None,
              effect=None, **kwargs):
   """Calls ``fn(*args, **kwargs)`` on the host when the computation runs.
 
   Returns arrays matching ``result_shape_dtypes`` (a pytree of
   ``jax.ShapeDtypeStruct``, or None for no result).
+  ``effect`` (default :data:`jax_effects.DEFAULT`, shared with ``print`` and
+  ``log``) and ``ordered`` (default: the effect's setting) work as for
+  :func:`jax_effects.print`. Results are not differentiable (their tangents
+  are zero).
   """
   if not callable(fn):
     raise TypeError(f"jax_effects.callback: {fn!r} is not callable")
@@ -57,9 +62,15 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args, ordered: bool = True
       return ()
     leaves, tree = tree_util.tree_flatten(out)
     if tree != out_tree:
+      count = ""
+      if (isinstance(out, (tuple, list))
+          and isinstance(result_shape_dtypes, (tuple, list))
+          and len(out) != len(result_shape_dtypes)):
+        count = (f"{len(out)} results where result_shape_dtypes declares "
+                 f"{len(result_shape_dtypes)}: ")
       raise TypeError(
-          f"{what} returned a value of structure {tree}; expected {out_tree} "
-          f"(from result_shape_dtypes)")
+          f"{what} returned {count}a value of structure {tree}; expected "
+          f"{out_tree} (from result_shape_dtypes)")
     return leaves
 
   results = _primitives.bind_effect(

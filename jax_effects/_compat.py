@@ -6,7 +6,10 @@ import here and nothing else changes.
 """
 from __future__ import annotations
 
+import operator
+
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import callback as _callback
 from jax._src.array import ArrayImpl as _ArrayImpl
@@ -21,10 +24,59 @@ custom_derivatives_allowed_effects = _effects.custom_derivatives_allowed_effects
 remat_allowed_effects = _effects.remat_allowed_effects
 partial_eval_kept_effects = _effects.partial_eval_kept_effects
 lowerable_effects = _effects.lowerable_effects
+# Only for the plain-``jax.jit`` fallback lowering of an *ordered* marker: JAX
+# then threads its own tokens through it (see _effects.OrderedTraceEffect).
+ordered_effects = _effects.ordered_effects
+shardable_ordered_effects = _effects.shardable_ordered_effects
 
 # Sharding annotation JAX gives its own callbacks: MAXIMAL on one device under
 # automatic partitioning, MANUAL (per device) inside a fully manual shard_map.
 callback_op_sharding = _callback._callback_op_sharding
+
+# Emitting a host-callback custom call directly (``_primitives``), as
+# ``mlir.emit_python_callback`` does but without its per-call result wrapper:
+# the token operand gets its own sharding entry (``SdyArray``) next to the
+# callback's annotation, which ``set_sharding`` attaches to the op.
+from jax._src.interpreters.mlir import set_sharding  # noqa: E402
+from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
+
+# The jax_disable_jit flag's state object: ``.value`` reads it without the
+# attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
+from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
+
+# shard_map's primitive (and pmap's: JAX 0.10 stages jax.pmap as jit(shard_map)).
+# The token-threading pass needs a rule for it; there is no public handle.
+from jax._src.shard_map import shard_map_p  # noqa: E402
+
+# Lowering-time axis contexts: a host callback's lowering reads them to know
+# where it will run (SPMD manual = one call per device, identified by
+# partition id into the mesh; sharding context = one call on the first device
+# of the computation's device assignment). Used by ``_placement``.
+from jax._src.sharding_impls import SPMDAxisContext, ShardingContext  # noqa: E402
+
+
+def clear_jax_runtime_tokens() -> None:
+  """Forgets the tokens JAX keeps for ``jax.effects_barrier``.
+
+  JAX keeps an output token per device for every executable with host
+  callbacks and never drops a failed one, so after one callback error every
+  later ``jax.effects_barrier()`` would raise it again. Called once the error
+  has been reported (``_runtime_tokens.effects_barrier``).
+  """
+  _dispatch.runtime_tokens.clear()
+
+
+def require_devices_during_lowering(primitive) -> None:
+  """Makes jit lower computations with ``primitive`` for concrete devices.
+
+  By default JAX lowers device-agnostically (``ShardingContext`` without a
+  device assignment) and reuses the module for every device set; a host
+  callback then cannot know which device runs it. JAX's registry for this
+  (used by its cuDNN kernels) makes the lowering see the device assignment.
+  Compilation is per device set anyway; lowering for an abstract mesh only
+  (``jax.export``) is refused by JAX for such primitives.
+  """
+  _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 _trace_ctx = _core.trace_ctx
 
@@ -32,6 +84,11 @@ _trace_ctx = _core.trace_ctx
 def at_top_level() -> bool:
   """True when no JAX transformation or trace is active on this thread."""
   return _trace_ctx.is_top_level()
+
+
+# ``jax.Array.committed`` is a Python property; the C++ attribute behind it is
+# read on every dispatch (``_runtime_tokens.update``).
+committed = operator.attrgetter("_committed")
 
 
 def uncommitted(array):
@@ -46,3 +103,30 @@ def uncommitted(array):
   shard = array._arrays[0]
   return _ArrayImpl(shard.aval, shard.sharding, [shard], committed=False,
                     _skip_checks=True)
+
+
+def enclosing_staging() -> str | None:
+  """What the innermost jaxpr being traced is for ("cond", "jit", ...).
+
+  Walks from the current trace through its parents (vmap/jvp traces) to the
+  innermost jaxpr-building trace and returns its ``traced_for``; None when no
+  jaxpr is being built. Lets an effect record that it was bound directly in a
+  ``cond``/``switch`` branch (a branch that ``vmap`` may later inline).
+  """
+  trace = _trace_ctx.trace
+  while trace is not None:
+    frame = getattr(trace, "frame", None)
+    if frame is not None:
+      info = frame.debug_info
+      return None if info is None else info.traced_for
+    trace = getattr(trace, "parent_trace", None)
+  return None
+
+
+def jax_runtime_token(effect):
+  """JAX's own runtime token of an ordered effect on this thread, if any.
+
+  Only code under plain ``jax.jit`` (or eager control flow) uses JAX's tokens
+  for our effects; eager effects wait for it to keep program order.
+  """
+  return _dispatch.runtime_tokens.current_tokens.get(effect)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Iterator
 
@@ -27,48 +28,73 @@ import jax.extend.core as jex_core
 from jax_effects import _compat
 
 __all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "ordering",
-           "set_ordering", "get_ordering", "TraceEffect", "chain_key"]
+           "set_ordering", "get_ordering", "TraceEffect", "OrderedTraceEffect",
+           "marker", "chain_key"]
 
 ORDERING_MODES = ("per_effect", "global")
 
 
+@functools.total_ordering
 class Effect:
   """A named effect: its own runtime-token stream.
 
   ``Effect(name)`` is interned: the same name always gives the same object, so
-  effects compare and hash by name and can be created wherever they are used.
+  effects compare and hash by name (and sort by name) and can be created
+  wherever they are used.
 
   >>> Effect("metrics") is Effect("metrics")
   True
+
+  Setting: ``ordered`` (default True) is the default of the ``ordered=``
+  argument of ``print``/``log``/``callback`` calls that use this effect;
+  ``Effect("telemetry", ordered=False)`` names a stream of unordered effects.
+  A name's settings are fixed by its first creation: ``Effect(name)`` without
+  settings returns the existing effect, and creating it again with a different
+  setting is a ``ValueError`` naming the effect.
   """
-  __slots__ = ("name", "__weakref__")
+  __slots__ = ("name", "ordered", "__weakref__")
   _registry: dict[str, "Effect"] = {}
   _registry_lock = threading.Lock()
 
-  def __new__(cls, name: str):
+  def __new__(cls, name: str, *, ordered: bool | None = None):
     if not isinstance(name, str) or not name:
       raise TypeError(f"Effect name must be a non-empty str, got {name!r}")
+    if ordered is not None and not isinstance(ordered, bool):
+      raise TypeError(f"Effect({name!r}): ordered= must be a bool, got {ordered!r}")
     with cls._registry_lock:
       eff = cls._registry.get(name)
       if eff is None:
         eff = object.__new__(cls)
         object.__setattr__(eff, "name", name)
+        object.__setattr__(eff, "ordered", True if ordered is None else ordered)
         cls._registry[name] = eff
+      elif ordered is not None and ordered != eff.ordered:
+        raise ValueError(
+            f"{eff!r} already exists with ordered={eff.ordered}; it cannot be "
+            f"created again with ordered={ordered} (an effect name has one "
+            f"setting: use another name, or Effect({name!r}) to get the "
+            f"existing one)")
       return eff
 
   def __setattr__(self, key, value):
     raise AttributeError("Effect is immutable")
 
   def __reduce__(self):
-    return (Effect, (self.name,))
+    return (_make_effect, (self.name, self.ordered))
 
   def __repr__(self):
-    return f"Effect({self.name!r})"
+    if self.ordered:
+      return f"Effect({self.name!r})"
+    return f"Effect({self.name!r}, ordered=False)"
 
   def __lt__(self, other):
     if not isinstance(other, Effect):
       return NotImplemented
     return self.name < other.name
+
+
+def _make_effect(name: str, ordered: bool) -> Effect:
+  return Effect(name, ordered=ordered)
 
 
 #: The effect of ``print``, ``log`` and ``callback`` when ``effect=None``: one
@@ -92,7 +118,15 @@ UNORDERED = _Unordered()
 # --- ordering mode -----------------------------------------------------------
 
 _process_mode = "per_effect"
-_local = threading.local()
+
+
+class _ModeStack(threading.local):
+  # Class default: reading ``stack`` on a thread that never entered
+  # ``ordering`` raises nothing (``get_ordering`` runs on every dispatch).
+  stack: "list[str] | tuple" = ()
+
+
+_local = _ModeStack()
 
 
 def _check_mode(mode: str) -> str:
@@ -102,15 +136,33 @@ def _check_mode(mode: str) -> str:
   return mode
 
 
+def _wait_for_switch(all_threads: bool) -> None:
+  """Waits for effects dispatched under the old mode (a mode switch).
+
+  The two modes use different runtime-token streams, so nothing would order
+  an effect dispatched after a switch behind one dispatched before it.
+  Switches are rare: blocking here keeps one program order across them.
+  """
+  from jax_effects import _runtime_tokens  # (imports jax arrays lazily)
+  _runtime_tokens.effects_barrier(all_threads=all_threads)
+
+
 def set_ordering(mode: str) -> None:
-  """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``)."""
+  """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``).
+
+  Threads inside an :func:`ordering` context keep their own mode. Changing
+  the mode first waits for every thread's dispatched effects.
+  """
   global _process_mode
-  _process_mode = _check_mode(mode)
+  _check_mode(mode)
+  if mode != _process_mode:
+    _wait_for_switch(all_threads=True)
+  _process_mode = mode
 
 
 def get_ordering() -> str:
   """The ordering mode in effect on this thread."""
-  stack = getattr(_local, "stack", None)
+  stack = _local.stack
   return stack[-1] if stack else _process_mode
 
 
@@ -120,16 +172,25 @@ def ordering(mode: str) -> Iterator[None]:
 
   ``"per_effect"``: one runtime token per :class:`Effect`. ``"global"``: all
   ordered effects share one token (:data:`GLOBAL`), giving one total order.
+  Entering or leaving a context that changes the mode waits for this
+  thread's dispatched effects, so order holds across the switch.
   """
   _check_mode(mode)
-  stack = getattr(_local, "stack", None)
-  if stack is None:
+  outer = get_ordering()
+  if mode != outer:
+    _wait_for_switch(all_threads=False)
+  stack = _local.stack
+  if not stack and not isinstance(stack, list):
     stack = _local.stack = []
   stack.append(mode)
+  ok = False
   try:
     yield
+    ok = True
   finally:
     stack.pop()
+    if ok and mode != outer:  # (an exception in flight is not replaced)
+      _wait_for_switch(all_threads=False)
 
 
 # --- trace-time marker --------------------------------------------------------
@@ -139,12 +200,39 @@ class TraceEffect(jex_core.Effect):
   """JAX-level marker on a side-effect equation before token threading.
 
   ``effect`` is the user's :class:`Effect` for an ordered side effect, or None
-  for an unordered one.
+  for an unordered one (see :func:`marker`).
   """
   effect: Effect | None
 
   def __str__(self):
     return f"jax_effects[{self.effect.name if self.effect else 'unordered'}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderedTraceEffect(TraceEffect):
+  """The marker of an *ordered* side effect (``effect`` is never None).
+
+  Also a JAX *ordered* effect, for one reason: code that ends up under plain
+  ``jax.jit`` (never seen by the token-threading pass) then gets JAX's own
+  runtime and compiler tokens, one stream per :class:`Effect`, so its effects
+  still happen in program order (slower: JAX's Python dispatch path). The pass
+  removes every marker, so ``jax_effects.jit`` never meets JAX's machinery.
+  """
+
+
+def marker(effect: Effect, ordered: bool,
+           jax_ordered: bool = True) -> TraceEffect:
+  """The marker of an effect equation (equal settings give equal markers).
+
+  ``jax_ordered=False`` (an effect traced directly in a ``while_loop``'s
+  ``cond_fun``) keeps the effect ordered for jax_effects but not for JAX:
+  JAX's lowering of a ``while`` with ordered effects in ``cond_fun`` ignores
+  a vmap-batched predicate (wrong results), so under plain ``jax.jit`` such
+  an effect gets no JAX token.
+  """
+  if not ordered:
+    return TraceEffect(None)
+  return OrderedTraceEffect(effect) if jax_ordered else TraceEffect(effect)
 
 
 for _registry in (_compat.control_flow_allowed_effects,
@@ -153,6 +241,11 @@ for _registry in (_compat.control_flow_allowed_effects,
                   _compat.partial_eval_kept_effects,
                   _compat.lowerable_effects):
   _registry.add_type(TraceEffect)
+# Plain-jax.jit fallback only (see OrderedTraceEffect). Shardable: on several
+# devices JAX orders them like its own ordered io_callback (once per program
+# point, on the first device).
+_compat.ordered_effects.add_type(OrderedTraceEffect)
+_compat.shardable_ordered_effects.add_type(OrderedTraceEffect)
 
 
 def chain_key(trace_effect: TraceEffect, mode: str):

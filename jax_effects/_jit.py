@@ -2,11 +2,13 @@
 
 A :class:`Function` owns ``jax.jit`` objects whose traced function is::
 
-    g(*args, __jax_effects_runtime_tokens__=(t_1, ..., t_k), **kwargs)
-        -> (outputs, token)
+    g((t_1, ..., t_k), *args, **kwargs) -> (outputs, token)
 
 where ``t_i`` is the calling thread's runtime token of the i-th ordered chain
-the function uses (in a fixed order, :attr:`Function.keys`). Tracing ``g``
+the function uses (in a fixed order, :attr:`Function.keys`). The token tuple
+is the first positional argument (``static_argnums``/``donate_argnums`` are
+shifted by one, ``in_shardings`` gets None for it): ``jax.jit`` refuses
+keyword arguments when ``in_shardings`` is given. Tracing ``g``
 traces the user function to a jaxpr and runs the token-threading pass on it
 (``_thread_tokens``), re-tracing the result into ``g``'s trace. The pass leaves
 no JAX-level effect behind, so ``jax.jit``'s C++ fast path dispatches ``g``;
@@ -51,18 +53,43 @@ class NeedsTokens(Exception):
 
 
 def _signature_with_tokens(fun):
+  """``fun``'s signature with the runtime-token tuple as first parameter."""
   try:
     sig = inspect.signature(fun)
   except (TypeError, ValueError):
     return None
-  params = list(sig.parameters.values())
-  extra = inspect.Parameter(TOKENS_KW, inspect.Parameter.KEYWORD_ONLY,
-                            default=None)
-  if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
-    params.insert(len(params) - 1, extra)
-  else:
-    params.append(extra)
-  return sig.replace(parameters=params)
+  extra = inspect.Parameter(TOKENS_KW, inspect.Parameter.POSITIONAL_ONLY)
+  return sig.replace(parameters=[extra, *sig.parameters.values()])
+
+
+def _argnums(value) -> tuple:
+  if value is None:
+    return ()
+  return (value,) if isinstance(value, int) else tuple(value)
+
+
+def _threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None) -> dict:
+  """``jax.jit`` keyword arguments for ``g(tokens, *args, **kwargs)``.
+
+  Positional indices shift by one (negative ones are unchanged); the token
+  tuple gets no sharding constraint (None) and no sharding on the output.
+  ``n_dynamic`` is the number of non-static positional arguments, needed only
+  when ``in_shardings`` is one sharding for every argument.
+  """
+  kwargs = dict(jit_kwargs)
+  for name in ("static_argnums", "donate_argnums"):
+    if kwargs.get(name) is not None:
+      kwargs[name] = tuple(n + 1 if n >= 0 else n
+                           for n in _argnums(kwargs[name]))
+  if kwargs.get("in_shardings") is not None:
+    s = kwargs["in_shardings"]
+    if isinstance(s, (tuple, list)):
+      kwargs["in_shardings"] = (None, *s)
+    else:
+      kwargs["in_shardings"] = (None, *([s] * n_dynamic))
+  if "out_shardings" in kwargs:
+    kwargs["out_shardings"] = (kwargs["out_shardings"], None)
+  return kwargs
 
 
 class Function:
@@ -83,6 +110,7 @@ class Function:
     self._jit_kwargs = jit_kwargs
     self._signature = _signature_with_tokens(fun)
     self._effectful = False
+    self._retry = self._last = None  # see _trace
     #: ordering mode -> tuple of ordered chain keys passed as runtime tokens
     self.keys: dict[str, tuple] = {}
     self._threaded: dict[str, Any] = {}
@@ -107,10 +135,26 @@ class Function:
     return g
 
   def _trace(self, args, kwargs):
-    """Traces the user function on the dynamic leaves of ``(args, kwargs)``."""
+    """Traces the user function on the dynamic leaves of ``(args, kwargs)``.
+
+    The retry after :class:`NeedsTokens` (same static leaves and avals) reuses
+    the jaxpr of the attempt that raised it, so the user function is traced
+    once per signature, as under ``jax.jit``.
+    """
     leaves, treedef = tree_util.tree_flatten((args, kwargs))
     dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
     dyn = [leaves[i] for i in dyn_pos]
+    signature = (treedef, [x.aval if isinstance(x, jax.core.Tracer) else x
+                           for x in leaves])
+    retry, self._retry = self._retry, None
+    if retry is not None:
+      try:
+        same = retry[0] == signature
+      except Exception:  # noqa: BLE001  (a static leaf that cannot compare)
+        same = False
+      if same is True:
+        self._last = retry
+        return retry[1], dyn, retry[2]
 
     @functools.wraps(self._fun)
     def flat_fun(*dyn_vals):
@@ -121,41 +165,56 @@ class Function:
       return self._fun(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
-    return closed, dyn, tree_util.tree_structure(out_shape)
+    out_tree = tree_util.tree_structure(out_shape)
+    self._last = (signature, closed, out_tree)
+    return closed, dyn, out_tree
+
+  def _needs_tokens(self, keys) -> NeedsTokens:
+    self._retry, self._last = self._last, None  # the retry reuses this trace
+    return NeedsTokens(keys)
 
   def _trace_pure(self, args, kwargs):
     closed, dyn, out_tree = self._trace(args, kwargs)
     mode = _effects.get_ordering()
     keys = _thread_tokens.chain_keys(closed.effects, mode)
-    if keys:
-      raise NeedsTokens(keys)
+    if keys:  # unordered effects need the threaded path too, but no token
+      raise self._needs_tokens(
+          tuple(k for k in keys if k is not _effects.UNORDERED))
+    self._last = None  # keeps no jaxpr (and its constants) alive
     outs, _ = _thread_tokens.thread_tokens(closed, dyn, {}, mode)
     return tree_util.tree_unflatten(out_tree, outs)
 
   def _trace_threaded(self, mode, args, kwargs):
-    kwargs = dict(kwargs)
-    runtime = kwargs.pop(TOKENS_KW)
-    closed, dyn, out_tree = self._trace(args, kwargs)
+    runtime, *args = args
+    closed, dyn, out_tree = self._trace(tuple(args), kwargs)
     known = self.keys.get(mode, ())
     missing = tuple(k for k in _thread_tokens.chain_keys(closed.effects, mode)
                     if k is not _effects.UNORDERED and k not in known)
     if missing or len(runtime) != len(known):
-      raise NeedsTokens(missing)
+      raise self._needs_tokens(missing)
+    self._last = None  # keeps no jaxpr (and its constants) alive
     outs, token = _thread_tokens.thread_tokens(
         closed, dyn, dict(zip(known, runtime)), mode)
     if token is None:
       token = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
     return tree_util.tree_unflatten(out_tree, outs), token
 
-  def _threaded_jit(self, mode: str):
-    jitted = self._threaded.get(mode)
+  def _threaded_jit(self, mode: str, args: tuple = ()):
+    """The ``jax.jit`` of ``g(tokens, *args, **kwargs)`` for ``mode``."""
+    key = mode
+    n_dynamic = None
+    s = self._jit_kwargs.get("in_shardings")
+    if s is not None and not isinstance(s, (tuple, list)):
+      # one sharding for all arguments: expand it per number of arguments
+      n = len(args)
+      static = {i % n for i in _argnums(self._jit_kwargs.get("static_argnums"))
+                if -n <= i < n}
+      key = (mode, n_dynamic := n - len(static))
+    jitted = self._threaded.get(key)
     if jitted is None:
-      kwargs = dict(self._jit_kwargs)
-      if "out_shardings" in kwargs:
-        kwargs["out_shardings"] = (kwargs["out_shardings"], None)
       jitted = jax.jit(self._wrap(functools.partial(self._trace_threaded, mode)),
-                       **kwargs)
-      self._threaded[mode] = jitted
+                       **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic))
+      self._threaded[key] = jitted
     return jitted
 
   def _learn(self, mode: str, err: NeedsTokens) -> None:
@@ -171,7 +230,8 @@ class Function:
         return self._pure(*args, **kwargs)
       except NeedsTokens as err:
         self._learn(_effects.get_ordering(), err)
-    if not _compat.at_top_level() or jax.config.jax_disable_jit:
+    if not _compat.at_top_level() or _compat.disable_jit_flag.value:
+      self._retry = None  # a trace under another trace is not reused
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_tokens()
@@ -179,14 +239,19 @@ class Function:
       keys = self.keys.get(mode, ())
       runtime = state.runtime
       initial = _runtime_tokens.initial_token()
-      tokens = tuple([runtime.get(k, initial) for k in keys])
+      if len(keys) == 1:  # the common case, without a comprehension's frame
+        tokens = (runtime.get(keys[0], initial),)
+      else:
+        tokens = tuple([runtime.get(k, initial) for k in keys])
+      jitted = self._threaded.get(mode) or self._threaded_jit(mode, args)
       try:
-        out, token = self._threaded_jit(mode)(*args, **kwargs,
-                                              **{TOKENS_KW: tokens})
+        out, token = jitted(tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      except jax.errors.JaxRuntimeError as err:
+      except Exception as err:  # noqa: BLE001
+        if not _runtime_tokens.is_execution_error(err):
+          raise
         _runtime_tokens.reraise(err, state)
       _runtime_tokens.update(state, keys, token)
       return out
@@ -204,8 +269,8 @@ class Function:
       tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
                      for _ in keys)
       try:
-        lowered = self._threaded_jit(mode).lower(*args, **kwargs,
-                                                 **{TOKENS_KW: tokens})
+        lowered = self._threaded_jit(mode, args).lower(tokens, *args,
+                                                       **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
@@ -250,8 +315,10 @@ class Compiled:
     initial = _runtime_tokens.initial_token()
     tokens = tuple(state.runtime.get(k, initial) for k in self._keys)
     try:
-      out, token = self._compiled(*args, **kwargs, **{TOKENS_KW: tokens})
-    except jax.errors.JaxRuntimeError as err:
+      out, token = self._compiled(tokens, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001
+      if not _runtime_tokens.is_execution_error(err):
+        raise
       _runtime_tokens.reraise(err, state)
     _runtime_tokens.update(state, self._keys, token)
     return out

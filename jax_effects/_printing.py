@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from jax_effects import _arguments
-from jax_effects import _capture
+from jax_effects import _capture  # noqa: F401  (delivery, via _placement)
+from jax_effects import _placement
 from jax_effects import _primitives
 
 
@@ -30,11 +33,13 @@ class _Probe:
     self.used = True
     return self
 
-  def __getattr__(self, name):
-    if name.startswith("__"):
-      raise AttributeError(name)
+  def __getattribute__(self, name):
+    # Every attribute a format field reads (dunders too: "{0.__class__}")
+    # is a use, and stands for another probe.
+    if name == "used":
+      return object.__getattribute__(self, name)
     self.used = True
-    return self
+    return _Probe()
 
   def __str__(self):
     self.used = True
@@ -69,22 +74,52 @@ def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
         f"{', '.join(unused)}")
 
 
-def print(fmt: str, *args, ordered: bool = True, effect=None, **kwargs) -> None:  # noqa: A001
+def check_format_specs(what: str, fmt: str, operands, rebuild) -> None:
+  """Formats zero-valued stand-ins of the operands' shapes and dtypes.
+
+  Catches format specs that do not fit the values (``"{:d}"`` of a float,
+  ``"{:.2f}"`` of a non-scalar array) at trace time, naming ``fmt``. The
+  stand-ins are broadcast views of one zero: no memory per element.
+  """
+  try:
+    samples = []
+    for x in operands:
+      dtype = getattr(x, "dtype", None)
+      dtype = np.dtype(np.asarray(x).dtype if dtype is None else dtype)
+      samples.append(np.broadcast_to(np.zeros((), dtype), np.shape(x)))
+  except TypeError:  # an extended dtype (e.g. PRNG keys): nothing to check
+    return
+  a, k = rebuild(samples)
+  try:
+    fmt.format(*a, **k)
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+        f"{what}: format string {fmt!r} does not fit its arguments: "
+        f"{err}") from None
+
+
+def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A001
+          **kwargs) -> None:
   """Prints ``fmt.format(*args, **kwargs)`` when the computation runs.
 
   Works inside and outside ``jax_effects.jit`` (outside any trace it prints
-  immediately). ``ordered=True`` keeps program order with every other ordered
-  effect of the same ``effect`` (default :data:`jax_effects.DEFAULT`).
+  immediately). Ordered (the default: ``ordered=None`` takes
+  ``effect.ordered``, True unless the :class:`Effect` was created with
+  ``ordered=False``), it keeps program order with every other ordered effect
+  of the same ``effect`` (default :data:`jax_effects.DEFAULT`, shared with
+  ``log`` and ``callback``).
   Arguments are pytrees of arrays (0-d arrays format as scalars); ``str``
   leaves are static.
   """
   what = f"jax_effects.print({fmt!r})"
   check_format(what, fmt, args, kwargs)
   operands, rebuild = _arguments.split(what, args, kwargs, allow_str=True)
+  check_format_specs(what, fmt, operands, rebuild)
 
   def emit(*np_operands):
     a, k = rebuild(np_operands)
-    _capture.deliver_line(fmt.format(*a, **k))
+    # Per-device lines get a "[device D shard S process P] " prefix.
+    _placement.deliver_line(fmt.format(*a, **k), effect, ordered)
     return ()
 
   _primitives.bind_effect(_primitives.HostCallback(emit, what), operands,

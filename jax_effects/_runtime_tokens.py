@@ -46,20 +46,27 @@ TOKEN_DTYPE = np.uint8
 
 class ThreadTokens:
   """The token state of one Python thread."""
-  __slots__ = ("runtime", "output", "thread", "__weakref__")
+  __slots__ = ("runtime", "output", "last_sharding", "thread", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
     # chain key (Effect) -> uncommitted single-device runtime token
     self.runtime: dict[Any, jax.Array] = {}
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
+    # the most recently inserted key of ``output`` (None: unknown)
+    self.last_sharding: Any = None
     self.thread = weakref.ref(thread)
 
   def devices(self) -> dict[Any, jax.Array]:
-    """Device -> the latest output token covering that device."""
+    """Device -> the latest output token covering that device.
+
+    Only this process's devices: in a multi-process program a computation's
+    token also spans other processes' devices, whose shards (and effects)
+    this process neither holds nor waits for.
+    """
     out = {}
     for sharding, token in list(self.output.items()):
-      for device in sharding.device_set:
+      for device in sharding.addressable_devices:
         out[device] = token
     return out
 
@@ -73,6 +80,7 @@ class ThreadTokens:
   def reset(self) -> None:
     self.runtime.clear()
     self.output.clear()
+    self.last_sharding = None
 
 
 _local = threading.local()
@@ -106,10 +114,14 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
   """Records ``token`` (returned by one executable) for ``keys`` and devices."""
   output = state.output
   sharding = token.sharding
-  output.pop(sharding, None)
-  output[sharding] = token
+  if state.last_sharding is sharding:  # already the most recent entry
+    output[sharding] = token
+  else:  # move to the end (recency)
+    output.pop(sharding, None)
+    output[sharding] = token
+    state.last_sharding = sharding
   if keys:
-    runtime = _compat.uncommitted(token) if token.committed else token
+    runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
       state.runtime[key] = runtime
 
@@ -167,6 +179,48 @@ def original_error(err: BaseException) -> BaseException | None:
   return found
 
 
+# Errors of callbacks in multi-device computations. Raising into XLA there
+# would leave the other devices waiting forever in the next collective (XLA's
+# CPU runtime then aborts the process), so the host function returns normally
+# and the error waits here for the next effects_barrier (see _placement).
+_deferred: list[int] = []
+
+
+def defer_error(failed: CallbackFailed) -> None:
+  """Keeps the error behind ``failed`` for :func:`effects_barrier` to raise."""
+  with _errors_lock:
+    _deferred.extend(int(n) for n in _MARK_RE.findall(str(failed)))
+
+
+def pop_deferred() -> BaseException | None:
+  """The first deferred error (once); later ones are noted on it and dropped."""
+  if not _deferred:
+    return None
+  with _errors_lock:
+    excs = [_errors.pop(n, None) for n in _deferred]
+    _deferred.clear()
+  excs = [e for e in excs if e is not None]
+  if not excs:
+    return None
+  first = excs[0]
+  if len(excs) > 1 and hasattr(first, "add_note"):
+    first.add_note(
+        f"jax_effects: {len(excs) - 1} more callback error(s) in multi-device "
+        "computations happened before this one was reported; they are not "
+        "raised separately")
+  return first
+
+
+def is_execution_error(err: BaseException) -> bool:
+  """Whether ``err``, raised by running an executable, is an execution failure.
+
+  An XLA runtime error, or a callback's error surfacing as another type: when
+  the CPU client runs a computation inline, a failed host callback reaches the
+  caller as ``ValueError("INTERNAL: CpuCallback error ...")``.
+  """
+  return isinstance(err, jax.errors.JaxRuntimeError) or _MARK in str(err)
+
+
 def reraise(err: BaseException, state: ThreadTokens | None) -> None:
   """Raises the user's exception behind ``err`` (or ``err`` itself).
 
@@ -189,11 +243,15 @@ def effects_barrier(all_threads: bool = False) -> None:
   With ``all_threads=False`` waits for the effects dispatched by the calling
   thread; with ``all_threads=True`` for those of every thread (including
   threads that have exited). Re-raises a callback's exception that has not been
-  reported yet, once.
+  reported yet, once (including, process-wide, an exception of a callback in a
+  multi-device computation, which cannot fail that computation: it is raised
+  here, by the next barrier).
   """
   if all_threads:
     with _all_lock:
       states = list(_all_states)
+    # Dead before the wait: dispatches nothing after it, so it can be dropped.
+    dead = [s for s in states if not s.alive()]
   else:
     states = [thread_tokens()]
   first_error = None
@@ -204,17 +262,28 @@ def effects_barrier(all_threads: bool = False) -> None:
     except Exception as err:  # a failed computation: report it, reset tokens
       state.reset()
       first_error = first_error or err
+  try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
+    jax.effects_barrier()
+  except Exception as err:
+    _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
+    first_error = first_error or err
   if all_threads:
-    _forget_dead_threads()
+    _forget_dead_threads(dead)
   if first_error is not None:
     reraise(first_error, None)
+  deferred = pop_deferred()   # multi-device callbacks' errors (process-wide)
+  if deferred is not None:
+    raise deferred.with_traceback(deferred.__traceback__)
 
 
-def _forget_dead_threads() -> None:
-  # Called right after waiting on every state: a dead thread's tokens are
-  # complete and it can dispatch nothing new.
+def _forget_dead_threads(dead: list[ThreadTokens]) -> None:
+  # Called right after waiting on every state: the tokens of a thread that was
+  # already dead before the wait are complete and it can dispatch nothing new.
+  # (A thread that dies during the wait may have dispatched after its tokens
+  # were read; it is dropped by a later barrier.)
+  dead_ids = {id(s) for s in dead}
   with _all_lock:
-    _all_states[:] = [s for s in _all_states if s.alive()]
+    _all_states[:] = [s for s in _all_states if id(s) not in dead_ids]
 
 
 @atexit.register

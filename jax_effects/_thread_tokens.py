@@ -31,7 +31,9 @@ unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,6 +46,7 @@ from jax.extend.core import primitives as jex_prims
 from jax_effects import _effects
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
+from jax_effects import _transformation_rules
 
 
 class Chains:
@@ -66,6 +69,35 @@ class Chains:
   def put(self, keys, carriers) -> None:
     for k, c in zip(keys, carriers):
       self.carriers[k] = c
+
+
+class _Context(threading.local):
+  """Where the pass is, for the effects it meets (dynamically scoped).
+
+  ``kind``: "top", "branch" (directly in a cond branch) or "loop".
+  ``masks``: batched predicates of the enclosing vmapped ``while_loop`` s, in
+  whose bodies an element's effects run only while it is live.
+  """
+
+  def __init__(self):
+    self.kind = "top"
+    self.masks: tuple = ()
+
+
+_context = _Context()
+
+
+@contextlib.contextmanager
+def _in_region(kind: str | None = None, mask=None):
+  saved = _context.kind, _context.masks
+  if kind is not None:
+    _context.kind = kind
+  if mask is not None:
+    _context.masks = (*_context.masks, mask)
+  try:
+    yield
+  finally:
+    _context.kind, _context.masks = saved
 
 
 def chain_keys(effects, mode: str) -> tuple:
@@ -127,12 +159,19 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
   (marker,) = [e for e in eqn.effects if isinstance(e, _effects.TraceEffect)]
   key = _effects.chain_key(marker, mode)
+  host_callback = eqn.params["host_callback"]
+  if host_callback.traced_in_branch and _context.kind != "branch":
+    raise _transformation_rules.branch_vmapped_error(host_callback)
+  if _context.masks:
+    host_callback, masks = _transformation_rules.masked(host_callback,
+                                                         _context.masks)
+    invals = [*masks, *invals]
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
   carrier = chains.carrier(key)
   token, carrier, *results = _primitives.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=eqn.params["host_callback"],
+      token, carrier, *invals, host_callback=host_callback,
       result_avals=eqn.params["result_avals"])
   chains.tokens[key] = token
   chains.carriers[key] = carrier
@@ -140,11 +179,13 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
 
 
 def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
-           mode: str, consts: Sequence[Any] = ()) -> Callable:
+           mode: str, consts: Sequence[Any] = (),
+           kind: str | None = None) -> Callable:
   """``fn(carriers, *args) -> (carriers, outs)`` running a sub-jaxpr threaded.
 
   ``consts`` are values of the enclosing trace prepended to the arguments
   (closed over, so JAX's control-flow APIs hoist them as their own consts).
+  ``kind`` ("branch", "loop"; None: as the caller) is what the region is.
   """
   if isinstance(closed, jex_core.ClosedJaxpr):
     jaxpr, jaxpr_consts = closed.jaxpr, closed.consts
@@ -153,7 +194,8 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
-    outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
+    with _in_region(kind):
+      outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
   return fn
 
@@ -163,7 +205,8 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 def _cond_rule(eqn, invals, chains: Chains, mode: str):
   keys = chain_keys(eqn.effects, mode)
   index, *ops = invals
-  branches = [region(b, keys, mode) for b in eqn.params["branches"]]
+  branches = [region(b, keys, mode, kind="branch")
+              for b in eqn.params["branches"]]
   carriers, outs = lax.switch(index, branches, chains.take(keys), *ops)
   chains.put(keys, carriers)
   return outs
@@ -177,10 +220,13 @@ def _while_rule(eqn, invals, chains: Chains, mode: str):
   keys = chain_keys(eqn.effects, mode)
   cond_effectful = has_marker(p["cond_jaxpr"].effects)
   cond_fn = region(p["cond_jaxpr"], keys if cond_effectful else (), mode,
-                   cond_consts)
-  body_fn = region(p["body_jaxpr"], keys, mode, body_consts)
+                   cond_consts, kind="loop")
+  body_fn = region(p["body_jaxpr"], keys, mode, body_consts, kind="loop")
 
-  if not cond_effectful:
+  if p["cond_jaxpr"].out_avals[0].shape:
+    carriers, outs = _batched_while(cond_fn, body_fn, cond_effectful,
+                                    chains.take(keys), init)
+  elif not cond_effectful:
     def loop_cond(state):
       return cond_fn((), *state[1])[1][0]
 
@@ -205,6 +251,35 @@ def _while_rule(eqn, invals, chains: Chains, mode: str):
                                        (carriers, pred, list(init)))
   chains.put(keys, carriers)
   return outs
+
+
+def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
+  """A while_loop that ``vmap`` gave a batched predicate (a bool array).
+
+  As JAX's own lowering does, the body runs while any element is live and a
+  finished element keeps its carry (a select); in addition, the effects of
+  the body and of ``cond_fun`` get the live mask, so they run only for the
+  elements still iterating (``_transformation_rules.masked``).
+  """
+  def cond(carriers, vals, live):
+    c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
+    return (c if cond_effectful else carriers), pred
+
+  carriers, pred = cond(carriers, init, None)
+
+  def loop_body(state):
+    carriers, live, vals = state
+    with _in_region(mask=live):
+      carriers, new = body_fn(carriers, *vals)
+      vals = [lax.select(lax.broadcast_in_dim(live, jnp.shape(n),
+                                              tuple(range(live.ndim))), n, v)
+              for n, v in zip(new, vals)]
+      carriers, pred = cond(carriers, vals, live)
+    return carriers, jnp.logical_and(pred, live), vals
+
+  carriers, _, outs = lax.while_loop(lambda s: jnp.any(s[1]), loop_body,
+                                     (carriers, pred, list(init)))
+  return carriers, outs
 
 
 def _scan_rule(eqn, invals, chains: Chains, mode: str):

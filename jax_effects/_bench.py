@@ -1,0 +1,551 @@
+"""``python -m jax_effects bench``: what ordering costs, next to JAX's own.
+
+Every measurement runs in one process. Candidates that are compared with each
+other are *interleaved*: each round times one block of calls of every
+candidate (in an order that rotates from round to round), and a ratio is the
+median over rounds of the ratio within a round. Load that comes and goes on a
+shared machine then hits both sides of a ratio alike. A block ends with
+``block_until_ready`` on its last output and an effects barrier, so the host
+callbacks the block dispatched are inside its time.
+
+Measurements (per call unless noted):
+
+(a) ``jax.jit`` of a small pure function;
+(b) the same function through ``jax_effects.jit``;
+(c) ``jax_effects.jit`` with one ordered ``jax_effects.callback`` per call;
+(d) ``jax.jit`` with ``io_callback(ordered=True)`` / ``jax.debug.callback(
+    ordered=True)`` doing the same;
+(e) per-callback cost of N ordered callbacks in a ``fori_loop``, ours / JAX's;
+(f) trace + lower + compile of a generated program (~2,000 equations, 200
+    ordered effects nested in cond/while/scan), ours / JAX's;
+(g) on 8 (simulated) devices, a ``shard_map`` step with per-device ordered
+    ``jax_effects.log`` / the same step without logging;
+(h) resident memory after 100,000 ordered calls minus after 1,000.
+
+Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
+never asserted by the test suite; ``--check`` makes this command exit 1 when a
+target fails.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+N_DEVICES = 8
+
+
+def _request_devices(n: int) -> None:
+  """Asks for ``n`` simulated CPU devices, before the JAX backend starts."""
+  import jax
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except Exception:  # backend already started: use what there is  # noqa: BLE001
+    pass
+
+
+# --- timing --------------------------------------------------------------------------
+
+def _sync(out) -> None:
+  import jax
+  import jax_effects
+  jax.block_until_ready(out)
+  jax_effects.effects_barrier()
+  jax.effects_barrier()
+
+
+def _time_block(fn: Callable[[], Any], calls: int) -> float:
+  """Seconds per call of ``calls`` calls of ``fn``, including their effects."""
+  out = None
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn()
+  _sync(out)
+  return (time.perf_counter() - start) / calls
+
+
+def interleave(candidates: dict[str, tuple[Callable[[], Any], int]],
+               rounds: int) -> dict[str, list[float]]:
+  """Times ``{name: (fn, calls_per_block)}`` round-robin; seconds per call."""
+  names = list(candidates)
+  for fn, _ in candidates.values():   # compile and warm up
+    _sync(fn())
+    _sync(fn())
+  samples: dict[str, list[float]] = {n: [] for n in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for name in order:
+      fn, calls = candidates[name]
+      samples[name].append(_time_block(fn, calls))
+  return samples
+
+
+def _ratio(samples, num: str, den: str) -> float:
+  """Median over rounds of the within-round ratio ``num / den``."""
+  return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+  return {"median_us": statistics.median(times) * 1e6, "min_us": min(times) * 1e6,
+          "blocks": len(times)}
+
+
+# --- (a)-(d): dispatch ------------------------------------------------------------
+
+def _noop(*args):
+  del args
+
+
+def bench_dispatch(rounds: int, calls: int, jax_calls: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import io_callback
+  import jax_effects
+
+  x = jnp.arange(8, dtype=jnp.float32)
+
+  def step(v):
+    return v * 2.0 + 1.0
+
+  def ours_cb(v):
+    jax_effects.callback(_noop, None, v)
+    return v * 2.0 + 1.0
+
+  def jax_io(v):
+    io_callback(_noop, None, v, ordered=True)
+    return v * 2.0 + 1.0
+
+  def jax_debug(v):
+    jax.debug.callback(_noop, v, ordered=True)
+    return v * 2.0 + 1.0
+
+  fa = jax.jit(step)
+  fb = jax_effects.jit(step)
+  fc = jax_effects.jit(ours_cb)
+  fd_io = jax.jit(jax_io)
+  fd_dbg = jax.jit(jax_debug)
+  samples = interleave({
+      "a_jax_jit": (lambda: fa(x), calls),
+      "b_ours_pure": (lambda: fb(x), calls),
+      "c_ours_callback": (lambda: fc(x), calls),
+      "d_jax_io_callback": (lambda: fd_io(x), jax_calls),
+      "d_jax_debug_callback": (lambda: fd_dbg(x), jax_calls),
+  }, rounds)
+  # (d) is JAX's faster of the two, per round.
+  samples["d_jax_ordered"] = [min(p, q) for p, q in zip(
+      samples["d_jax_io_callback"], samples["d_jax_debug_callback"])]
+  results = {k: _summary(v) for k, v in samples.items()}
+  ratios = {
+      "c/a": _ratio(samples, "c_ours_callback", "a_jax_jit"),
+      "d/c": _ratio(samples, "d_jax_ordered", "c_ours_callback"),
+      "b/a": _ratio(samples, "b_ours_pure", "a_jax_jit"),
+  }
+  return results, ratios
+
+
+# --- (e): callbacks in a loop ----------------------------------------------------
+
+def bench_loop(rounds: int, n: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import io_callback
+  import jax_effects
+
+  x = jnp.float32(1.0)
+
+  def ours(v):
+    def body(i, c):
+      jax_effects.callback(_noop, None, i)
+      return c + 1.0
+    return jax.lax.fori_loop(0, n, body, v)
+
+  def theirs(v):
+    def body(i, c):
+      io_callback(_noop, None, i, ordered=True)
+      return c + 1.0
+    return jax.lax.fori_loop(0, n, body, v)
+
+  fo = jax_effects.jit(ours)
+  ft = jax.jit(theirs)
+  samples = interleave({"e_ours_loop": (lambda: fo(x), 1),
+                        "e_jax_loop": (lambda: ft(x), 1)}, rounds)
+  per_cb = {k: [t / n for t in v] for k, v in samples.items()}
+  results = {k: _summary(v) for k, v in per_cb.items()}
+  results["e_callbacks_per_loop"] = n
+  return results, {"e_jax/ours": _ratio(per_cb, "e_jax_loop", "e_ours_loop")}
+
+
+# --- (f): compile time of a large program ---------------------------------------
+
+def make_program(emit: Callable[[Any], None], n_effects: int = 200) -> Callable:
+  """A program with ``n_effects`` ordered effects nested in cond/while/scan.
+
+  Blocks of four effect sites rotate through three shapes: a ``cond`` whose
+  branches hold an effect and a ``while_loop`` with an effect; a ``scan``
+  whose body holds a ``cond`` with an effect in each branch, then two effects;
+  a ``while_loop`` whose body holds two effects around a ``scan`` with an
+  effect, then one effect. Arithmetic between the effects brings the program
+  to about ten equations per effect.
+  """
+  import jax
+  import jax.numpy as jnp
+  lax = jax.lax
+
+  def mix(v, k):
+    return jnp.tanh(v * (1.0 + 0.01 * k)) + jnp.sin(v) * 0.5 - v.mean()
+
+  def block_cond(v, k):
+    def branch(sign):
+      def br(u):
+        emit(u)
+        def body(i, w):
+          emit(w)
+          return mix(w, k + i)
+        return lax.fori_loop(0, 2, body, u * sign)
+      return br
+    v = lax.cond(v.sum() > 0, branch(1.0), branch(-1.0), v)
+    return mix(v, k)
+
+  def block_scan(v, k):
+    def body(c, _):
+      c = lax.cond(c.sum() > k, lambda u: (emit(u), mix(u, 1))[1],
+                   lambda u: (emit(u), mix(u, 2))[1], c)
+      return c, c.sum()
+    v, _ = lax.scan(body, v, None, length=2)
+    emit(v)
+    emit(v * 2.0)
+    return mix(v, k)
+
+  def block_while(v, k):
+    def cond_fun(c):
+      return c[0] < 2
+    def body(c):
+      i, u = c
+      emit(u)
+      def sbody(w, _):
+        emit(w)
+        return mix(w, k), None
+      u, _ = lax.scan(sbody, u, None, length=2)
+      emit(u)
+      return i + 1, mix(u, i)
+    _, v = lax.while_loop(cond_fun, body, (0, v))
+    emit(v)
+    return mix(v, k)
+
+  blocks = (block_cond, block_scan, block_while)
+
+  def program(x):
+    v = x
+    for b in range(n_effects // 4):
+      v = blocks[b % 3](v, b)
+    return v
+
+  return program
+
+
+def count_equations(closed, primitive: str | None = None) -> int:
+  """Equations (of ``primitive``, or all) in a jaxpr, sub-jaxprs included."""
+  import jax.extend.core as jex
+
+  def count(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += primitive is None or eqn.primitive.name == primitive
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+          if isinstance(sub, jex.ClosedJaxpr):
+            total += count(sub.jaxpr)
+          elif isinstance(sub, jex.Jaxpr):
+            total += count(sub)
+    return total
+  return count(closed.jaxpr)
+
+
+def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import io_callback
+  import jax_effects
+
+  x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+
+  def ours_emit(v):
+    jax_effects.callback(_noop, None, v)
+
+  def jax_emit(v):
+    io_callback(_noop, None, v, ordered=True)
+
+  counted = make_program(ours_emit, n_effects)
+  closed = jax.make_jaxpr(counted)(x)
+  n_eqns = count_equations(closed)
+  n_sites = count_equations(closed, "jax_effects_effect")
+
+  def ours():
+    # A fresh function each time: nothing cached from an earlier round.
+    jax_effects.jit(make_program(ours_emit, n_effects)).lower(x).compile()
+
+  def theirs():
+    jax.jit(make_program(jax_emit, n_effects)).lower(x).compile()
+
+  samples = {"f_ours_compile": [], "f_jax_compile": []}
+  for r in range(rounds):
+    order = [("f_ours_compile", ours), ("f_jax_compile", theirs)]
+    if r % 2:
+      order.reverse()
+    for name, fn in order:
+      gc.collect()
+      start = time.perf_counter()
+      fn()
+      samples[name].append(time.perf_counter() - start)
+  results = {k: {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3,
+                 "runs": len(v)} for k, v in samples.items()}
+  results["f_program"] = {"equations": n_eqns, "ordered_effects": n_sites}
+  return results, {"f_ours/jax": _ratio(samples, "f_ours_compile",
+                                        "f_jax_compile")}
+
+
+# --- (g): per-device logging under shard_map --------------------------------------
+
+def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import jax_effects
+
+  devices = jax.devices()
+  if len(devices) < N_DEVICES:
+    devices = jax.devices("cpu")
+  if len(devices) < N_DEVICES:
+    return {"g_skipped": f"only {len(devices)} devices"}, {}
+  mesh = jax.sharding.Mesh(devices[:N_DEVICES], ("d",))
+  x = jax.device_put(jnp.arange(N_DEVICES * 16, dtype=jnp.float32),
+                     NamedSharding(mesh, P("d")))
+
+  log = getattr(jax_effects, "log", None)
+  how = "jax_effects.log" if log is not None else "jax_effects.print"
+
+  def local_step(v, logged):
+    y = jnp.tanh(v * 1.5) + 1.0
+    if logged:
+      if log is not None:
+        log("shard sum {}", y.sum())
+      else:
+        jax_effects.print("shard sum {}", y.sum())
+    return y * 0.5
+
+  def step(logged):
+    return jax.shard_map(lambda v: local_step(v, logged), mesh=mesh,
+                         in_specs=P("d"), out_specs=P("d"))
+
+  plain = jax.jit(step(False))
+  logged = jax_effects.jit(step(True))
+
+  # Records go to a handler that keeps nothing; printed lines to a sink.
+  logger = logging.getLogger("jax_effects")
+  saved = (logger.handlers[:], logger.level, logger.propagate)
+  logger.handlers[:] = [logging.NullHandler()]
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      samples = interleave({"g_shard_map_logged": (lambda: logged(x), calls),
+                            "g_shard_map_plain": (lambda: plain(x), calls)},
+                           rounds)
+  finally:
+    logger.handlers[:], level, logger.propagate = saved[0], saved[1], saved[2]
+    logger.setLevel(level)
+  results = {k: _summary(v) for k, v in samples.items()}
+  results["g_setup"] = {"devices": N_DEVICES, "effect": how,
+                        "records_per_step": N_DEVICES}
+  return results, {"g_logged/plain": _ratio(samples, "g_shard_map_logged",
+                                            "g_shard_map_plain")}
+
+
+# --- (h): memory ----------------------------------------------------------------
+
+def _rss_bytes() -> int:
+  """Current resident set size (Linux /proc; peak RSS elsewhere)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def bench_memory(base_calls: int, total_calls: int) -> tuple[dict, dict]:
+  import jax.numpy as jnp
+  import jax_effects
+
+  count = [0]
+
+  def tick(v):
+    del v
+    count[0] += 1
+
+  @jax_effects.jit
+  def f(v):
+    jax_effects.callback(tick, None, v)
+    return v + 1.0
+
+  x = jnp.zeros((8,), jnp.float32)
+
+  def run(n):
+    out = None
+    for _ in range(n):
+      out = f(x)
+    _sync(out)
+    gc.collect()
+
+  run(base_calls)
+  before = _rss_bytes()
+  start = time.perf_counter()
+  run(total_calls - base_calls)
+  elapsed = time.perf_counter() - start
+  after = _rss_bytes()
+  if count[0] != total_calls:
+    raise AssertionError(f"(h) ran {count[0]} callbacks, expected {total_calls}")
+  growth = (after - before) / 2**20
+  results = {"h_memory": {"calls_base": base_calls, "calls_total": total_calls,
+                          "rss_base_mb": before / 2**20,
+                          "rss_total_mb": after / 2**20,
+                          "growth_mb": growth,
+                          "us_per_call": elapsed / (total_calls - base_calls) * 1e6}}
+  return results, {"h_growth_mb": growth}
+
+
+# --- report ------------------------------------------------------------------------
+
+TARGETS = {  # ratio name -> (comparison, bound, description)
+    "c/a": ("<=", 1.5, "ordered callback call / pure jax.jit call"),
+    "d/c": (">=", 20.0, "JAX ordered callback call / ours"),
+    "b/a": ("<=", 1.1, "jax_effects.jit (no effects) / jax.jit"),
+    "e_jax/ours": (">=", 5.0, "per-callback cost in a loop, JAX's / ours"),
+    "f_ours/jax": ("<=", 1.2, "trace+lower+compile, ours / JAX's"),
+    "g_logged/plain": ("<=", 2.0, "shard_map step with per-device log / without"),
+    "h_growth_mb": ("<", 5.0, "RSS growth (MB), 100k vs 1k ordered calls"),
+}
+
+
+def machine() -> dict:
+  import jax
+  import jaxlib
+  info = {"python": platform.python_version(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "platform": platform.platform(),
+          "processor": platform.processor() or platform.machine(),
+          "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+          "devices": len(jax.devices())}
+  try:
+    info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    pass
+  return info
+
+
+def _verdict(name, value) -> bool:
+  op, bound, _ = TARGETS[name]
+  return {"<=": value <= bound, ">=": value >= bound, "<": value < bound}[op]
+
+
+def _format_table(report: dict) -> str:
+  lines = []
+  m = report["machine"]
+  lines.append(f"jax_effects bench  (JAX {m['jax']}, Python {m['python']}, "
+               f"{m['backend']} x{m['devices']}, {m['cpu_count']} CPUs"
+               + (f", load {m['loadavg']}" if "loadavg" in m else "") + ")")
+  lines.append("")
+  lines.append(f"{'measurement':34s} {'median':>12s} {'min':>12s}")
+  for name, r in report["results"].items():
+    if not isinstance(r, dict):
+      lines.append(f"{name:34s} {r!s:>12s}")
+    elif "median_us" in r:
+      lines.append(f"{name:34s} {r['median_us']:10.1f}us {r['min_us']:10.1f}us")
+    elif "median_ms" in r:
+      lines.append(f"{name:34s} {r['median_ms']:10.1f}ms {r['min_ms']:10.1f}ms")
+    else:
+      lines.append(f"{name:34s} " + ", ".join(
+          f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+          for k, v in r.items()))
+  lines.append("")
+  lines.append(f"{'target':16s} {'value':>8s}  {'goal':>8s}  result  what")
+  for name, t in report["targets"].items():
+    lines.append(f"{name:16s} {t['value']:8.2f}  {t['op']:>2s}{t['bound']:6.1f}  "
+                 f"{'PASS' if t['pass'] else 'FAIL':6s}  {t['what']}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m jax_effects bench",
+      description="Cost of ordered effects: jax_effects vs JAX's own.")
+  parser.add_argument("--json", action="store_true",
+                      help="print machine-readable results instead of a table")
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer rounds and smaller sizes (a smoke run)")
+  parser.add_argument("--check", action="store_true",
+                      help="exit with status 1 if a target fails")
+  parser.add_argument("--rounds", type=int, help="interleaved rounds (a)-(e), (g)")
+  parser.add_argument("--calls", type=int, help="calls per block for (a)-(c)")
+  parser.add_argument("--loop", type=int, help="callbacks per loop for (e)")
+  parser.add_argument("--effects", type=int, help="ordered effects in (f)")
+  parser.add_argument("--compile-rounds", type=int, help="compiles per side in (f)")
+  parser.add_argument("--memory-calls", type=int,
+                      help="total ordered calls for (h) (base: 1/100 of it)")
+  parser.add_argument("--only", default="abcdefgh",
+                      help="which measurements to run, e.g. 'abcd' or 'h'")
+  args = parser.parse_args(argv)
+
+  _request_devices(N_DEVICES)
+  quick = args.quick
+  rounds = args.rounds or (5 if quick else 30)
+  calls = args.calls or (50 if quick else 200)
+  jax_calls = max(5, calls // 10)
+  loop_n = args.loop or (100 if quick else 1000)
+  n_effects = args.effects or (40 if quick else 200)
+  compile_rounds = args.compile_rounds or (1 if quick else 3)
+  mem_total = args.memory_calls or (5_000 if quick else 100_000)
+  only = set(args.only)
+
+  results: dict[str, Any] = {}
+  ratios: dict[str, float] = {}
+  steps = [
+      ("abcd", lambda: bench_dispatch(rounds, calls, jax_calls)),
+      ("e", lambda: bench_loop(max(3, rounds // 3), loop_n)),
+      ("f", lambda: bench_compile(compile_rounds, n_effects)),
+      ("g", lambda: bench_shard_map(rounds, max(10, calls // 4))),
+      ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
+  ]
+  for letters, run in steps:
+    if not only & set(letters):
+      continue
+    r, q = run()
+    results.update(r)
+    ratios.update(q)
+
+  report = {"machine": machine(), "quick": quick, "results": results,
+            "targets": {}}
+  for name, value in ratios.items():
+    op, bound, what = TARGETS[name]
+    report["targets"][name] = {"value": value, "op": op, "bound": bound,
+                               "pass": _verdict(name, value), "what": what}
+  if args.json:
+    print(json.dumps(report, indent=2))
+  else:
+    print(_format_table(report))
+  if args.check and not all(t["pass"] for t in report["targets"].values()):
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,192 @@
+"""JAX transformation rules of ``effect_p``: vmap, jvp (and so grad), liveness.
+
+These rules act when a user's function is *traced* (before the
+token-threading pass), so they apply inside ``jax_effects.jit``, under plain
+``jax.jit`` and eagerly alike. See ``design/transformations.md``.
+
+* **vmap** (a *fancy* batcher, called even when no operand is batched): the
+  equation is re-bound with a :class:`BatchedHost` callback that runs the
+  user's host function once per batch element, in batch (row-major) order,
+  and stacks the results. Nested vmaps flatten into one ``BatchedHost`` with a
+  multi-dimensional ``batch_shape`` (outermost vmap first); an operand that is
+  not batched at some level is not broadcast, just reused for every element.
+* **jvp**: the effect runs once, on the primal values; tangents of its
+  results are symbolic zeros (host results are not differentiable). There is
+  no linear part, so linearize/vjp/grad never stage an effect into the
+  tangent or cotangent computation, and rematerialization (``jax.checkpoint``)
+  never re-runs it: the equation carries a marker JAX keeps in the primal
+  ("known") computation (``partial_eval_kept_effects``).
+* **liveness** (used by the pass, ``_thread_tokens``): under
+  ``vmap``-of-``while_loop`` with a batched predicate, JAX runs the batched
+  body while *any* element is live and discards the finished elements'
+  results. :func:`masked` turns a batched effect into one that skips the
+  elements whose predicate mask is False, so effects run only for the live
+  iterations of each element.
+* **vmap of cond/switch with a batched predicate**: JAX converts it to a
+  ``select`` that evaluates every branch, erasing the ``cond``. An effect
+  records at bind time whether it was traced directly in a ``cond`` branch
+  (:func:`traced_in_branch`); the pass (and the eager impl) then reports an
+  effect that reappears outside any branch with an error naming the
+  limitation, instead of running it for elements that did not take its
+  branch.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
+
+from jax_effects import _compat
+from jax_effects import _primitives
+
+effect_p = _primitives.effect_p
+
+
+# --- vmap ----------------------------------------------------------------------
+
+class BatchedHost:
+  """Host function of a vmapped effect: the element callback per element.
+
+  ``levels[i][j]`` says whether operand ``i`` has the batch axis of vmap level
+  ``j`` (levels outermost first); its leading axes are the levels it has, in
+  order. ``live`` (optional, a bool array of ``batch_shape``) skips elements:
+  their results are zeros (JAX discards them).
+  """
+  __slots__ = ("element", "batch_shape", "levels", "element_avals")
+
+  def __init__(self, element: _primitives.HostCallback, batch_shape: tuple,
+               levels: tuple, element_avals: tuple):
+    self.element = element
+    self.batch_shape = batch_shape
+    self.levels = levels
+    self.element_avals = element_avals
+
+  def __call__(self, *args, live=None):
+    shape = self.batch_shape
+    outs = [np.zeros(shape + a.shape, a.dtype) for a in self.element_avals]
+    for idx in np.ndindex(*shape):
+      if live is not None and not live[idx]:
+        continue
+      el_args = []
+      for x, lv in zip(args, self.levels):
+        sub = tuple(i for i, has in zip(idx, lv) if has)
+        el_args.append(np.asarray(x[sub]) if sub else x)
+      results = self.element(*el_args)
+      for out, r in zip(outs, results):
+        out[idx] = r
+    return tuple(outs)
+
+
+def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered,
+                    result_avals):
+  size = axis_data.size
+  fn = host_callback.fn
+  if isinstance(fn, BatchedHost):
+    element, shape, levels = fn.element, fn.batch_shape, fn.levels
+    element_avals = fn.element_avals
+  else:
+    element, shape, levels = host_callback, (), tuple(() for _ in args)
+    element_avals = tuple(result_avals)
+  new_args, new_levels = [], []
+  for x, d, lv in zip(args, dims, levels):
+    if d is None:
+      new_args.append(x)
+      new_levels.append((False, *lv))
+    else:
+      new_args.append(jnp.moveaxis(x, d, 0))
+      new_levels.append((True, *lv))
+  new_shape = (size, *shape)
+  new_avals = tuple(jax.core.ShapedArray(new_shape + a.shape, a.dtype)
+                    for a in element_avals)
+  batched = _primitives.HostCallback(
+      BatchedHost(element, new_shape, tuple(new_levels), element_avals),
+      element.description, new_avals)
+  batched.traced_in_branch = host_callback.traced_in_branch
+  batched.traced_in_while_cond = host_callback.traced_in_while_cond
+  outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
+                       ordered=ordered, result_avals=new_avals)
+  return outs, [0] * len(outs)
+
+
+batching.fancy_primitive_batchers[effect_p] = _effect_batcher
+
+
+# --- jvp -------------------------------------------------------------------------
+
+def _effect_jvp(primals, tangents, **params):
+  del tangents  # the host function sees primal values only
+  outs = effect_p.bind(*primals, **params)
+  return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+
+
+ad.primitive_jvps[effect_p] = _effect_jvp
+
+
+# --- liveness under vmap-of-while ------------------------------------------------
+
+def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:
+  """Increasing positions p with batch_shape[p[i]] == mask_shape[i]."""
+  return [p for p in itertools.combinations(range(len(batch_shape)),
+                                            len(mask_shape))
+          if all(batch_shape[j] == n for j, n in zip(p, mask_shape))]
+
+
+def masked(host_callback: _primitives.HostCallback, masks: Sequence):
+  """``(host_callback', extra_operands)``: skip elements where a mask is False.
+
+  ``masks`` are bool arrays (traced values), each the batched predicate of an
+  enclosing vmapped ``while_loop``: its axes are some of the effect's vmap
+  levels, in order (outermost first).
+  """
+  fn = host_callback.fn
+  what = host_callback.description
+  if not isinstance(fn, BatchedHost):
+    raise AssertionError(
+        f"{what}: inside a vmapped while_loop but not batched")
+  shape = fn.batch_shape
+  reshapes = []
+  for m in masks:
+    mshape = tuple(jnp.shape(m))
+    found = _alignments(mshape, shape)
+    if len(found) != 1:
+      raise NotImplementedError(
+          f"{what} is inside a jax.lax.while_loop whose predicate jax.vmap "
+          f"batched over axes of sizes {mshape}, but the effect is batched "
+          f"over vmap axes of sizes {shape}, so which element is still "
+          f"iterating is ambiguous. Give the vmapped axes different sizes, or "
+          f"move the effect out of the loop.")
+    (pos,) = found
+    reshapes.append(tuple(shape[j] if j in pos else 1 for j in range(len(shape))))
+  k = len(masks)
+
+  def run(*args):
+    live = np.ones(shape, dtype=bool)
+    for m, rs in zip(args[:k], reshapes):
+      live &= np.reshape(np.asarray(m, dtype=bool), rs)
+    return fn(*args[k:], live=live)
+
+  out = _primitives.HostCallback(run, what, host_callback.result_avals)
+  return out, [jnp.asarray(m, dtype=bool) for m in masks]
+
+
+# --- vmap of cond with a batched predicate ---------------------------------------
+
+def traced_in_branch() -> bool:
+  """True when an effect bound now is traced directly in a cond/switch branch."""
+  return _compat.enclosing_staging() in ("cond", "switch")
+
+
+def branch_vmapped_error(host_callback) -> NotImplementedError:
+  return NotImplementedError(
+      f"{host_callback.description} is inside a branch of jax.lax.cond/switch "
+      f"whose predicate jax.vmap batched: JAX then evaluates every branch for "
+      f"every element (a select), so this effect would also run for the "
+      f"elements that did not take its branch. Use jax.lax.map instead of "
+      f"jax.vmap for this function, keep the predicate unbatched, or move the "
+      f"effect out of the branch (e.g. a while_loop runs effects only for the "
+      f"live iterations of each element).")

@@ -1,0 +1,423 @@
+"""Public API of the core: jit, print, callback, Effect, effects_barrier,
+runtime_tokens (issue 2). Ordering through control flow is in
+test_lowering.py, token placement in test_dispatch.py, errors in
+test_errors.py.
+"""
+import re
+import threading
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_effects as je
+
+
+# --- print -------------------------------------------------------------------
+
+def test_print_formats_like_jax_debug_print(effects_capture):
+  @je.jit
+  def f(x, y):
+    je.print("x={}", x)
+    je.print("y={y} x={x}", x=x, y=y)
+    je.print("{0} {1} {0}", x, y)
+    je.print("vec={v}", v=jnp.arange(3))
+    je.print("tree={[a]} {}", {"a": x}, "static")
+    je.print("fmt={:.2f}", y)
+    je.print("no args")
+    return x + y
+
+  out = f(jnp.int32(3), jnp.float32(1.5))
+  assert out == 4.5
+  assert effects_capture.printed == [
+      "x=3", "y=1.5 x=3", "3 1.5 3", "vec=[0 1 2]", "tree=3 static",
+      "fmt=1.50", "no args"]
+
+
+def test_print_writes_one_line_per_call_to_stdout(capsys):
+  @je.jit
+  def f(x):
+    je.print("a {}", x)
+    je.print("b {}", x + 1)
+    return x
+
+  f(jnp.int32(1))
+  f(jnp.int32(10))
+  je.effects_barrier()
+  assert capsys.readouterr().out == "a 1\nb 2\na 10\nb 11\n"
+
+
+def test_print_outside_jit_prints_immediately(capsys):
+  je.print("now {} {k}", 1, k=np.float32(2.5))
+  # no barrier: eager printing is synchronous
+  assert capsys.readouterr().out == "now 1 2.5\n"
+
+
+def test_print_with_named_effect_and_unordered(effects_capture):
+  @je.jit
+  def f(x):
+    je.print("named {}", x, effect=je.Effect("api-named"))
+    je.print("unordered {}", x, ordered=False)
+    return x
+
+  f(1)
+  assert sorted(effects_capture.printed) == ["named 1", "unordered 1"]
+
+
+def test_print_rejects_non_array_arguments():
+  with pytest.raises(TypeError, match=r"argument #0 .*object"):
+    je.print("{}", object())
+
+
+# --- jit as a drop-in for jax.jit -----------------------------------------------
+
+def test_jit_pytrees_in_and_out_and_kwargs(effects_capture):
+  @je.jit
+  def f(tree, *, scale):
+    je.print("a={} scale={}", tree["a"], scale)
+    return {"sum": tree["a"] + tree["b"][0] * scale, "pair": (tree["b"][1], 7)}
+
+  out = f({"a": jnp.float32(1), "b": (jnp.float32(2), jnp.arange(2))},
+          scale=jnp.float32(3))
+  assert set(out) == {"sum", "pair"}
+  assert out["sum"] == 7.0
+  np.testing.assert_array_equal(out["pair"][0], [0, 1])
+  assert out["pair"][1] == 7
+  assert effects_capture.printed == ["a=1.0 scale=3.0"]
+
+
+def test_jit_decorator_forms(effects_capture):
+  @je.jit(static_argnums=1)
+  def f(x, n):
+    for i in range(n):
+      je.print("i={} x={}", i, x)
+    return x * n
+
+  assert f(jnp.int32(2), 3) == 6
+  assert effects_capture.printed == ["i=0 x=2", "i=1 x=2", "i=2 x=2"]
+  g = je.jit(lambda x, n: x * n, static_argnums=(1,))
+  assert g(jnp.int32(2), 4) == 8
+
+
+def test_static_argnames_and_retrace_only_on_new_signature(effects_capture):
+  traces = []
+
+  def fun(x, mode):
+    traces.append((x.shape, mode))
+    je.print("{} {}", mode, x.sum())
+    return x + (1 if mode == "inc" else -1)
+
+  f = je.jit(fun, static_argnames="mode")
+  f(jnp.zeros(2), mode="inc")
+  warm = len(traces)
+  assert warm == 1, "the first call traces the user function once"
+  for _ in range(3):
+    f(jnp.zeros(2), mode="inc")
+  assert len(traces) == warm, "same signature must not retrace"
+  f(jnp.zeros(3), mode="inc")
+  assert len(traces) == warm + 1, "a new shape traces once"
+  f(jnp.zeros(2), mode="dec")
+  assert len(traces) == warm + 2, "a new static value traces once"
+  f(jnp.zeros(3), mode="inc")
+  f(jnp.zeros(2), mode="dec")
+  assert len(traces) == warm + 2
+  assert effects_capture.printed == [
+      "inc 0.0", "inc 0.0", "inc 0.0", "inc 0.0", "inc 0.0", "dec 0.0",
+      "inc 0.0", "dec 0.0"]
+
+
+def test_pure_function_retraces_only_on_new_signature():
+  traces = []
+
+  @je.jit
+  def f(x):
+    traces.append(1)
+    return x * 2
+
+  for _ in range(3):
+    f(jnp.ones(2))
+  assert len(traces) == 1
+  f(jnp.ones(3))
+  assert len(traces) == 2
+
+
+def test_donate_argnums(effects_capture):
+  def fun(x):
+    je.print("sum={}", x.sum())
+    return x * 2
+
+  f = je.jit(fun, donate_argnums=0)
+  x = jnp.ones(4)
+  y = f(x)
+  np.testing.assert_array_equal(y, 2 * np.ones(4))
+  assert x.is_deleted()
+  assert effects_capture.printed == ["sum=4.0"]
+
+
+def test_in_and_out_shardings(effects_capture):
+  dev = jax.devices()[2]
+  s = jax.sharding.SingleDeviceSharding(dev)
+
+  def fun(x):
+    je.print("x={}", x)
+    return x + 1, x * 2
+
+  f = je.jit(fun, in_shardings=s, out_shardings=(s, s))
+  a, b = f(jnp.arange(2))
+  assert a.sharding.device_set == {dev} and b.sharding.device_set == {dev}
+  assert effects_capture.printed == ["x=[0 1]"]
+
+
+def test_jit_wrapper_metadata():
+  def fun(x):
+    """doc"""
+    return x
+
+  f = je.jit(fun)
+  assert f.__name__ == "fun" and f.__doc__ == "doc"
+  assert f(jnp.int32(1)) == 1
+
+
+def test_jit_rejects_non_callable_and_reserved_name():
+  with pytest.raises(TypeError, match="callable"):
+    je.jit(3)
+  with pytest.raises(ValueError, match="__jax_effects_runtime_tokens__"):
+    je.jit(lambda x: x, static_argnames="__jax_effects_runtime_tokens__")
+
+
+# --- lowering text ----------------------------------------------------------
+
+def _main_signature(text):
+  return re.search(r"func\.func public @main\((.*?)\) ->", text).group(1)
+
+
+def test_lower_shows_tokens_chained_through_callbacks():
+  @je.jit
+  def f(x):
+    je.print("one {}", x)
+    y = x * 2
+    je.print("two {}", y)
+    je.callback(lambda v: None, None, y)
+    return y
+
+  text = f.lower(jnp.float32(1)).as_text()
+  calls = re.findall(
+      r"(%[\w#:]+) = stablehlo\.custom_call @xla_ffi_python_cpu_callback"
+      r"\(([^)]*)\)(.*)", text)
+  assert len(calls) == 3
+  assert text.count("stablehlo.create_token") == 1
+  # each callback takes a !stablehlo.token and returns one; the token operand
+  # of callback i+1 is the token result (#0) of callback i.
+  prev = None
+  for result, operands, rest in calls:
+    assert "!stablehlo.token" in rest.split("->")[0]
+    assert "-> (!stablehlo.token" in rest
+    first = operands.split(",")[0].strip()
+    if prev is not None:
+      assert first == f"{prev}#0", (first, prev)
+    prev = result.split(":")[0]
+  # the token is created inside the computation, not passed in
+  assert "!stablehlo.token" not in _main_signature(text)
+
+
+def test_pure_function_lowers_like_plain_jax_jit():
+  def fun(x, y):
+    return jnp.sin(x) * y
+
+  x = jnp.ones(3)
+  ours = je.jit(fun).lower(x, 2.0).as_text()
+  theirs = jax.jit(fun).lower(x, 2.0).as_text()
+  assert ours == theirs
+  assert "token" not in ours and "callback" not in ours
+
+
+def test_lower_with_shape_dtype_structs_and_compile(effects_capture):
+  @je.jit
+  def f(x):
+    je.print("c {}", x)
+    return x + 1
+
+  lowered = f.lower(jax.ShapeDtypeStruct((), jnp.int32))
+  assert "xla_ffi_python_cpu_callback" in lowered.as_text()
+  compiled = lowered.compile()
+  assert compiled(jnp.int32(4)) == 5
+  assert compiled(jnp.int32(5)) == 6
+  assert effects_capture.printed == ["c 4", "c 5"]
+
+
+# --- callback ----------------------------------------------------------------
+
+def test_callback_results_match_result_shape_dtypes():
+  def host(x, *, y):
+    assert isinstance(x, np.ndarray) and isinstance(y, dict)
+    return {"s": x.sum() + y["k"], "v": (x * 2).astype(np.int32)}
+
+  @je.jit
+  def f(x):
+    spec = {"s": jax.ShapeDtypeStruct((), jnp.float32),
+            "v": jax.ShapeDtypeStruct((3,), jnp.int32)}
+    return je.callback(host, spec, x, y={"k": jnp.float32(10)})
+
+  out = f(jnp.arange(3, dtype=jnp.float32))
+  assert out["s"].dtype == jnp.float32 and out["s"] == 13
+  assert out["v"].dtype == jnp.int32
+  np.testing.assert_array_equal(out["v"], [0, 2, 4])
+
+
+def test_callback_none_result_and_python_scalars():
+  seen = []
+
+  @je.jit
+  def f(x):
+    r = je.callback(lambda v: seen.append(int(v)), None, x)
+    assert r is None
+    return je.callback(lambda: 7, jax.ShapeDtypeStruct((), jnp.int32))
+
+  assert f(jnp.int32(5)) == 7
+  je.effects_barrier()
+  assert seen == [5]
+
+
+def test_callback_outside_jit_runs_immediately():
+  seen = []
+  out = je.callback(lambda v: seen.append(v) or v + 1,
+                    jax.ShapeDtypeStruct((), jnp.int32), 1)
+  assert seen == [1] and out == 2
+
+
+def test_callback_result_feeds_later_computation_in_order():
+  log = []
+
+  def counter():
+    log.append("read")
+    return np.int32(len(log))
+
+  @je.jit
+  def f(x):
+    spec = jax.ShapeDtypeStruct((), jnp.int32)
+    a = je.callback(counter, spec)
+    je.callback(lambda v: log.append(("got", int(v))), None, a + x)
+    b = je.callback(counter, spec)
+    return a, b
+
+  a, b = f(jnp.int32(100))
+  je.effects_barrier()
+  assert (int(a), int(b)) == (1, 3)
+  assert log == ["read", ("got", 101), "read"]
+
+
+# --- Effect --------------------------------------------------------------------
+
+def test_effect_is_interned_hashable_immutable():
+  a = je.Effect("api-eff")
+  assert a is je.Effect("api-eff")
+  assert a != je.Effect("api-other") and hash(a) == hash(je.Effect("api-eff"))
+  assert repr(a) == "Effect('api-eff')"
+  assert je.DEFAULT is je.Effect("default")
+  with pytest.raises(AttributeError):
+    a.name = "x"
+  with pytest.raises(TypeError):
+    je.Effect("")
+  with pytest.raises(TypeError):
+    je.Effect(3)
+
+
+def test_effect_argument_must_be_an_effect():
+  with pytest.raises(TypeError, match="effect="):
+    je.print("x", effect="named")
+
+
+# --- effects_barrier and runtime_tokens -------------------------------------------
+
+def test_effects_barrier_waits_for_dispatched_effects():
+  done = []
+
+  def slow(x):
+    time.sleep(0.2)
+    done.append(int(x))
+
+  @je.jit
+  def f(x):
+    je.callback(slow, None, x)
+    return x
+
+  for i in range(3):
+    f(jnp.int32(i))
+  je.effects_barrier()
+  assert done == [0, 1, 2]
+
+
+def test_effects_barrier_waits_for_unordered_effects():
+  done = []
+
+  def slow(x):
+    time.sleep(0.2)
+    done.append(int(x))
+
+  @je.jit
+  def f(x):
+    je.callback(slow, None, x, ordered=False)
+    return x
+
+  before = dict(je.runtime_tokens().effects)
+  f(jnp.int32(4))
+  # unordered: no runtime token is taken or returned, but an output token is
+  after = je.runtime_tokens()
+  assert dict(after.effects) == before
+  assert all(isinstance(k, je.Effect) for k in after.effects)
+  assert jax.devices()[0] in after.devices
+  je.effects_barrier()
+  assert done == [4]
+
+
+def test_runtime_tokens_snapshot_is_read_only_and_per_effect():
+  e1, e2 = je.Effect("api-rt-1"), je.Effect("api-rt-2")
+
+  @je.jit
+  def f(x):
+    je.print("{}", x, effect=e1)
+    return x
+
+  @je.jit
+  def g(x):
+    je.print("{}", x, effect=e2)
+    return x
+
+  f(1)
+  snap = je.runtime_tokens()
+  assert isinstance(snap, je.RuntimeTokens)
+  assert isinstance(snap.effects, types.MappingProxyType)
+  assert e1 in snap.effects and e2 not in snap.effects
+  assert isinstance(snap.effects[e1], jax.Array)
+  with pytest.raises(TypeError):
+    snap.effects[e2] = snap.effects[e1]
+  with pytest.raises(TypeError):
+    snap.devices[jax.devices()[0]] = None
+  g(1)
+  assert e2 not in snap.effects  # a snapshot, not a live view
+  now = je.runtime_tokens()
+  assert e1 in now.effects and e2 in now.effects
+  assert now.effects[e1] is snap.effects[e1]  # g did not touch e1's token
+  assert jax.devices()[0] in now.devices
+  je.effects_barrier()
+
+
+def test_in_shardings_broadcast_with_static_argnums(effects_capture):
+  dev = jax.devices()[4]
+  s = jax.sharding.SingleDeviceSharding(dev)
+
+  def fun(n, x, y):
+    je.print("n={} x={} y={}", n, x, y)
+    return x * n + y
+
+  f = je.jit(fun, in_shardings=s, static_argnums=0)
+  out = f(3, jnp.int32(1), jnp.int32(2))
+  assert out == 5 and out.sharding.device_set == {dev}
+  g = je.jit(fun, static_argnums=-3, donate_argnums=(1,))
+  x = jnp.ones(2)
+  np.testing.assert_array_equal(g(2, x, jnp.ones(2)), [3.0, 3.0])
+  assert x.is_deleted()
+  assert effects_capture.printed == ["n=3 x=1 y=2", "n=2 x=[1. 1.] y=[1. 1.]"]

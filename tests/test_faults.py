@@ -1,0 +1,329 @@
+"""Faults under load: callbacks that raise while many threads dispatch (issue 8).
+
+A host callback raises ``Boom`` on every 97th call (a global call counter, so
+failures land on all threads at unpredictable points). Checked:
+
+* each failure reaches the thread that dispatched it, as the very exception
+  object the callback raised, exactly once (at the failing call, a later call
+  or that thread's ``effects_barrier()``);
+* no other thread sees it, and a final ``effects_barrier(all_threads=True)``
+  has nothing left to report;
+* every record whose callback did not raise is delivered, once, in each
+  thread's dispatch order: the calls after a failure work.
+
+The same runs inside ``shard_map`` over 8 devices (per-device effects).
+"""
+import collections
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_effects as je
+from jax_effects import _runtime_tokens
+
+N_THREADS = 8
+N_DEFAULT = 1_000
+N_SLOW = 10_000
+FAIL_EVERY = 97
+JOIN_TIMEOUT_S = 900
+
+
+class Boom(Exception):
+  """The user's exception raised by the failing callback."""
+
+
+class FailingRecorder:
+  """Records ``key`` tuples; raises ``Boom(key)`` on every 97th call."""
+
+  def __init__(self, fail_every=FAIL_EVERY):
+    self.lock = threading.Lock()
+    self.calls = 0
+    self.fail_every = fail_every
+    self.records = []
+    self.raised = {}   # key -> the Boom instance raised for it
+
+  def __call__(self, *key):
+    key = tuple(int(k) for k in key)
+    with self.lock:
+      self.calls += 1
+      fail = self.calls % self.fail_every == 0
+      if fail:
+        exc = self.raised[key] = Boom(key)
+      else:
+        self.records.append(key)
+    if fail:
+      raise exc
+
+
+def run_threads(targets):
+  errors = []
+  go = threading.Event()
+
+  def wrap(fn):
+    def run():
+      go.wait()
+      try:
+        fn()
+      except BaseException as exc:  # noqa: BLE001 - re-raised below
+        errors.append(exc)
+    return run
+
+  threads = [threading.Thread(target=wrap(t)) for t in targets]
+  for t in threads:
+    t.start()
+  go.set()
+  for t in threads:
+    t.join(JOIN_TIMEOUT_S)
+  assert not any(t.is_alive() for t in threads), "a worker thread hangs"
+  if errors:
+    raise errors[0]
+
+
+def worker(call, tid, n, caught):
+  """Dispatches ``n`` calls; collects every Boom this thread receives."""
+
+  def run():
+    got = caught[tid] = []
+    for i in range(n):
+      try:
+        call(i, np.int32(tid), np.int32(i))
+      except Boom as exc:
+        got.append(exc)
+    try:
+      je.effects_barrier()
+    except Boom as exc:
+      got.append(exc)
+  return run
+
+
+def check(rec: FailingRecorder, caught: dict, expected_keys, tid_of):
+  """All checks of the module docstring.
+
+  ``expected_keys``: every key a callback was asked to record.
+  ``tid_of(key)``: the thread that dispatched ``key``.
+  """
+  je.effects_barrier(all_threads=True)   # nothing left to report
+  assert rec.raised, "the load did not trigger any failure"
+  # Each failure reached its own thread, as itself, once.
+  for tid, excs in caught.items():
+    ids = collections.Counter(id(e) for e in excs)
+    assert all(c == 1 for c in ids.values()), f"thread {tid} got an error twice"
+    for exc in excs:
+      key = exc.args[0]
+      assert tid_of(key) == tid, f"thread {tid} received {key}'s error"
+      assert rec.raised[key] is exc, f"thread {tid} got a copy of {key}'s error"
+  reported = {e.args[0] for excs in caught.values() for e in excs}
+  assert reported == set(rec.raised), (
+      f"failures never reported: {sorted(set(rec.raised) - reported)[:10]}")
+  # Every other record delivered, once, in order.
+  counts = collections.Counter(rec.records)
+  assert all(c == 1 for c in counts.values()), "a record was delivered twice"
+  assert set(rec.records) == set(expected_keys) - set(rec.raised)
+  assert len(rec.records) + len(rec.raised) == len(expected_keys)
+  per_stream = collections.defaultdict(list)
+  for key in rec.records:
+    per_stream[(key[0], *key[2:])].append(key[1])
+  for stream, seqs in per_stream.items():
+    assert seqs == sorted(seqs), f"stream {stream} out of dispatch order"
+  # The error registry keeps nothing of ours.
+  with _runtime_tokens._errors_lock:
+    leftover = [e for e in _runtime_tokens._errors.values() if isinstance(e, Boom)]
+  assert not leftover
+
+
+def _faults_threads(n):
+  rec = FailingRecorder()
+
+  @je.jit
+  def f(tid, seq):
+    je.callback(rec, None, tid, seq)
+    return seq + 1
+
+  @je.jit
+  def g(tid, seq):
+    je.callback(rec, None, tid, seq)
+    return seq - 1
+
+  def call(i, tid, seq):
+    return (f if i % 2 == 0 else g)(tid, seq)
+
+  caught = {}
+  run_threads([worker(call, t, n, caught) for t in range(N_THREADS)])
+  keys = [(t, i) for t in range(N_THREADS) for i in range(n)]
+  check(rec, caught, keys, tid_of=lambda key: key[0])
+  return len(rec.raised)
+
+
+def test_callback_errors_under_thread_load():
+  assert _faults_threads(N_DEFAULT) == N_THREADS * N_DEFAULT // FAIL_EVERY
+
+
+@pytest.mark.slow
+def test_callback_errors_under_thread_load_full():
+  assert _faults_threads(N_SLOW) == N_THREADS * N_SLOW // FAIL_EVERY
+
+
+def test_error_is_raised_once_and_next_calls_work():
+  # Single thread, exact positions: the failing call raises the original
+  # exception (with the callback's frame in its traceback); later calls and a
+  # barrier raise nothing; effects before and after are delivered in order.
+  rec = FailingRecorder(fail_every=3)
+
+  @je.jit
+  def f(seq):
+    je.callback(rec, None, np.int32(0), seq)
+    return seq
+
+  caught = []
+  for i in range(9):
+    try:
+      f(np.int32(i))
+    except Boom as exc:
+      caught.append(exc)
+  try:
+    je.effects_barrier()
+  except Boom as exc:
+    caught.append(exc)
+  je.effects_barrier(all_threads=True)
+  assert [e.args[0] for e in caught] == [(0, 2), (0, 5), (0, 8)]
+  assert all(rec.raised[e.args[0]] is e for e in caught)
+  assert any(fr.name == "__call__" and fr.filename == __file__
+             for fr in _frames(caught[0].__traceback__))
+  assert rec.records == [(0, i) for i in (0, 1, 3, 4, 6, 7)]
+
+
+def _frames(tb):
+  import traceback
+  return traceback.extract_tb(tb)
+
+
+def test_error_does_not_leak_into_other_effect_streams():
+  # A failure on one named effect leaves another named effect's stream and
+  # another thread's stream untouched.
+  rec = FailingRecorder(fail_every=4)
+  other = []
+
+  @je.jit
+  def f(seq):
+    je.callback(rec, None, np.int32(0), seq, effect=je.Effect("faulty"))
+    je.callback(lambda s: other.append(int(s)), None, seq,
+                effect=je.Effect("healthy"))
+    return seq
+
+  caught = []
+  for i in range(8):
+    try:
+      f(np.int32(i))
+    except Boom as exc:
+      caught.append(exc.args[0])
+  je.effects_barrier()
+  assert caught == [(0, 3), (0, 7)]
+  assert rec.records == [(0, i) for i in (0, 1, 2, 4, 5, 6)]
+  # The healthy callback of a failed computation may or may not have run
+  # (same computation); every other one ran, in order.
+  assert [s for s in other if s not in (3, 7)] == [0, 1, 2, 4, 5, 6]
+  assert other == sorted(other)
+
+
+# --- inside shard_map on 8 devices ----------------------------------------------
+
+def _mesh():
+  return jax.make_mesh((8,), ("x",))
+
+
+def _shard_map_unsupported_reason():
+  """None when jax_effects threads effects through shard_map, else why not."""
+  if len(jax.devices()) < 8:
+    return f"needs 8 devices, have {len(jax.devices())}"
+  mesh = _mesh()
+
+  def probe(x):
+    def body(xs):
+      je.callback(lambda d: None, None, jax.lax.axis_index("x"))
+      return xs
+    return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+
+  try:
+    je.jit(probe).lower(jax.ShapeDtypeStruct((8,), jnp.float32,
+                                             sharding=NamedSharding(mesh, P("x"))))
+  except NotImplementedError as err:
+    if "shard_map" in str(err):
+      return ("jax_effects has no shard_map rule yet (issue 3: shard_map rule "
+              f"and per-device effects in _thread_tokens.RULES): {err}")
+    raise
+  return None
+
+
+#: Why several threads do not dispatch shard_map computations at once here.
+CONCURRENT_COLLECTIVES = (
+    "XLA's CPU runtime aborts the process (rendezvous termination timeout) "
+    "when several Python threads run multi-device programs with collectives "
+    "at once: plain jax.jit(shard_map(psum)) from 4 threads reproduces it; "
+    "jax_effects' shard_map rule adds such a collective (max of the "
+    "per-device carriers)")
+
+#: What is missing for errors to be reported once each without a barrier
+#: after every call.
+AGGREGATED_DEFERRED_ERRORS = (
+    "issue 3: a callback error in a multi-device computation is deferred to "
+    "the next effects_barrier, process-wide, and only the first deferred "
+    "error is raised (the others are only noted on it); reporting each error "
+    "once, to the thread that dispatched it, needs the error tied to its "
+    "computation")
+
+
+def _faults_shard_map(n, *, barrier_each_call, n_threads=1):
+  reason = _shard_map_unsupported_reason()
+  if reason:
+    pytest.skip(reason)
+  mesh = _mesh()
+  rec = FailingRecorder()
+
+  @je.jit
+  def f(tid, seq, x):
+    def body(tid, seq, xs):
+      je.callback(rec, None, tid, seq, jax.lax.axis_index("x"))
+      return xs + 1
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("x")),
+                         out_specs=P("x"))(tid, seq, x)
+
+  x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+
+  def call(i, tid, seq):
+    out = f(tid, seq, x)
+    if barrier_each_call:
+      je.effects_barrier()
+    return out
+
+  caught = {}
+  run_threads([worker(call, t, n, caught) for t in range(n_threads)])
+  keys = [(t, i, d) for t in range(n_threads) for i in range(n)
+          for d in range(8)]
+  check(rec, caught, keys, tid_of=lambda key: key[0])
+
+
+def test_callback_errors_in_shard_map_barrier_each_call():
+  # 8 devices, one failing device callback every 97 calls; a barrier after
+  # every call: each error is raised once, the other devices' records and
+  # the later calls are all delivered, in order per device.
+  _faults_shard_map(N_DEFAULT // 8, barrier_each_call=True)
+
+
+@pytest.mark.xfail(reason=AGGREGATED_DEFERRED_ERRORS, strict=False)
+def test_callback_errors_in_shard_map_under_load():
+  _faults_shard_map(N_DEFAULT // 8, barrier_each_call=False)
+
+
+@pytest.mark.slow
+def test_callback_errors_in_shard_map_barrier_each_call_full():
+  _faults_shard_map(N_SLOW // 8, barrier_each_call=True)
+
+
+@pytest.mark.skip(reason=CONCURRENT_COLLECTIVES)
+def test_callback_errors_in_shard_map_under_thread_load():
+  _faults_shard_map(N_DEFAULT // 8, barrier_each_call=False, n_threads=4)
