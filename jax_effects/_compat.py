@@ -25,7 +25,7 @@ remat_allowed_effects = _effects.remat_allowed_effects
 partial_eval_kept_effects = _effects.partial_eval_kept_effects
 lowerable_effects = _effects.lowerable_effects
 # Only for the plain-``jax.jit`` fallback lowering of an *ordered* marker: JAX
-# then threads its own tokens through it (see _effects.OrderedTraceEffect).
+# then threads its own tokens through it (see _effects.PlainJitOrder).
 ordered_effects = _effects.ordered_effects
 shardable_ordered_effects = _effects.shardable_ordered_effects
 

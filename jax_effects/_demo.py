@@ -153,12 +153,76 @@ def section_barrier(args) -> None:
       f"every callback has run, in order: {done}")
 
 
+def section_multidevice(args) -> None:
+  """Ordered effects on many devices: sharded jit, shard_map, log records,
+  and the deterministic view."""
+  import logging
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import jax_effects as je
+
+  heading("multi-device: sharded jit, shard_map, log, deterministic view")
+  devices = jax.devices()
+  if len(devices) < 2:
+    say(f"(skipped: needs several devices, have {len(devices)})")
+    return
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("i",))
+
+  say("token follows single-device work (device of each call's token):")
+  step = je.jit(lambda x: (je.print("  on device {}", x), x)[1])
+  for d in (0, n - 1, 1):
+    step(jax.device_put(jnp.int32(d), devices[d]))
+    token = je.runtime_tokens().effects[je.DEFAULT]
+    je.effects_barrier()
+    say(f"  -> runtime token now on {sorted(x.id for x in token.devices())}")
+
+  say(f"jit over an array sharded on {n} devices: printed once, whole value:")
+  x = jax.device_put(jnp.arange(n), NamedSharding(mesh, P("i")))
+  je.jit(lambda x: (je.print("  x={}", x), x)[1])(x)
+  je.effects_barrier()
+
+  say("shard_map: per-device lines ([device D shard S process P]), each "
+      "device in program order; deterministic() sorts them by (program "
+      "point, device):")
+
+  def body(v):
+    je.print("first  {}", v[0])
+    je.print("second {}", v[0] * 10)
+    je.log("record {}", v[0])
+    return v
+
+  per_device = je.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"),
+                                    out_specs=P("i")))
+  handler = logging.StreamHandler(sys.stdout)
+  handler.setFormatter(logging.Formatter(
+      "  log record: device_id=%(device_id)s shard_index=%(shard_index)s "
+      "process_index=%(process_index)s: %(message)s"))
+  logger = logging.getLogger("jax_effects")
+  old_level, old_propagate = logger.level, logger.propagate
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+  try:
+    with je.deterministic():
+      per_device(jnp.arange(n))
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+    logger.propagate = old_propagate
+
+
 #: name -> section function(args); run in this order.
 SECTIONS: dict[str, Callable] = {
     "printing": section_ordered_printing,
     "callback": section_callback,
     "named": section_named_effects,
     "barrier": section_barrier,
+    "multidevice": section_multidevice,
 }
 
 

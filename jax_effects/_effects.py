@@ -10,7 +10,8 @@ stream (:data:`GLOBAL`) and so one total order.
 Inside a trace, every side-effect primitive carries a :class:`TraceEffect`, a
 JAX-level effect that tells JAX's transformations to keep the equation (no
 dead-code elimination, no duplication under remat). It is not one of JAX's
-*ordered* effects, so JAX's own runtime tokens never get involved. The
+*ordered* effects; ordered side effects also carry :data:`PLAIN_JIT_ORDER`,
+which is, but only matters where the pass never runs (plain ``jax.jit``). The
 token-threading pass (``_thread_tokens``) reads these markers to learn which
 streams a sub-computation touches and then removes them: after the pass, JAX
 sees an effect-free function.
@@ -28,8 +29,8 @@ import jax.extend.core as jex_core
 from jax_effects import _compat
 
 __all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "ordering",
-           "set_ordering", "get_ordering", "TraceEffect", "OrderedTraceEffect",
-           "marker", "chain_key"]
+           "set_ordering", "get_ordering", "TraceEffect", "PLAIN_JIT_ORDER",
+           "marker", "jax_effects_of", "chain_key"]
 
 ORDERING_MODES = ("per_effect", "global")
 
@@ -209,30 +210,40 @@ class TraceEffect(jex_core.Effect):
 
 
 @dataclasses.dataclass(frozen=True)
-class OrderedTraceEffect(TraceEffect):
-  """The marker of an *ordered* side effect (``effect`` is never None).
+class PlainJitOrder(jex_core.Effect):
+  """A JAX *ordered* effect carried by every ordered side effect (one value).
 
-  Also a JAX *ordered* effect, for one reason: code that ends up under plain
-  ``jax.jit`` (never seen by the token-threading pass) then gets JAX's own
-  runtime and compiler tokens, one stream per :class:`Effect`, so its effects
-  still happen in program order (slower: JAX's Python dispatch path). The pass
-  removes every marker, so ``jax_effects.jit`` never meets JAX's machinery.
+  Only for code that ends up under plain ``jax.jit`` (or JAX's eager dispatch
+  of ``cond``/``while``/``scan``), never seen by the token-threading pass:
+  JAX then threads its own runtime and compiler tokens through these effects,
+  one stream for all of them, so they happen in one program order (through
+  JAX's slower dispatch path). The pass removes every side-effect equation,
+  so ``jax_effects.jit`` never meets JAX's machinery.
   """
 
+  def __str__(self):
+    return "jax_effects[plain jax.jit order]"
 
-def marker(effect: Effect, ordered: bool,
-           jax_ordered: bool = True) -> TraceEffect:
-  """The marker of an effect equation (equal settings give equal markers).
 
-  ``jax_ordered=False`` (an effect traced directly in a ``while_loop``'s
-  ``cond_fun``) keeps the effect ordered for jax_effects but not for JAX:
-  JAX's lowering of a ``while`` with ordered effects in ``cond_fun`` ignores
-  a vmap-batched predicate (wrong results), so under plain ``jax.jit`` such
-  an effect gets no JAX token.
+PLAIN_JIT_ORDER = PlainJitOrder()
+
+
+def marker(effect: Effect, ordered: bool) -> TraceEffect:
+  """The marker of an effect equation (equal settings give equal markers)."""
+  return TraceEffect(effect if ordered else None)
+
+
+def jax_effects_of(effect: Effect, ordered: bool,
+                   in_while_cond: bool = False) -> set:
+  """The JAX effects of an effect equation: its marker (+ PLAIN_JIT_ORDER).
+
+  An effect traced directly in a ``while_loop``'s ``cond_fun`` is not
+  JAX-ordered: JAX's lowering of a ``while`` with ordered effects in
+  ``cond_fun`` ignores a vmap-batched predicate (wrong results).
   """
-  if not ordered:
-    return TraceEffect(None)
-  return OrderedTraceEffect(effect) if jax_ordered else TraceEffect(effect)
+  if ordered and not in_while_cond:
+    return {marker(effect, ordered), PLAIN_JIT_ORDER}
+  return {marker(effect, ordered)}
 
 
 for _registry in (_compat.control_flow_allowed_effects,
@@ -241,11 +252,11 @@ for _registry in (_compat.control_flow_allowed_effects,
                   _compat.partial_eval_kept_effects,
                   _compat.lowerable_effects):
   _registry.add_type(TraceEffect)
-# Plain-jax.jit fallback only (see OrderedTraceEffect). Shardable: on several
-# devices JAX orders them like its own ordered io_callback (once per program
-# point, on the first device).
-_compat.ordered_effects.add_type(OrderedTraceEffect)
-_compat.shardable_ordered_effects.add_type(OrderedTraceEffect)
+  _registry.add_type(PlainJitOrder)
+# Shardable: on several devices JAX orders them like its own ordered
+# io_callback (once per program point, on the first device).
+_compat.ordered_effects.add_type(PlainJitOrder)
+_compat.shardable_ordered_effects.add_type(PlainJitOrder)
 
 
 def chain_key(trace_effect: TraceEffect, mode: str):

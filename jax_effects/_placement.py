@@ -22,16 +22,21 @@ thread-local: XLA may run the callbacks of several devices at the same time
 on different threads). ``print`` prefixes per-device lines with
 :meth:`Placement.prefix`; ``log`` copies the fields onto its records.
 
-**Deterministic view.** Per-device effects of one ``shard_map`` execution are
-ordered on each device (program order, by the compiler-token chain of that
-device), but devices run concurrently, so the interleaving of their output
-changes from run to run. Inside :func:`deterministic`, the ordered output of
-per-device callbacks that went through the token-threading pass is *held*
-instead of delivered. After each ``shard_map`` execution the pass adds one
-host callback per ordered chain (the *segment end*, see
-``_shard_map_rules``) that depends on every device's last effect of that
-chain, and runs before any later effect of the chain; it releases the held
-output of that chain sorted by (position in its device's sequence, device id).
+**Errors.** In a multi-device computation a failing callback must not fail
+its device's part of the program (the other devices would wait forever in the
+next collective and XLA's CPU runtime aborts the process): the error is
+recorded for the next ``effects_barrier`` and the callback returns zeros.
+
+**Deterministic view.** Per-device effects are ordered on each device
+(program order, by that device's compiler-token chain), but devices run
+concurrently, so the interleaving of their output changes from run to run.
+Inside :func:`deterministic`, the ordered output of per-device callbacks of
+``jax_effects.jit`` code is *held* instead of delivered, and released sorted
+by (position in its device's sequence, device id) when the dispatch's
+per-device token is combined into the next runtime token
+(:func:`combine_per_device`, a host callback that runs after every device's
+effects), or just before an ordered effect that runs once (which follows
+them by data dependency), or when the block exits.
 """
 from __future__ import annotations
 
@@ -41,7 +46,9 @@ import threading
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jax_effects import _capture
 from jax_effects import _compat
@@ -81,8 +88,8 @@ class Placement:
 
 class _Site(threading.local):
   placement: Placement | None = None
-  # True when the callback went through the token-threading pass: a segment
-  # end will follow its per-device ordered effects.
+  # True when the callback went through the token-threading pass: its
+  # dispatch's per-device token will be combined (and held output released).
   threaded: bool = False
 
 
@@ -203,17 +210,21 @@ def is_deterministic() -> bool:
 def _hold_or_run(effect, ordered: bool | None, thunk: Callable[[], None]) -> None:
   site = _site
   p = site.placement
-  if effect is None:
-    effect = _effects.DEFAULT
-  if ordered is None:   # the effect's default (``Effect(..., ordered=...)``)
-    ordered = getattr(effect, "ordered", True)
-  if (_det_depth and ordered and site.threaded and p is not None
-      and p.per_device):
-    key = (p.device_id if p.device_id is not None else -1, p.shard_index)
-    with _det_lock:
-      if _det_depth:
-        _held.setdefault(key, []).append((effect, thunk))
-        return
+  if _det_depth and site.threaded:
+    if effect is None:
+      effect = _effects.DEFAULT
+    if ordered is None:   # the effect's default (``Effect(..., ordered=...)``)
+      ordered = getattr(effect, "ordered", True)
+    if ordered and p is not None and p.per_device:
+      key = (p.device_id if p.device_id is not None else -1, p.shard_index)
+      with _det_lock:
+        if _det_depth:
+          _held.setdefault(key, []).append(thunk)
+          return
+    elif ordered and _held:
+      # Runs once, after the per-device effects before it (data dependency):
+      # they come first.
+      release_held()
   thunk()
 
 
@@ -232,66 +243,79 @@ def deliver_record(logger, record, effect, ordered: bool | None) -> None:
                lambda: _capture.deliver_record(logger, record))
 
 
-def segment_end(chain_key) -> None:
-  """Releases the held output of ``chain_key`` (all output for ``GLOBAL``).
-
-  Called by the host callback that ends a ``shard_map`` execution's segment of
-  the chain; everything of that chain held now belongs to that execution.
-  """
+def release_held() -> None:
+  """Delivers the held output, ordered by (position on its device, device)."""
   if not _held:
     return
-  everything = chain_key is _effects.GLOBAL or chain_key is None
   with _det_lock:
-    release = {}
-    for key in list(_held):
-      entries = _held[key]
-      if everything:
-        taken, kept = entries, []
-      else:
-        taken = [e for e in entries if e[0] == chain_key]
-        kept = [e for e in entries if e[0] != chain_key]
-      if taken:
-        release[key] = taken
-      if kept:
-        _held[key] = kept
-      else:
-        del _held[key]
-  _release(release)
-
-
-def _release(release: dict) -> None:
-  """Runs the thunks ordered by (position on its device, device)."""
+    release = dict(_held)
+    _held.clear()
   keys = sorted(release, key=lambda k: k[0])
   depth = max((len(v) for v in release.values()), default=0)
   for i in range(depth):
     for key in keys:
       entries = release[key]
       if i < len(entries):
-        entries[i][1]()
+        entries[i]()
+
+
+def _release_and_pass(token):
+  release_held()
+  return token
+
+
+def _combine(*shards):
+  return jnp.max(jnp.concatenate([s.reshape((-1,)) for s in shards]))
+
+
+def _combine_and_release(*shards):
+  # The callback's result is the token: the next dispatch's effects follow
+  # the release.
+  return io_callback(_release_and_pass,
+                     jax.ShapeDtypeStruct((), np.uint8), _combine(*shards))
+
+
+_combine_jit = jax.jit(_combine)
+_combine_release_jit = jax.jit(_combine_and_release)
+
+
+def combine_per_device(token):
+  """The next runtime token from a per-device token (one element per device).
+
+  The elements are copied to the first device (plain copies, no collective)
+  and reduced there; the result, uncommitted on that device, is ready only
+  once every device's effects have run. In the deterministic view, the held
+  per-device output is released at that point (a host callback).
+  """
+  shards = [s.data for s in token.addressable_shards]
+  moved = jax.device_put(shards, shards[0].device)
+  fn = _combine_release_jit if _det_depth else _combine_jit
+  return _compat.uncommitted(fn(*moved))
 
 
 @contextlib.contextmanager
 def deterministic() -> Iterator[None]:
-  """Per-device output of each ``shard_map`` execution in a fixed order.
+  """Per-device output of each dispatch in a fixed order (process-wide).
 
-  While the block is active (process-wide: the callbacks run on XLA's
+  While the block is active (in any thread: the callbacks run on XLA's
   threads), ordered ``print`` lines and ``log`` records of per-device
-  callbacks in ``jax_effects.jit`` code are held and released when that
-  ``shard_map`` execution's effects of the chain have all run, sorted by
-  (position in the device's sequence of effects of that execution, device
-  id). For SPMD code with the same control flow on every device, position =
-  program point. On exit, waits for the calling thread's effects
-  (``effects_barrier``) and releases anything still held.
+  callbacks (``shard_map``/``pmap`` in ``jax_effects.jit`` code) are held and
+  released once every device's effects of that dispatch have run, sorted by
+  (position in the device's sequence of effects of the dispatch, device id).
+  For SPMD code whose control flow is the same on every device, position =
+  program point, so the same program logs identically run after run. On exit,
+  waits for the calling thread's effects (``effects_barrier``) and releases
+  anything still held.
 
-  Guaranteed: on one device, program order (always); across devices of one
-  ``shard_map`` execution, sorted as above (in this view only); output of
-  one execution before the next one's, on the same effect (always, as the
-  runtime token orders dispatches). Not guaranteed: any order across
-  processes (each process delivers its own devices' output); an order for
-  ``ordered=False`` effects (delivered immediately), or across effects that
-  are not ordered with each other (different ``Effect`` s in ``"per_effect"``
-  mode); per-device effects under plain ``jax.jit`` (not token-threaded, so
-  delivered immediately).
+  Guaranteed: on one device, program order (always); within one dispatch,
+  sorted as above (in this view only); a dispatch's output before the next
+  dispatch's on the same effect stream, and an ordered effect that runs once
+  after the per-device output before it (always). Not guaranteed: any order
+  across processes (each process delivers its own devices' output); an order
+  for ``ordered=False`` effects (delivered at once); a fixed interleaving when
+  several threads dispatch per-device effects at the same time (a release
+  delivers everything held); per-device effects under plain ``jax.jit``
+  (delivered at once).
   """
   global _det_depth
   from jax_effects import _runtime_tokens
@@ -305,4 +329,4 @@ def deterministic() -> Iterator[None]:
     finally:
       with _det_lock:
         _det_depth -= 1
-      segment_end(None)   # everything still held: the effects have all run
+      release_held()   # everything still held: the effects have all run

@@ -100,8 +100,8 @@ effect_p.multiple_results = True
 
 def _effect_abstract_eval(*avals, host_callback, effect, ordered, result_avals):
   del avals
-  return result_avals, {_effects.marker(
-      effect, ordered, not host_callback.traced_in_while_cond)}
+  return result_avals, _effects.jax_effects_of(
+      effect, ordered, host_callback.traced_in_while_cond)
 
 
 effect_p.def_effectful_abstract_eval(_effect_abstract_eval)
@@ -119,8 +119,8 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
     token = state.runtime.get(key)
     if token is not None:
       token.block_until_ready()
-    # ... and for this effect under plain jax.jit (incl. eager cond/while).
-    token = _compat.jax_runtime_token(marker)
+    # ... and for effects under plain jax.jit (incl. eager cond/while).
+    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
       token.block_until_ready()
   # Python scalars take JAX's canonical dtypes, as they do under jit.
@@ -136,10 +136,10 @@ effect_p.def_impl(_effect_impl)
 def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals):
   """Lowering under plain ``jax.jit`` (no token threading by jax_effects).
 
-  An ordered effect is a JAX ordered effect (``OrderedTraceEffect``): JAX
-  passes its own compiler token for it (one per :class:`Effect`) and threads
-  runtime tokens between dispatches, so program order holds, through JAX's
-  slower dispatch path. Unordered effects get no token.
+  An ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``: JAX
+  passes its own compiler token for it (one stream for all effects) and
+  threads runtime tokens between dispatches, so program order holds, through
+  JAX's slower dispatch path. Unordered effects get no token.
   """
   del result_avals
   if host_callback.traced_in_branch and "_fun" not in str(ctx.name_stack):
@@ -147,9 +147,9 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals)
     # lowering names each branch's ops "branch_<i>_fun"; these have no branch.
     from jax_effects import _transformation_rules
     raise _transformation_rules.branch_vmapped_error(host_callback)
-  marker = _effects.marker(effect, ordered,
-                           not host_callback.traced_in_while_cond)
-  ordered = _compat.ordered_effects.contains(marker)
+  marker = _effects.PLAIN_JIT_ORDER
+  ordered = marker in _effects.jax_effects_of(
+      effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
   # Where it runs (device, shard): may add the partition id as an operand.
   operands, avals_in, wrap = _placement.attribute(

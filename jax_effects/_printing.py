@@ -110,6 +110,11 @@ def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A0
   ``log`` and ``callback``).
   Arguments are pytrees of arrays (0-d arrays format as scalars); ``str``
   leaves are static.
+
+  In per-device code (``shard_map``, ``pmap``) every device prints its own
+  line, prefixed with where it ran: ``[device D shard S process P] text``
+  (``S`` is the position in the mesh: ``3``, or ``(1, 2)`` for a 2-D mesh);
+  see ``design/placement.md``.
   """
   what = f"jax_effects.print({fmt!r})"
   check_format(what, fmt, args, kwargs)

@@ -121,7 +121,11 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     output[sharding] = token
     state.last_sharding = sharding
   if keys:
-    runtime = _compat.uncommitted(token) if _compat.committed(token) else token
+    if token.ndim:   # one element per device (shard_map): combine them
+      from jax_effects import _placement
+      runtime = _placement.combine_per_device(token)
+    else:
+      runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
       state.runtime[key] = runtime
 

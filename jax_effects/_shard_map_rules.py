@@ -4,25 +4,30 @@ Inside a fully manual ``shard_map`` every side effect runs once per device
 (see ``_placement``). The rule re-expresses the ``shard_map`` equation with
 the carriers of the chains used inside as extra operands and results::
 
-    carriers_vec, outs = shard_map(body', in_specs=(P(), ..., *in_specs),
+    carrier_vecs, outs = shard_map(body', in_specs=(P() or P(axes), ...,
+                                                    *in_specs),
                                    out_specs=(P(axes), ..., *out_specs))(
                                        carriers, *args)
-    carrier = max(carriers_vec)            # all-reduce over the devices
-    carrier = segment_end(token, carrier)  # one host callback per chain
 
-* A carrier enters replicated (``P()``): every device's first effect depends
-  on the chain's previous effect (the runtime token, or the last effect before
-  the ``shard_map``). Inside, it is cast to *varying* over the manual axes
-  (under ``check_vma``), which is what it is: each device threads its own.
-* Each device's final carrier leaves as one element of a ``(n_devices,)``
-  array (``P(axes)``), reduced with ``max`` outside: the reduced carrier (and
-  so the next effect, and the runtime token the executable returns, whichever
-  shard of it is kept) depends on the last effect of *every* device. So each
-  device keeps program order across calls, and effects after the
-  ``shard_map`` follow all of its per-device effects.
-* ``segment_end`` is a host callback on one device that marks the end of this
-  ``shard_map`` execution on the chain: it releases the output held by
-  :func:`jax_effects.deterministic` (a no-op otherwise).
+* A scalar carrier enters replicated (``P()``): every device's first effect
+  depends on the chain's previous effect (the runtime token, or the last
+  effect before the ``shard_map``). Inside, it is cast to *varying* over the
+  manual axes (under ``check_vma``), which is what it is: each device threads
+  its own chain.
+* Each device's final carrier leaves as its element of a ``(n_devices,)``
+  vector (``P(axes)``), which stays the chain's carrier: a later ``shard_map``
+  over the same mesh takes it back per device (``P(axes)``), and at the end
+  it becomes the executable's token, one element per device. No collective is
+  added: XLA's CPU runtime deadlocks when several executions with collectives
+  are in flight (several threads, or async dispatch), so a program that had
+  none must not get one from us. The dispatch hook combines the elements into
+  the next runtime token outside the program
+  (``_placement.combine_per_device``), so the next computation's effects
+  follow every device's effects, and each device keeps program order across
+  calls.
+* Where a scalar carrier is needed (an effect after the ``shard_map`` that
+  runs once, on one device, or the carry of a loop or branch), the vector is
+  reduced with ``max``: there the order across devices needs that collective.
 
 ``jax.pmap`` is staged by JAX 0.10 as ``jit(shard_map)`` over the mapped
 axis, so it is covered by the same rule.
@@ -32,13 +37,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _placement
-from jax_effects import _primitives
 from jax_effects import _thread_tokens
 
 
@@ -49,48 +50,26 @@ def _to_varying(x, axes: tuple):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _segment_end_callback(key) -> _primitives.HostCallback:
-  def end():
-    _placement.segment_end(key)
-    return ()
-  return _primitives.HostCallback(end, f"jax_effects segment end ({key!r})")
-
-
-def _segment_end_per_device(key, carrier, mesh, axes, manual, check_vma):
-  """The segment end in a multi-process program: once on every device.
-
-  A callback outside the ``shard_map`` runs on the computation's first device
-  only, i.e. in one process, and the other processes would hold their
-  devices' output until ``deterministic()`` exits. Run per device instead,
-  each process releases its own held output; every device's call depends on
-  the reduced carrier (so on every device's last effect), the first one in a
-  process releases, the others find nothing held, and the chain continues
-  from the max of their carriers (after all of them).
-  """
-  callback = _segment_end_callback(key)
-
-  def body(c):
-    if check_vma:
-      c = _to_varying(c, axes)
-    _, c = _primitives.threaded_effect_p.bind(
-        lax.create_token(), c, host_callback=callback, result_avals=())
-    return c.reshape((1,))
-
-  vec = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axes),
-                      axis_names=set(manual), check_vma=check_vma)(carrier)
-  return jnp.max(vec)
-
-
 def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
   p = eqn.params
   mesh = p["mesh"]
   manual = p["newly_manual_axes"]
   axes = tuple(a for a in mesh.axis_names if a in manual)
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
   check_vma = p["check_vma"]
   keys = _thread_tokens.chain_keys(eqn.effects, mode)
   body_fn = _thread_tokens.region(p["jaxpr"], keys, mode)
 
+  carriers_in = []
+  for c in chains.take(keys):
+    if c.shape not in ((), (n,)):   # per-device vector of another mesh
+      c = jnp.max(c)
+    carriers_in.append(c)
+
   def body(carriers, *args):
+    carriers = [c.reshape(()) for c in carriers]
     if check_vma:
       carriers = [_to_varying(c, axes) for c in carriers]
     carriers, outs = body_fn(carriers, *args)
@@ -98,28 +77,19 @@ def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
       carriers = [_to_varying(c, axes) for c in carriers]
     return tuple(c.reshape((1,)) for c in carriers), list(outs)
 
-  carrier_in = tuple(P() for _ in keys)
+  carrier_in = tuple(P(axes) if c.shape else P() for c in carriers_in)
   carrier_out = tuple(P(axes) for _ in keys)
   mapped = jax.shard_map(
       body, mesh=mesh, in_specs=(carrier_in, *p["in_specs"]),
       out_specs=(carrier_out, list(p["out_specs"])),
       axis_names=set(manual), check_vma=check_vma)
-  carrier_vecs, outs = mapped(chains.take(keys), *invals)
-
-  for key, vec in zip(keys, carrier_vecs):
-    carrier = jnp.max(vec)
-    if key is not _effects.UNORDERED and jax.process_count() > 1:
-      carrier = _segment_end_per_device(key, carrier, mesh, axes, manual,
-                                        check_vma)
-    elif key is not _effects.UNORDERED:
-      token = chains.tokens.get(key)
-      if token is None:
-        token = lax.create_token()
-      token, carrier = _primitives.threaded_effect_p.bind(
-          token, carrier, host_callback=_segment_end_callback(key),
-          result_avals=())
-      chains.tokens[key] = token
-    chains.carriers[key] = carrier
+  carrier_vecs, outs = mapped(tuple(carriers_in), *invals)
+  # In a loop or branch the carrier keeps the shape it came in with (the
+  # carry's type); at the top level it stays per device.
+  at_top = _thread_tokens._context.kind == "top"
+  for key, c_in, vec in zip(keys, carriers_in, carrier_vecs):
+    keep = at_top or c_in.shape == vec.shape
+    chains.carriers[key] = vec if keep else jnp.max(vec)
   return outs
 
 

@@ -344,5 +344,11 @@ def thread_tokens(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   chains = Chains(runtime_tokens)
   outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finals = list(chains.carriers.values())
-  token = functools.reduce(lax.max, finals) if finals else None
+  token = functools.reduce(_combine, finals) if finals else None
   return outs, token
+
+
+def _combine(a, b):
+  # A chain that went through shard_map ends as a per-device vector (see
+  # _shard_map_rules): the token is then that vector (no collective needed).
+  return lax.max(a, b) if a.shape == b.shape else jnp.maximum(a, b)

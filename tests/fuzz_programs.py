@@ -407,7 +407,27 @@ def compare(program, mode: str, k0: int = 7) -> dict:
 
   e_ord, e_un = split(eager.records)
   j_ord, j_un = split(jitted.records)
+  eager_trace = (e_un, [r[:3] for r in e_ord])
+  if eager_trace != (j_un, [r[:3] for r in j_ord]) and not has_vmap(program):
+    want = oracle(program, k0)
+    if eager_trace != (sorted(r for r in want if r[1] in unordered),
+                       [r for r in want if r[1] not in unordered]):
+      # The eager reference itself is wrong: hold jit to the oracle, report.
+      check_oracle(program, mode, k0, unordered, jitted.records, where)
+      raise KnownEagerBug(
+          f"{where}: the eager (jax.disable_jit) reference disagrees with the "
+          f"oracle; jit matches it. Eager: {eager_trace}")
   assert e_un == j_un, f"{where}: unordered effects differ"
+  if (mode == "global" and [r[:3] for r in e_ord] != [r[:3] for r in j_ord]
+      and _nested_compiled_loop(program)):
+    # Per effect the two must still agree; the eager interleaving of
+    # different effects is not a reference here (see GLOBAL_EAGER_BUG).
+    e_per, j_per = streams(e_ord, "per_effect"), streams(j_ord, "per_effect")
+    assert {k: [r[:3] for r in v] for k, v in e_per.items()} == {
+        k: [r[:3] for r in v] for k, v in j_per.items()}, where
+    if not has_vmap(program):
+      check_oracle(program, mode, k0, unordered, jitted.records, where)
+    raise KnownEagerBug(f"{where}: {GLOBAL_EAGER_BUG}")
   e_streams, j_streams = streams(e_ord, mode), streams(j_ord, mode)
   assert e_streams.keys() == j_streams.keys(), where
   for key in e_streams:
@@ -452,3 +472,26 @@ KNOWN_EAGER_BUG = "returns incorrect set of output tokens"
 
 class KnownEagerBug(Exception):
   pass
+
+
+#: Under jax.disable_jit(), control flow nested in a traced context
+#: (checkpoint, vmap, ...) is compiled by plain jax.jit, whose fallback lowering
+#: gives each Effect its own JAX token: in "global" mode, effects of different
+#: Effects inside it are not ordered relative to each other (seen: a while
+#: body's fz_a/fz_b callbacks swapped). jax_effects.jit is not affected.
+GLOBAL_EAGER_BUG = ("eager reference interleaves different effects out of "
+                    "order in global mode (plain-jit fallback lowering keeps "
+                    "one JAX token per Effect)")
+
+
+def _nested_compiled_loop(program):
+  """Whether eager execution compiles control flow (nested in a trace)."""
+  def visit(block, traced):
+    for s in block:
+      if traced and s.kind in ("cond", "while", "scan", "fori"):
+        return True
+      inner = traced or s.kind in ("checkpoint", "vmap", "grad", "jit")
+      if any(visit(b, inner) for b in s.blocks):
+        return True
+    return False
+  return visit(program, False)
