@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Any, Callable
 
 import jax
@@ -40,6 +41,9 @@ from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _runtime_tokens
 from jax_effects import _thread_tokens
+
+#: How many traces (jaxprs by signature) a Function keeps for reuse.
+_KEPT_TRACES = 8
 
 TOKENS_KW = "__jax_effects_runtime_tokens__"
 
@@ -110,7 +114,10 @@ class Function:
     self._jit_kwargs = jit_kwargs
     self._signature = _signature_with_tokens(fun)
     self._effectful = False
-    self._retry = self._last = None  # see _trace
+    self._traces: dict = {}  # see _trace
+    self._traces_lock = threading.Lock()
+    #: mode -> sharding of the per-device token this function returned last
+    self._per_device_sharding: dict[str, Any] = {}
     #: ordering mode -> tuple of ordered chain keys passed as runtime tokens
     self.keys: dict[str, tuple] = {}
     self._threaded: dict[str, Any] = {}
@@ -137,24 +144,23 @@ class Function:
   def _trace(self, args, kwargs):
     """Traces the user function on the dynamic leaves of ``(args, kwargs)``.
 
-    The retry after :class:`NeedsTokens` (same static leaves and avals) reuses
-    the jaxpr of the attempt that raised it, so the user function is traced
-    once per signature, as under ``jax.jit``.
+    The last few traces are kept by signature (static leaves and avals): the
+    retry after :class:`NeedsTokens`, or a new shape of runtime token (a
+    per-device token, see ``_runtime_tokens.per_device_tokens``), reuses the
+    jaxpr, so the user function is traced once per signature, as under
+    ``jax.jit``.
     """
     leaves, treedef = tree_util.tree_flatten((args, kwargs))
     dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
     dyn = [leaves[i] for i in dyn_pos]
-    signature = (treedef, [x.aval if isinstance(x, jax.core.Tracer) else x
-                           for x in leaves])
-    retry, self._retry = self._retry, None
-    if retry is not None:
-      try:
-        same = retry[0] == signature
-      except Exception:  # noqa: BLE001  (a static leaf that cannot compare)
-        same = False
-      if same is True:
-        self._last = retry
-        return retry[1], dyn, retry[2]
+    signature = (treedef, tuple(x.aval if isinstance(x, jax.core.Tracer) else x
+                                for x in leaves), _effects.get_ordering())
+    try:
+      hit = self._traces.get(signature)
+    except TypeError:  # a static leaf that cannot be hashed
+      signature = hit = None
+    if hit is not None:
+      return hit[0], dyn, hit[1]
 
     @functools.wraps(self._fun)
     def flat_fun(*dyn_vals):
@@ -166,21 +172,22 @@ class Function:
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
     out_tree = tree_util.tree_structure(out_shape)
-    self._last = (signature, closed, out_tree)
+    if signature is not None and not any(
+        isinstance(c, jax.core.Tracer) for c in closed.consts):
+      # (a jaxpr closing over an enclosing trace's values is not reusable)
+      with self._traces_lock:
+        if len(self._traces) >= _KEPT_TRACES:
+          self._traces.pop(next(iter(self._traces)))
+        self._traces[signature] = (closed, out_tree)
     return closed, dyn, out_tree
-
-  def _needs_tokens(self, keys) -> NeedsTokens:
-    self._retry, self._last = self._last, None  # the retry reuses this trace
-    return NeedsTokens(keys)
 
   def _trace_pure(self, args, kwargs):
     closed, dyn, out_tree = self._trace(args, kwargs)
     mode = _effects.get_ordering()
     keys = _thread_tokens.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
-      raise self._needs_tokens(
+      raise NeedsTokens(
           tuple(k for k in keys if k is not _effects.UNORDERED))
-    self._last = None  # keeps no jaxpr (and its constants) alive
     outs, _ = _thread_tokens.thread_tokens(closed, dyn, {}, mode)
     return tree_util.tree_unflatten(out_tree, outs)
 
@@ -191,8 +198,7 @@ class Function:
     missing = tuple(k for k in _thread_tokens.chain_keys(closed.effects, mode)
                     if k is not _effects.UNORDERED and k not in known)
     if missing or len(runtime) != len(known):
-      raise self._needs_tokens(missing)
-    self._last = None  # keeps no jaxpr (and its constants) alive
+      raise NeedsTokens(missing)
     outs, token = _thread_tokens.thread_tokens(
         closed, dyn, dict(zip(known, runtime)), mode)
     if token is None:
@@ -231,7 +237,6 @@ class Function:
       except NeedsTokens as err:
         self._learn(_effects.get_ordering(), err)
     if not _compat.at_top_level() or _compat.disable_jit_flag.value:
-      self._retry = None  # a trace under another trace is not reused
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_tokens()
@@ -243,6 +248,9 @@ class Function:
         tokens = (runtime.get(keys[0], initial),)
       else:
         tokens = tuple([runtime.get(k, initial) for k in keys])
+      if state.per_device:
+        tokens = _runtime_tokens.per_device_tokens(
+            state, keys, tokens, self._per_device_sharding.get(mode))
       jitted = self._threaded.get(mode) or self._threaded_jit(mode, args)
       try:
         out, token = jitted(tokens, *args, **kwargs)
@@ -253,6 +261,8 @@ class Function:
         if not _runtime_tokens.is_execution_error(err):
           raise
         _runtime_tokens.reraise(err, state)
+      if token.ndim:
+        self._per_device_sharding[mode] = token.sharding
       _runtime_tokens.update(state, keys, token)
       return out
 
@@ -314,6 +324,9 @@ class Compiled:
     state = _runtime_tokens.thread_tokens()
     initial = _runtime_tokens.initial_token()
     tokens = tuple(state.runtime.get(k, initial) for k in self._keys)
+    if state.per_device:  # compiled for scalar tokens (see Function.lower)
+      tokens = _runtime_tokens.per_device_tokens(state, self._keys, tokens,
+                                                 None)
     try:
       out, token = self._compiled(tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001

@@ -46,7 +46,8 @@ TOKEN_DTYPE = np.uint8
 
 class ThreadTokens:
   """The token state of one Python thread."""
-  __slots__ = ("runtime", "output", "last_sharding", "thread", "__weakref__")
+  __slots__ = ("runtime", "output", "last_sharding", "per_device", "thread",
+               "__weakref__")
 
   def __init__(self, thread: threading.Thread):
     # chain key (Effect) -> uncommitted single-device runtime token
@@ -55,6 +56,8 @@ class ThreadTokens:
     self.output: dict[Any, jax.Array] = {}
     # the most recently inserted key of ``output`` (None: unknown)
     self.last_sharding: Any = None
+    # True while some runtime token is a per-device vector (see update)
+    self.per_device = False
     self.thread = weakref.ref(thread)
 
   def devices(self) -> dict[Any, jax.Array]:
@@ -81,6 +84,7 @@ class ThreadTokens:
     self.runtime.clear()
     self.output.clear()
     self.last_sharding = None
+    self.per_device = False
 
 
 _local = threading.local()
@@ -121,13 +125,42 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     output[sharding] = token
     state.last_sharding = sharding
   if keys:
-    if token.ndim:   # one element per device (shard_map): combine them
+    if token.ndim:
+      # One element per device (a shard_map program): kept as it is, so the
+      # next call of a program over the same devices continues each device's
+      # chain from its own element, with no copy and no extra dispatch; it is
+      # combined only for a computation that runs elsewhere (per_device_tokens)
+      # or, in the deterministic view, right away (that releases the output).
       from jax_effects import _placement
-      runtime = _placement.combine_per_device(token)
+      if _placement.is_deterministic():
+        runtime = _placement.combine_per_device(token)
+      else:
+        runtime = token
+        state.per_device = True
     else:
       runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
       state.runtime[key] = runtime
+
+
+def per_device_tokens(state: ThreadTokens, keys, tokens: tuple,
+                      sharding) -> tuple:
+  """``tokens`` with each per-device token not on ``sharding`` combined.
+
+  A per-device runtime token (one element per device of a shard_map program)
+  can be handed as it is only to a computation over the same devices
+  (``sharding``: that of the token the callee returned last time, or None).
+  Any other computation gets the elements combined into one scalar token on
+  the first device (``_placement.combine_per_device``), which is stored back.
+  """
+  from jax_effects import _placement
+  out = []
+  for key, token in zip(keys, tokens):
+    if token.ndim and (sharding is None or token.sharding != sharding):
+      token = state.runtime[key] = _placement.combine_per_device(token)
+    out.append(token)
+  state.per_device = any(t.ndim for t in state.runtime.values())
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
