@@ -243,7 +243,7 @@ class Function:
     while True:
       keys = self.keys.get(mode, ())
       runtime = state.runtime
-      initial = _runtime_tokens.initial_token()
+      initial = _runtime_tokens.initial_token(state)
       if len(keys) == 1:  # the common case, without a comprehension's frame
         tokens = (runtime.get(keys[0], initial),)
       else:
@@ -264,6 +264,8 @@ class Function:
       if token.ndim:
         self._per_device_sharding[mode] = token.sharding
       _runtime_tokens.update(state, keys, token)
+      if _runtime_tokens._deferred:   # a multi-device callback failed
+        _runtime_tokens.raise_deferred(state)
       return out
 
   def lower(self, *args, **kwargs) -> "Lowered":
@@ -322,7 +324,7 @@ class Compiled:
     if self._mode is None:
       return self._compiled(*args, **kwargs)
     state = _runtime_tokens.thread_tokens()
-    initial = _runtime_tokens.initial_token()
+    initial = _runtime_tokens.initial_token(state)
     tokens = tuple(state.runtime.get(k, initial) for k in self._keys)
     if state.per_device:  # compiled for scalar tokens (see Function.lower)
       tokens = _runtime_tokens.per_device_tokens(state, self._keys, tokens,
@@ -334,6 +336,8 @@ class Compiled:
         raise
       _runtime_tokens.reraise(err, state)
     _runtime_tokens.update(state, self._keys, token)
+    if _runtime_tokens._deferred:   # a multi-device callback failed
+      _runtime_tokens.raise_deferred(state)
     return out
 
 

@@ -53,6 +53,7 @@ from jax.experimental import io_callback
 from jax_effects import _capture
 from jax_effects import _compat
 from jax_effects import _effects
+from jax_effects import _runtime_tokens
 
 __all__ = ["Placement", "current", "deterministic", "is_deterministic"]
 
@@ -167,7 +168,9 @@ def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
       try:
         return _run_at(placement, threaded, host, args)
       except _runtime_tokens.CallbackFailed as failed:
-        _runtime_tokens.defer_error(failed)
+        # The carrier holds the dispatching thread's slot (_runtime_tokens).
+        slot = int(args[passthrough - 1]) if threaded and passthrough else 0
+        _runtime_tokens.defer_error(failed, slot)
         return (*args[:passthrough],
                 *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:]))
     return attributed
@@ -272,7 +275,8 @@ def _combine_and_release(*shards):
   # The callback's result is the token: the next dispatch's effects follow
   # the release.
   return io_callback(_release_and_pass,
-                     jax.ShapeDtypeStruct((), np.uint8), _combine(*shards))
+                     jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE),
+                     _combine(*shards))
 
 
 _combine_jit = jax.jit(_combine)

@@ -41,13 +41,16 @@ import numpy as np
 
 from jax_effects import _compat
 
-TOKEN_DTYPE = np.uint8
+# int32: a token's value is the slot of the thread that dispatched it (see
+# ThreadTokens.slot); host callbacks pass it through unchanged.
+TOKEN_DTYPE = np.int32
+_slots = itertools.count(1)
 
 
 class ThreadTokens:
   """The token state of one Python thread."""
-  __slots__ = ("runtime", "output", "last_sharding", "per_device", "thread",
-               "__weakref__")
+  __slots__ = ("runtime", "output", "last_sharding", "per_device", "slot",
+               "initial", "thread", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
     # chain key (Effect) -> uncommitted single-device runtime token
@@ -58,6 +61,12 @@ class ThreadTokens:
     self.last_sharding: Any = None
     # True while some runtime token is a per-device vector (see update)
     self.per_device = False
+    # This thread's number (>= 1), the value of every runtime token it
+    # dispatches: the carriers of its computations hold it, so a host callback
+    # knows which thread dispatched it (for errors that cannot fail the
+    # computation, see defer_error). 0 stands for "unknown".
+    self.slot = next(_slots)
+    self.initial: jax.Array | None = None
     self.thread = weakref.ref(thread)
 
   def devices(self) -> dict[Any, jax.Array]:
@@ -103,15 +112,15 @@ def thread_tokens() -> ThreadTokens:
     return state
 
 
-_initial = None
+def initial_token(state: ThreadTokens) -> jax.Array:
+  """The token of a stream that has had no effect yet in ``state``'s thread.
 
-
-def initial_token() -> jax.Array:
-  """The token of a stream that has had no effect yet (ready, uncommitted)."""
-  global _initial
-  if _initial is None:
-    _initial = jnp.zeros((), TOKEN_DTYPE)
-  return _initial
+  Ready, uncommitted, and holding the thread's slot.
+  """
+  token = state.initial
+  if token is None:
+    token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
+  return token
 
 
 def update(state: ThreadTokens, keys, token: jax.Array) -> None:
@@ -219,23 +228,33 @@ def original_error(err: BaseException) -> BaseException | None:
 # Errors of callbacks in multi-device computations. Raising into XLA there
 # would leave the other devices waiting forever in the next collective (XLA's
 # CPU runtime then aborts the process), so the host function returns normally
-# and the error waits here for the next effects_barrier (see _placement).
-_deferred: list[int] = []
+# and the error waits here, under the slot of the thread that dispatched the
+# computation (read from the carrier the callback received; 0 if unknown, as
+# for a chain that did not start from a runtime token). The dispatching
+# thread raises it when its call returns (raise_deferred), or its next
+# effects_barrier does.
+_deferred: dict[int, list[int]] = {}
 
 
-def defer_error(failed: CallbackFailed) -> None:
-  """Keeps the error behind ``failed`` for :func:`effects_barrier` to raise."""
+def defer_error(failed: CallbackFailed, slot: int = 0) -> None:
+  """Keeps the error behind ``failed`` for thread ``slot`` to raise."""
   with _errors_lock:
-    _deferred.extend(int(n) for n in _MARK_RE.findall(str(failed)))
+    _deferred.setdefault(slot, []).extend(
+        int(n) for n in _MARK_RE.findall(str(failed)))
 
 
-def pop_deferred() -> BaseException | None:
-  """The first deferred error (once); later ones are noted on it and dropped."""
+def pop_deferred(slots=None) -> BaseException | None:
+  """The first deferred error of ``slots`` (all if None), once.
+
+  Later ones of the same slots are noted on it and dropped.
+  """
   if not _deferred:
     return None
   with _errors_lock:
-    excs = [_errors.pop(n, None) for n in _deferred]
-    _deferred.clear()
+    ids = []
+    for slot in (list(_deferred) if slots is None else slots):
+      ids.extend(_deferred.pop(slot, ()))
+    excs = [_errors.pop(n, None) for n in ids]
   excs = [e for e in excs if e is not None]
   if not excs:
     return None
@@ -246,6 +265,13 @@ def pop_deferred() -> BaseException | None:
         "computations happened before this one was reported; they are not "
         "raised separately")
   return first
+
+
+def raise_deferred(state: ThreadTokens) -> None:
+  """Raises an error deferred by a computation this thread dispatched."""
+  exc = pop_deferred((state.slot,))
+  if exc is not None:
+    raise exc.with_traceback(exc.__traceback__)
 
 
 def is_execution_error(err: BaseException) -> bool:
@@ -280,9 +306,9 @@ def effects_barrier(all_threads: bool = False) -> None:
   With ``all_threads=False`` waits for the effects dispatched by the calling
   thread; with ``all_threads=True`` for those of every thread (including
   threads that have exited). Re-raises a callback's exception that has not been
-  reported yet, once (including, process-wide, an exception of a callback in a
-  multi-device computation, which cannot fail that computation: it is raised
-  here, by the next barrier).
+  reported yet, once (including an exception of a callback in a multi-device
+  computation, which cannot fail that computation: it is raised by the
+  dispatching call when it returns, or else here).
   """
   if all_threads:
     with _all_lock:
@@ -308,7 +334,9 @@ def effects_barrier(all_threads: bool = False) -> None:
     _forget_dead_threads(dead)
   if first_error is not None:
     reraise(first_error, None)
-  deferred = pop_deferred()   # multi-device callbacks' errors (process-wide)
+  # multi-device callbacks' errors: this thread's and those of unknown origin
+  # (every thread's with all_threads=True)
+  deferred = pop_deferred(None if all_threads else (states[0].slot, 0))
   if deferred is not None:
     raise deferred.with_traceback(deferred.__traceback__)
 

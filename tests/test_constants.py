@@ -119,7 +119,7 @@ def test_simplified_constants_are_hoisted_not_inlined(report):
   assert [("jax.const = true" in p) for p in params] == [True, True, False,
                                                          False]
   assert [("jax.const = true" in p) for p in plain] == [True, True, False]
-  assert "tensor<ui8>" in params[2]
+  assert "tensor<i32>" in params[2]
   assert "tensor<4096xf32>" in params[3]
 
 

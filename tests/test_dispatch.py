@@ -64,7 +64,7 @@ def test_one_runtime_token_per_ordered_effect_used():
   snap = _run_in_thread(in_thread)
   assert set(snap.effects) == {a, b, je.DEFAULT}
   for token in snap.effects.values():
-    assert token.shape == () and token.dtype == jnp.uint8
+    assert token.shape == () and token.dtype == jnp.int32
   assert set(f.keys[je.get_ordering()]) == {a, b, je.DEFAULT}
 
 
