@@ -15,7 +15,7 @@ through its transformations, and it has the rules those transformations need
 
 ``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
 effects of one chain are linked by it, so XLA cannot reorder them. ``carrier``
-is a ``uint8`` scalar standing for the same chain where a token cannot go
+is an ``int32`` scalar standing for the same chain where a token cannot go
 (across ``cond``/``while``/``scan`` boundaries, and out to the runtime token):
 the host callback takes it as an operand and returns it, which is a real data
 dependency XLA must respect. It has *no* JAX-level effect, so after the pass
