@@ -1,9 +1,9 @@
 """Runtime tokens and output tokens: ordering across dispatches.
 
 Compiler tokens order side effects *inside* one computation. Between
-computations, the order is carried by **runtime tokens**: tiny arrays (a
-``int32`` scalar holding the dispatching thread's slot) that every token-threaded executable takes as inputs, one per
-ordered :class:`~jax_effects.Effect` it uses, and returns as outputs. Because
+computations, the order is carried by **runtime tokens**: tiny arrays (an
+``int32`` scalar holding the dispatching thread's slot) that every
+token-threaded executable takes as inputs, one per ordered :class:`~jax_effects.Effect` it uses, and returns as outputs. Because
 an executable starts only when all its inputs are ready ("strict execution"),
 passing the token returned by the previous computation makes the next one wait
 for it.
