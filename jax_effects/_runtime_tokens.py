@@ -244,27 +244,33 @@ def defer_error(failed: CallbackFailed, slot: int = 0) -> None:
 
 
 def pop_deferred(slots=None) -> BaseException | None:
-  """The first deferred error of ``slots`` (all if None), once.
+  """Removes and returns the oldest deferred error of ``slots`` (all if None).
 
-  Later ones of the same slots are noted on it and dropped.
+  One error per call: each reaches the user once, as itself. If more are
+  pending for those slots, a note on the returned one says so (the next call
+  or barrier raises the next one).
   """
   if not _deferred:
     return None
   with _errors_lock:
-    ids = []
     for slot in (list(_deferred) if slots is None else slots):
-      ids.extend(_deferred.pop(slot, ()))
-    excs = [_errors.pop(n, None) for n in ids]
-  excs = [e for e in excs if e is not None]
-  if not excs:
-    return None
-  first = excs[0]
-  if len(excs) > 1 and hasattr(first, "add_note"):
-    first.add_note(
-        f"jax_effects: {len(excs) - 1} more callback error(s) in multi-device "
-        "computations happened before this one was reported; they are not "
-        "raised separately")
-  return first
+      ids = _deferred.get(slot)
+      while ids:
+        exc = _errors.pop(ids.pop(0), None)
+        if exc is None:
+          continue
+        left = sum(len(_deferred.get(s, ())) for s in
+                   (list(_deferred) if slots is None else slots))
+        for s in [s for s, v in _deferred.items() if not v]:
+          del _deferred[s]
+        if left and hasattr(exc, "add_note"):
+          exc.add_note(
+              f"jax_effects: {left} more callback error(s) of multi-device "
+              "computations are pending; the next effects_barrier() (or "
+              "call) raises the next one")
+        return exc
+      _deferred.pop(slot, None)
+  return None
 
 
 def raise_deferred(state: ThreadTokens) -> None:

@@ -12,10 +12,10 @@ failures land on all threads at unpredictable points). Checked:
   thread's dispatch order: the calls after a failure work.
 
 The same runs inside ``shard_map`` over 8 devices (per-device effects), from
-one dispatching thread: with a barrier after every call each error is raised
-once; without, the test is an expected failure naming what is missing
-(``AGGREGATED_DEFERRED_ERRORS``); the several-threads variant is skipped
-(``CONCURRENT_COLLECTIVES``: XLA's CPU runtime aborts).
+one dispatching thread (with and without a barrier after every call) and from
+four: an error of a device's callback cannot fail the computation, so it is
+raised by the dispatching thread's call (or a later one, or its barrier:
+each raise reports one error).
 """
 import collections
 import threading
@@ -98,10 +98,12 @@ def worker(call, tid, n, caught):
         call(i, np.int32(tid), np.int32(i))
       except Boom as exc:
         got.append(exc)
-    try:
-      je.effects_barrier()
-    except Boom as exc:
-      got.append(exc)
+    while True:   # one pending error per barrier: until none is left
+      try:
+        je.effects_barrier()
+        break
+      except Boom as exc:
+        got.append(exc)
   return run
 
 
@@ -263,24 +265,6 @@ def _shard_map_unsupported_reason():
   return None
 
 
-#: Why several threads do not dispatch shard_map computations at once here.
-CONCURRENT_COLLECTIVES = (
-    "XLA's CPU runtime aborts the process (rendezvous termination timeout) "
-    "when several Python threads run multi-device programs with collectives "
-    "at once: plain jax.jit(shard_map(psum)) from 4 threads reproduces it; "
-    "jax_effects' shard_map rule adds such a collective (max of the "
-    "per-device carriers)")
-
-#: What is missing for errors to be reported once each without a barrier
-#: after every call.
-AGGREGATED_DEFERRED_ERRORS = (
-    "issue 3: a callback error in a multi-device computation is deferred to "
-    "the next effects_barrier, process-wide, and only the first deferred "
-    "error is raised (the others are only noted on it); reporting each error "
-    "once, to the thread that dispatched it, needs the error tied to its "
-    "computation")
-
-
 def _faults_shard_map(n, *, barrier_each_call, n_threads=1):
   reason = _shard_map_unsupported_reason()
   if reason:
@@ -318,7 +302,6 @@ def test_callback_errors_in_shard_map_barrier_each_call():
   _faults_shard_map(N_DEFAULT // 8, barrier_each_call=True)
 
 
-@pytest.mark.xfail(reason=AGGREGATED_DEFERRED_ERRORS, strict=False)
 def test_callback_errors_in_shard_map_under_load():
   _faults_shard_map(N_DEFAULT // 8, barrier_each_call=False)
 
@@ -328,6 +311,5 @@ def test_callback_errors_in_shard_map_barrier_each_call_full():
   _faults_shard_map(N_SLOW // 8, barrier_each_call=True)
 
 
-@pytest.mark.skip(reason=CONCURRENT_COLLECTIVES)
 def test_callback_errors_in_shard_map_under_thread_load():
   _faults_shard_map(N_DEFAULT // 8, barrier_each_call=False, n_threads=4)
