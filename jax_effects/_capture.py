@@ -43,9 +43,18 @@ def remove_record_listener(fn: Callable[[logging.LogRecord], None]) -> None:
     _record_listeners = tuple(f for f in _record_listeners if f is not fn)
 
 
+_write_lock = threading.Lock()
+
+
 def deliver_line(line: str) -> None:
-  """Writes one printed line (without its newline) to ``sys.stdout``."""
-  sys.stdout.write(line + "\n")
+  """Writes one printed line (without its newline) to ``sys.stdout``.
+
+  Host callbacks of several devices and threads run at the same time, and
+  ``sys.stdout`` (a ``TextIOWrapper``) is not thread-safe: one lock keeps
+  every line whole.
+  """
+  with _write_lock:
+    sys.stdout.write(line + "\n")
   for fn in _line_listeners:
     fn(line)
 
