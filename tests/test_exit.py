@@ -62,8 +62,10 @@ def test_pending_effects_of_several_threads_complete_at_exit(join):
   assert proc.returncode == 0, proc.stderr[-3000:]
   per_thread = collections.defaultdict(list)
   for line in proc.stdout.splitlines():
-    word, tid, i = line.split()
-    assert word == "line", line
+    parts = line.split()
+    assert len(parts) == 3 and parts[0] == "line", (
+        f"unexpected stdout line {line!r}; stderr: {proc.stderr[-2000:]}")
+    _, tid, i = parts
     per_thread[int(tid)].append(int(i))
   # Lines of the two effects interleave freely; each effect's lines are in
   # order, and together they are every line exactly once.
