@@ -19,24 +19,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
-
-
-def _run_in_thread(fn):
-  """Runs ``fn`` in a fresh thread (fresh token state); returns its result."""
-  box = {}
-
-  def target():
-    try:
-      box["out"] = fn()
-    except BaseException as e:  # noqa: BLE001
-      box["err"] = e
-
-  t = threading.Thread(target=target)
-  t.start()
-  t.join()
-  if "err" in box:
-    raise box["err"]
-  return box["out"]
+from threads import in_thread as run_in_thread
 
 
 def _device_of(array):
@@ -61,7 +44,7 @@ def test_one_runtime_token_per_ordered_effect_used():
     f(jnp.int32(0))
     return je.runtime_tokens()
 
-  snap = _run_in_thread(in_thread)
+  snap = run_in_thread(in_thread)
   assert set(snap.effects) == {a, b, je.DEFAULT}
   for token in snap.effects.values():
     assert token.shape == () and token.dtype == jnp.int32
@@ -84,14 +67,14 @@ def test_runtime_tokens_are_per_effect():
     assert je.runtime_tokens().effects[b] is snap.effects[b]
     return True
 
-  assert _run_in_thread(in_thread)
+  assert run_in_thread(in_thread)
 
 
 def test_runtime_tokens_are_thread_local():
   e = je.Effect("disp-thread")
   f = je.jit(lambda x: (je.print("t {}", x, effect=e), x)[1])
   before = je.runtime_tokens().effects.get(e)
-  snap = _run_in_thread(lambda: (f(1), je.runtime_tokens())[1])
+  snap = run_in_thread(lambda: (f(1), je.runtime_tokens())[1])
   assert e in snap.effects
   assert je.runtime_tokens().effects.get(e) is before  # main thread untouched
   je.effects_barrier(all_threads=True)
@@ -161,7 +144,7 @@ def test_tokens_follow_the_device_of_the_computation():
     assert _device_of(je.runtime_tokens().effects[je.DEFAULT]) == devices[0]
     return True
 
-  assert _run_in_thread(in_thread)
+  assert run_in_thread(in_thread)
 
 
 def test_order_across_devices_and_functions():
@@ -215,7 +198,7 @@ def test_effects_barrier_blocks_on_output_tokens_of_every_device():
     je.effects_barrier()
     return sorted(done)
 
-  assert _run_in_thread(in_thread) == [0, 1, 2, 3]
+  assert run_in_thread(in_thread) == [0, 1, 2, 3]
 
 
 def test_barrier_all_threads_waits_for_other_threads():
@@ -328,7 +311,7 @@ def test_dispatch_stays_on_jax_cpp_fast_path(jax_events):
     je.effects_barrier()
     return n_traces
 
-  n_traces = _run_in_thread(in_thread)
+  n_traces = run_in_thread(in_thread)
   assert jax_events["jit_cpp_cache_miss"] == 0, jax_events
   assert len(traces) == n_traces
 

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
 from jax_effects import _runtime_tokens
+from threads import run_threads
 
 N_THREADS = 8
 N_DEFAULT = 1_000
 N_SLOW = 10_000
 FAIL_EVERY = 97
-JOIN_TIMEOUT_S = 900
 
 
 class Boom(Exception):
@@ -62,30 +62,6 @@ class FailingRecorder:
         self.records.append(key)
     if fail:
       raise exc
-
-
-def run_threads(targets):
-  errors = []
-  go = threading.Event()
-
-  def wrap(fn):
-    def run():
-      go.wait()
-      try:
-        fn()
-      except BaseException as exc:  # noqa: BLE001 - re-raised below
-        errors.append(exc)
-    return run
-
-  threads = [threading.Thread(target=wrap(t)) for t in targets]
-  for t in threads:
-    t.start()
-  go.set()
-  for t in threads:
-    t.join(JOIN_TIMEOUT_S)
-  assert not any(t.is_alive() for t in threads), "a worker thread hangs"
-  if errors:
-    raise errors[0]
 
 
 def worker(call, tid, n, caught):

@@ -13,23 +13,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
-
-
-def in_thread(fn, *args):
-  """Runs ``fn(*args)`` in a new thread; returns its result or raises."""
-  box = {}
-
-  def target():
-    try:
-      box["out"] = fn(*args)
-    except BaseException as e:  # noqa: BLE001
-      box["err"] = e
-  t = threading.Thread(target=target)
-  t.start()
-  t.join()
-  if "err" in box:
-    raise box["err"]
-  return box["out"]
+from threads import in_thread
 
 
 def _effect_keys(fn, *args):

@@ -20,6 +20,7 @@ import pytest
 
 import jax_effects as je
 from jax_effects import _runtime_tokens
+from threads import run_threads
 
 N_THREADS = 8
 N_DEFAULT = 1_000
@@ -72,32 +73,6 @@ def make_functions(recorder, effect_f=None, effect_g=None):
     return seq * 2
 
   return f, g
-
-
-def run_threads(targets, *, start_together=True):
-  """Runs ``targets`` (callables) in threads; re-raises the first failure."""
-  errors = []
-  go = threading.Event()
-
-  def wrap(fn):
-    def run():
-      if start_together:
-        go.wait()
-      try:
-        fn()
-      except BaseException as exc:  # noqa: BLE001 - reported below
-        errors.append(exc)
-    return run
-
-  threads = [threading.Thread(target=wrap(t)) for t in targets]
-  for t in threads:
-    t.start()
-  go.set()
-  for t in threads:
-    t.join(JOIN_TIMEOUT_S)
-  assert not any(t.is_alive() for t in threads), "a worker thread hangs"
-  if errors:
-    raise errors[0]
 
 
 def dispatcher(f, g, tid, n, devices=None, mode=None):
