@@ -465,6 +465,37 @@ def compare(program, mode: str, k0: int = 7) -> dict:
   return {"records": len(jitted.records), "error": None}
 
 
+#: Under grad, JAX's scan partial evaluation (when tracing for jit) hoists an
+#: effect that depends on no loop-carried value out of the loop: it runs once,
+#: not once per iteration (jax.debug.print under jax.jit too; the eager path
+#: keeps it in the loop). The effect is already outside the loop when
+#: jax_effects' pass sees the program. A mismatch in a program with an effect
+#: in a loop under grad is reported as this known bug (see also
+#: test_grad_of_loop_with_loop_invariant_effect).
+LOOP_INVARIANT_HOISTING = (
+    "JAX's loop-invariant hoisting under grad runs a loop's effect once")
+
+
+class KnownJaxBug(Exception):
+  pass
+
+
+def has_effect_in_loop_under_grad(program) -> bool:
+  """Whether an effect sits in a loop (fori/scan/while) inside a grad."""
+  def inside(block, under_grad, in_loop):
+    for s in block:
+      if s.kind == "effect" and under_grad and in_loop:
+        return True
+      loop = in_loop or s.kind in ("fori", "scan", "while")
+      if (s.kind == "while" and s.args["cond_effect"] is not None
+          and under_grad):
+        return True
+      if any(inside(b, under_grad or s.kind == "grad", loop) for b in s.blocks):
+        return True
+    return False
+  return inside(program, False, False)
+
+
 def check_oracle(program, mode, k0, unordered, records, where):
   want = oracle(program, k0)
   want_ord = [r for r in want if r[1] not in unordered]
