@@ -19,8 +19,14 @@ Which chains a function uses is learnt while tracing: a trace that finds a
 chain the call did not pass a runtime token for raises :class:`NeedsTokens`,
 the hook adds the chain to :attr:`Function.keys` and calls again (a new token
 tuple length is a new ``jax.jit`` cache entry). Until a trace finds any
-effect, calls go through a ``jax.jit`` with no token argument: a function with
-no effects costs a plain ``jax.jit`` call.
+effect, calls go through a ``jax.jit`` with no token argument, and once a call
+has found the function pure, calling the :class:`Function` *is* calling that
+``jax.jit`` object (``__call__`` is a property returning it): a function with
+no effects costs a plain ``jax.jit`` call. If a later signature of such a
+function has effects, that trace cannot hand back to Python: it keeps the
+effect equations (JAX's own ordered effects order them, after this thread's
+earlier effects, through JAX's slower dispatch) and switches the function to
+the threaded path for every later call.
 
 Calls under an enclosing transformation or trace, and calls with
 ``jax.disable_jit()``, run the user function directly: the enclosing
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import threading
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import tree_util
+from jax.extend import core as jex_core
 
 from jax_effects import _compat
 from jax_effects import _effects
@@ -44,6 +52,9 @@ from jax_effects import _thread_tokens
 
 #: How many traces (jaxprs by signature) a Function keeps for reuse.
 _KEPT_TRACES = 8
+
+# Set while a call can catch NeedsTokens (see Function._first_call).
+_strict = threading.local()
 
 TOKENS_KW = "__jax_effects_runtime_tokens__"
 
@@ -114,6 +125,8 @@ class Function:
     self._jit_kwargs = jit_kwargs
     self._signature = _signature_with_tokens(fun)
     self._effectful = False
+    self._after_fallback = False
+    self._dispatch = self._first_call
     self._traces: dict = {}  # see _trace
     self._traces_lock = threading.Lock()
     #: mode -> sharding of the per-device token this function returned last
@@ -186,8 +199,19 @@ class Function:
     mode = _effects.get_ordering()
     keys = _thread_tokens.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
-      raise NeedsTokens(
-          tuple(k for k in keys if k is not _effects.UNORDERED))
+      err = NeedsTokens(tuple(k for k in keys if k is not _effects.UNORDERED))
+      if getattr(_strict, "on", False):
+        raise err
+      # A new signature of a function that was pure so far, called straight
+      # into jax.jit's C++ path (no frame of ours to catch NeedsTokens): later
+      # calls take the threaded path; this one keeps its effect equations, so
+      # JAX's own ordered effects order them (its slower dispatch, once),
+      # after this thread's effects dispatched so far.
+      self._learn(mode, err)
+      self._after_fallback = True
+      _runtime_tokens.wait_for_thread()
+      outs = jex_core.jaxpr_as_fun(closed)(*dyn)
+      return tree_util.tree_unflatten(out_tree, outs)
     outs, _ = _thread_tokens.thread_tokens(closed, dyn, {}, mode)
     return tree_util.tree_unflatten(out_tree, outs)
 
@@ -224,22 +248,44 @@ class Function:
     return jitted
 
   def _learn(self, mode: str, err: NeedsTokens) -> None:
-    self._effectful = True
     known = self.keys.get(mode, ())
     self.keys[mode] = known + tuple(k for k in err.keys if k not in known)
+    self._effectful = True
+    self._dispatch = self._call_threaded
 
   # --- dispatch ------------------------------------------------------------------
 
-  def __call__(self, *args, **kwargs):
+  #: Calling a Function calls ``self._dispatch``: the ``jax.jit`` object
+  #: itself once the function is known to be pure (no Python frame of ours:
+  #: a plain ``jax.jit`` call), else :meth:`_first_call` or
+  #: :meth:`_call_threaded`.
+  __call__ = property(operator.attrgetter("_dispatch"))
+
+  def _first_call(self, *args, **kwargs):
+    """Until a call finds the function pure: a pure call that may learn."""
+    if self._effectful:
+      return self._call_threaded(*args, **kwargs)
+    previous = getattr(_strict, "on", False)
+    _strict.on = True
+    try:
+      out = self._pure(*args, **kwargs)
+    except NeedsTokens as err:
+      self._learn(_effects.get_ordering(), err)
+      return self._call_threaded(*args, **kwargs)
+    finally:
+      _strict.on = previous
     if not self._effectful:
-      try:
-        return self._pure(*args, **kwargs)
-      except NeedsTokens as err:
-        self._learn(_effects.get_ordering(), err)
+      self._dispatch = self._pure
+    return out
+
+  def _call_threaded(self, *args, **kwargs):
     if not _compat.at_top_level() or _compat.disable_jit_flag.value:
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_tokens()
+    if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
+      self._after_fallback = False
+      _runtime_tokens.effects_barrier()
     while True:
       keys = self.keys.get(mode, ())
       runtime = state.runtime
@@ -271,10 +317,14 @@ class Function:
   def lower(self, *args, **kwargs) -> "Lowered":
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     if not self._effectful:
+      previous = getattr(_strict, "on", False)
+      _strict.on = True
       try:
         return Lowered(self, self._pure.lower(*args, **kwargs), None, ())
       except NeedsTokens as err:
         self._learn(_effects.get_ordering(), err)
+      finally:
+        _strict.on = previous
     mode = _effects.get_ordering()
     while True:
       keys = self.keys.get(mode, ())

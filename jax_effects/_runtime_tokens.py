@@ -306,6 +306,16 @@ def reraise(err: BaseException, state: ThreadTokens | None) -> None:
 
 # --- barrier -------------------------------------------------------------------
 
+def wait_for_thread() -> None:
+  """Blocks until this thread's dispatched effects have run (raises nothing:
+  a failure is reported by the next call or barrier)."""
+  for token in thread_tokens().pending():
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - reported by effects_barrier
+      pass
+
+
 def effects_barrier(all_threads: bool = False) -> None:
   """Blocks until every effect dispatched so far has completed.
 

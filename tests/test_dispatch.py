@@ -323,3 +323,40 @@ def test_pure_function_stays_on_fast_path(jax_events):
   for _ in range(5):
     f(jnp.ones(3))
   assert jax_events["jit_cpp_cache_miss"] == 0
+
+
+def test_known_pure_function_is_called_straight_into_jax_jit():
+  f = je.jit(lambda x: x * 2)
+  assert float(f(jnp.float32(3))) == 6.0
+  # No Python frame of ours on later calls: calling f calls the jax.jit object
+  assert f.__call__ is f._pure
+  assert float(f(jnp.float32(4))) == 8.0
+
+
+def test_function_pure_for_one_signature_effectful_for_another(effects_capture):
+  from functools import partial
+
+  @partial(je.jit, static_argnames=("debug",))
+  def f(x, debug):
+    if debug:
+      je.print("debug x={}", x)
+    return x + 1
+
+  @je.jit
+  def g(x):
+    je.print("g x={}", x)
+    return x
+
+  assert float(f(jnp.float32(1), debug=False)) == 2.0
+  assert f.__call__ is f._pure
+  g(jnp.float32(0))
+  # The first effectful signature goes straight into jax.jit's C++ path: it
+  # still runs its effect, in order, and switches f to the threaded path.
+  assert float(f(jnp.float32(2), debug=True)) == 3.0
+  g(jnp.float32(5))
+  assert float(f(jnp.float32(3), debug=True)) == 4.0
+  assert float(f(jnp.float32(4), debug=False)) == 5.0
+  assert f.__call__ == f._call_threaded
+  assert effects_capture.printed == ["g x=0.0", "debug x=2.0", "g x=5.0",
+                                     "debug x=3.0"]
+  assert je.DEFAULT in je.runtime_tokens().effects
