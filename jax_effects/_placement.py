@@ -25,7 +25,9 @@ on different threads). ``print`` prefixes per-device lines with
 **Errors.** In a multi-device computation a failing callback must not fail
 its device's part of the program (the other devices would wait forever in the
 next collective and XLA's CPU runtime aborts the process): the error is
-recorded for the next ``effects_barrier`` and the callback returns zeros.
+recorded under the slot of the dispatching thread (the value of the carrier,
+see ``_runtime_tokens``), the callback returns zeros, and that thread's call
+(or its next call or barrier) raises it.
 
 **Deterministic view.** Per-device effects are ordered on each device
 (program order, by that device's compiler-token chain), but devices run
@@ -129,10 +131,11 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
   with :func:`current` set.
 
   In a multi-device computation the wrapped function does not fail: a user
-  error is recorded for the next ``effects_barrier``
+  error is recorded for the dispatching thread
   (``_runtime_tokens.defer_error``) and the results are zeros (the
-  ``passthrough`` ones are returned as received), because a device failing its part of an SPMD program
-  leaves the others waiting forever in the next collective.
+  ``passthrough`` ones are returned as received), because a device failing
+  its part of an SPMD program leaves the others waiting forever in the next
+  collective.
   """
   axis_ctx = ctx.module_context.axis_context
   if isinstance(axis_ctx, _compat.SPMDAxisContext):
