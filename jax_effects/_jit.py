@@ -288,30 +288,19 @@ class Function:
       _runtime_tokens.effects_barrier()
     while True:
       keys = self.keys.get(mode, ())
-      runtime = state.runtime
-      initial = _runtime_tokens.initial_token(state)
-      if len(keys) == 1:  # the common case, without a comprehension's frame
-        tokens = (runtime.get(keys[0], initial),)
-      else:
-        tokens = tuple([runtime.get(k, initial) for k in keys])
-      if state.per_device:
-        tokens = _runtime_tokens.per_device_tokens(
-            state, keys, tokens, self._per_device_sharding.get(mode))
+      tokens = _runtime_tokens.tokens_for(
+          state, keys, self._per_device_sharding.get(mode))
       jitted = self._threaded.get(mode) or self._threaded_jit(mode, args)
       try:
         out, token = jitted(tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      except Exception as err:  # noqa: BLE001
-        if not _runtime_tokens.is_execution_error(err):
-          raise
+      except Exception as err:  # noqa: BLE001 - an execution error or not
         _runtime_tokens.reraise(err, state)
       if token.ndim:
         self._per_device_sharding[mode] = token.sharding
       _runtime_tokens.update(state, keys, token)
-      if _runtime_tokens._deferred:   # a multi-device callback failed
-        _runtime_tokens.raise_deferred(state)
       return out
 
   def lower(self, *args, **kwargs) -> "Lowered":
@@ -374,20 +363,13 @@ class Compiled:
     if self._mode is None:
       return self._compiled(*args, **kwargs)
     state = _runtime_tokens.thread_tokens()
-    initial = _runtime_tokens.initial_token(state)
-    tokens = tuple(state.runtime.get(k, initial) for k in self._keys)
-    if state.per_device:  # compiled for scalar tokens (see Function.lower)
-      tokens = _runtime_tokens.per_device_tokens(state, self._keys, tokens,
-                                                 None)
+    # compiled for scalar tokens (see Function.lower): no per-device sharding
+    tokens = _runtime_tokens.tokens_for(state, self._keys, None)
     try:
       out, token = self._compiled(tokens, *args, **kwargs)
-    except Exception as err:  # noqa: BLE001
-      if not _runtime_tokens.is_execution_error(err):
-        raise
+    except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.reraise(err, state)
     _runtime_tokens.update(state, self._keys, token)
-    if _runtime_tokens._deferred:   # a multi-device callback failed
-      _runtime_tokens.raise_deferred(state)
     return out
 
 

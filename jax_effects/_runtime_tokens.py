@@ -124,7 +124,11 @@ def initial_token(state: ThreadTokens) -> jax.Array:
 
 
 def update(state: ThreadTokens, keys, token: jax.Array) -> None:
-  """Records ``token`` (returned by one executable) for ``keys`` and devices."""
+  """Records ``token`` (returned by one executable) for ``keys`` and devices.
+
+  Then raises an error a multi-device callback of this thread deferred
+  (:func:`defer_error`), if any.
+  """
   output = state.output
   sharding = token.sharding
   if state.last_sharding is sharding:  # already the most recent entry
@@ -150,6 +154,26 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
       runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
       state.runtime[key] = runtime
+  if _deferred:   # a multi-device callback of this thread failed
+    raise_deferred(state)
+
+
+def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
+  """The runtime tokens of ``keys`` to pass to the next computation.
+
+  ``per_device_sharding``: sharding of the per-device token the callee
+  returned last time (None: the callee takes scalar tokens only); see
+  :func:`per_device_tokens`.
+  """
+  runtime = state.runtime
+  initial = initial_token(state)
+  if len(keys) == 1:  # the common case, without a comprehension's frame
+    tokens = (runtime.get(keys[0], initial),)
+  else:
+    tokens = tuple([runtime.get(k, initial) for k in keys])
+  if state.per_device:
+    tokens = per_device_tokens(state, keys, tokens, per_device_sharding)
+  return tokens
 
 
 def per_device_tokens(state: ThreadTokens, keys, tokens: tuple,
@@ -252,25 +276,24 @@ def pop_deferred(slots=None) -> BaseException | None:
   """
   if not _deferred:
     return None
+  exc = None
   with _errors_lock:
-    for slot in (list(_deferred) if slots is None else slots):
-      ids = _deferred.get(slot)
-      while ids:
+    slots = list(_deferred) if slots is None else slots
+    for slot in slots:
+      ids = _deferred.get(slot, [])
+      while ids and exc is None:
         exc = _errors.pop(ids.pop(0), None)
-        if exc is None:
-          continue
-        left = sum(len(_deferred.get(s, ())) for s in
-                   (list(_deferred) if slots is None else slots))
-        for s in [s for s, v in _deferred.items() if not v]:
-          del _deferred[s]
-        if left and hasattr(exc, "add_note"):
-          exc.add_note(
-              f"jax_effects: {left} more callback error(s) of multi-device "
-              "computations are pending; the next effects_barrier() (or "
-              "call) raises the next one")
-        return exc
-      _deferred.pop(slot, None)
-  return None
+      if not ids:
+        _deferred.pop(slot, None)
+      if exc is not None:
+        break
+    left = sum(len(_deferred.get(s, ())) for s in slots)
+  if exc is not None and left and hasattr(exc, "add_note"):
+    exc.add_note(
+        f"jax_effects: {left} more callback error(s) of multi-device "
+        "computations are pending; the next effects_barrier() (or call) "
+        "raises the next one")
+  return exc
 
 
 def raise_deferred(state: ThreadTokens) -> None:
@@ -294,8 +317,12 @@ def reraise(err: BaseException, state: ThreadTokens | None) -> None:
   """Raises the user's exception behind ``err`` (or ``err`` itself).
 
   The thread's tokens are reset: a failed computation's tokens carry its error
-  and must not be handed to the next computation.
+  and must not be handed to the next computation. An error that is not an
+  execution failure (:func:`is_execution_error`: a tracing error, say) is
+  raised unchanged and resets nothing.
   """
+  if not is_execution_error(err):
+    raise err
   orig = original_error(err)
   if state is not None:
     state.reset()
