@@ -181,17 +181,15 @@ def ordering(mode: str) -> Iterator[None]:
   if mode != outer:
     _wait_for_switch(all_threads=False)
   stack = _local.stack
-  if not stack and not isinstance(stack, list):
+  if isinstance(stack, tuple):  # the class default: this thread's first use
     stack = _local.stack = []
   stack.append(mode)
-  ok = False
   try:
     yield
-    ok = True
   finally:
     stack.pop()
-    if ok and mode != outer:  # (an exception in flight is not replaced)
-      _wait_for_switch(all_threads=False)
+  if mode != outer:  # not reached with an exception in flight
+    _wait_for_switch(all_threads=False)
 
 
 # --- trace-time marker --------------------------------------------------------
