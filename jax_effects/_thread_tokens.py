@@ -261,11 +261,11 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
   the body and of ``cond_fun`` get the live mask, so they run only for the
   elements still iterating (``_transformation_rules.masked``).
   """
-  def cond(carriers, vals, live):
+  def cond(carriers, vals):
     c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
     return (c if cond_effectful else carriers), pred
 
-  carriers, pred = cond(carriers, init, None)
+  carriers, pred = cond(carriers, init)
 
   def loop_body(state):
     carriers, live, vals = state
@@ -274,7 +274,7 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
       vals = [lax.select(lax.broadcast_in_dim(live, jnp.shape(n),
                                               tuple(range(live.ndim))), n, v)
               for n, v in zip(new, vals)]
-      carriers, pred = cond(carriers, vals, live)
+      carriers, pred = cond(carriers, vals)
     return carriers, jnp.logical_and(pred, live), vals
 
   carriers, _, outs = lax.while_loop(lambda s: jnp.any(s[1]), loop_body,
@@ -344,11 +344,7 @@ def thread_tokens(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   chains = Chains(runtime_tokens)
   outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finals = list(chains.carriers.values())
-  token = functools.reduce(_combine, finals) if finals else None
+  # (A chain that went through shard_map ends as a per-device vector, see
+  # _shard_map_rules: the token is then that vector, no collective needed.)
+  token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token
-
-
-def _combine(a, b):
-  # A chain that went through shard_map ends as a per-device vector (see
-  # _shard_map_rules): the token is then that vector (no collective needed).
-  return lax.max(a, b) if a.shape == b.shape else jnp.maximum(a, b)
