@@ -1,25 +1,43 @@
-"""Project-only test options. The jax_effects pytest plugin itself is loaded
-through its pytest11 entry point (install the package, e.g. ``pip install -e .``
-or ``tox``); it is deliberately not registered here, which would load it twice.
+"""Project-only test options and fixtures (helpers: ``tests/helpers.py``).
+
+The jax_effects pytest plugin itself is loaded through its pytest11 entry
+point (install the package, e.g. ``pip install -e .`` or ``tox``); it is
+deliberately not registered here, which would load it twice.
 """
+import os
+
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
+
+import helpers
+
+N_DEVICES = 8
 
 
 def pytest_addoption(parser):
   parser.addoption(
       "--run-slow", action="store_true", default=False,
-      help="also run tests marked slow (long stress/fuzz variants)")
+      help="run the long variants: more generated cases, larger stress "
+           "sizes (also JAX_EFFECTS_RUN_SLOW=1)")
 
 
 def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "slow: long stress/fuzz variants, run with --run-slow")
+  # Read before the test modules are imported: sizes are chosen at collection.
+  helpers.RUN_SLOW = bool(config.getoption("--run-slow")
+                          or os.environ.get("JAX_EFFECTS_RUN_SLOW") == "1")
 
 
-def pytest_collection_modifyitems(config, items):
-  if config.getoption("--run-slow"):
-    return
-  skip = pytest.mark.skip(reason="slow: run with --run-slow")
-  for item in items:
-    if "slow" in item.keywords:
-      item.add_marker(skip)
+@pytest.fixture(scope="session")
+def devices():
+  """The 8 simulated CPU devices (tox.ini: ``jax_effects_devices = 8``)."""
+  ds = jax.devices()
+  assert len(ds) == N_DEVICES, "run with jax_effects_devices = 8"
+  return ds
+
+
+@pytest.fixture(scope="session")
+def mesh(devices):
+  """A one-axis mesh ``("i",)`` over the 8 devices."""
+  return Mesh(np.array(devices), ("i",))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import threading
 from typing import Any
 
@@ -193,6 +194,8 @@ def build(program, records: Records):
 
     def fn(k, xsum, _tag=s.tag, _label=label):
       records.add((_label, _tag, int(k), float(xsum)))
+    # the tag in the callback's name: hoisted_effects finds it in a jaxpr
+    fn.__qualname__ = fn.__name__ = f"fuzzcallback_{s.tag}"
 
     je.callback(fn, None, k, jnp.sum(x), effect=effect,
                 ordered=s.args["how"] != "unordered")
@@ -288,8 +291,13 @@ def has_vmap(program):
   return any(s.kind == "vmap" for s in walk(program))
 
 
-def oracle(program, k: int) -> list:
+def oracle(program, k: int, hoisted: dict | None = None) -> list:
   """``(effect name, tag, k)`` of every effect, in program order.
+
+  ``hoisted`` (tag -> number of loops) models JAX's loop-invariant hoisting
+  under ``grad`` (see :data:`LOOP_INVARIANT_HOISTING`): an effect hoisted out
+  of its innermost ``h`` loops runs once where the outermost of them starts,
+  instead of once per iteration.
 
   Under ``vmap`` the program runs on *lanes* (one per batch element of every
   enclosing vmap, outer-major). Every effect happens once per lane, in batch
@@ -298,10 +306,30 @@ def oracle(program, k: int) -> list:
   (the generator's rule), so it is the same on every lane.
   """
   out = []
+  hoisted = hoisted or {}
+  depth_of = loop_depths(program)
+  loop_level = [0]   # loops around the statement being interpreted
 
-  def eff(s, lanes, ks, klevels):
+  def eff(s, lanes, ks, klevels, at_entry=False):
     del lanes, klevels
+    if hoisted.get(s.tag, 0) and not at_entry:
+      return   # ran where its outermost hoisted-out loop started
     out.extend((effect_name(s.args["name"]), s.tag, k) for k in ks)
+
+  def entry(s, lanes, ks, klevels):
+    # The effects JAX hoists to the start of loop ``s`` (at loop_level + 1).
+    for t in walk(s.blocks[0]):
+      h = hoisted.get(t.tag, 0) if t.kind == "effect" else 0
+      if h and depth_of[t.tag] - h + 1 == loop_level[0] + 1:
+        eff(t, lanes, ks, klevels, at_entry=True)
+
+  def loop(s, lanes, ks, klevels, run):
+    entry(s, lanes, ks, klevels)
+    loop_level[0] += 1
+    try:
+      return run()
+    finally:
+      loop_level[0] -= 1
 
   def uniform(ks):
     assert len(set(ks)) == 1, ks
@@ -324,27 +352,35 @@ def oracle(program, k: int) -> list:
       branch = s.blocks[0] if k % s.args["m"] == s.args["r"] else s.blocks[1]
       return block(branch, lanes, ks, klevels)
     if kind == "while":
-      n, i = s.args["n"] + uniform(ks) % 2, 0
-      ce = s.args["cond_effect"]
-      while True:
-        if ce is not None:
-          eff(ce, lanes, ks, klevels)
-        if not i < n:
-          return ks
-        ks = block(s.blocks[0], lanes, ks, klevels)
-        i += 1
+      def run_while(ks=ks):
+        n, i = s.args["n"] + uniform(ks) % 2, 0
+        ce = s.args["cond_effect"]
+        while True:
+          if ce is not None:
+            eff(ce, lanes, ks, klevels)
+          if not i < n:
+            return ks
+          ks = block(s.blocks[0], lanes, ks, klevels)
+          i += 1
+      return loop(s, lanes, ks, klevels, run_while)
     if kind == "scan":
-      length = s.args["length"]
-      order = range(length - 1, -1, -1) if s.args["reverse"] else range(length)
-      sums = [0] * len(ks)
-      for i in order:
-        ks = block(s.blocks[0], lanes, [(k + i) % K_MOD for k in ks], klevels)
-        sums = [a + k for a, k in zip(sums, ks)]
-      return [(k + a) % K_MOD for k, a in zip(ks, sums)]
+      def run_scan(ks=ks):
+        length = s.args["length"]
+        order = (range(length - 1, -1, -1) if s.args["reverse"]
+                 else range(length))
+        sums = [0] * len(ks)
+        for i in order:
+          ks = block(s.blocks[0], lanes, [(k + i) % K_MOD for k in ks],
+                     klevels)
+          sums = [a + k for a, k in zip(sums, ks)]
+        return [(k + a) % K_MOD for k, a in zip(ks, sums)]
+      return loop(s, lanes, ks, klevels, run_scan)
     if kind == "fori":
-      for _ in range(s.args["n"]):
-        ks = block(s.blocks[0], lanes, ks, klevels)
-      return ks
+      def run_fori(ks=ks):
+        for _ in range(s.args["n"]):
+          ks = block(s.blocks[0], lanes, ks, klevels)
+        return ks
+      return loop(s, lanes, ks, klevels, run_fori)
     if kind in ("jit", "checkpoint", "grad"):
       return block(s.blocks[0], lanes, ks, klevels)
     if kind == "vmap":
@@ -408,12 +444,32 @@ def streams(records, mode):
 
 
 def compare(program, mode: str, k0: int = 7) -> dict:
-  """Asserts eager and jit runs agree (and match the oracle); returns stats."""
+  """Asserts eager and jit runs agree (and match the oracle); returns stats.
+
+  Where JAX hoists a loop-invariant effect out of a loop under ``grad``
+  (:func:`hoisted_effects`, read off the traced program), the jit run must
+  match the oracle *with that hoisting* and the eager run the plain oracle;
+  then :class:`LoopInvariantHoisting` is raised (an expected failure).
+  """
   unordered = {s.tag for s in walk(program)
                if s.kind == "effect" and s.args["how"] == "unordered"}
   eager = run(program, mode, jit=False, k0=k0)
   jitted = run(program, mode, jit=True, k0=k0)
   where = f"program {program} in {mode} mode"
+  hoisted = (hoisted_effects(program, k0) if eager.error is None
+             and jitted.error is None else {})
+  if hoisted:
+    check_oracle(program, mode, k0, unordered, jitted.records, where,
+                 hoisted=hoisted)
+    try:
+      check_oracle(program, mode, k0, unordered, eager.records,
+                   where + " (eager)")
+    except AssertionError as err:
+      raise KnownEagerBug(f"{mode} mode: eager reference: {err}") from None
+    raise LoopInvariantHoisting(
+        f"{LOOP_INVARIANT_HOISTING}: tags {sorted(hoisted)} hoisted out of "
+        f"{sorted(set(hoisted.values()))} loop(s); jit matches the oracle "
+        f"with that hoisting, eager the oracle without")
   if (eager.error is not None and jitted.error is None
       and KNOWN_EAGER_BUG in str(eager.error)):
     # No eager reference: still hold jit to the oracle, then report.
@@ -469,35 +525,78 @@ def compare(program, mode: str, k0: int = 7) -> dict:
 #: effect that depends on no loop-carried value out of the loop: it runs once,
 #: not once per iteration (jax.debug.print under jax.jit too; the eager path
 #: keeps it in the loop). The effect is already outside the loop when
-#: jax_effects' pass sees the program. A mismatch in a program with an effect
-#: in a loop under grad is reported as this known bug (see also
-#: test_grad_of_loop_with_loop_invariant_effect).
+#: jax_effects' pass sees the program. :func:`hoisted_effects` finds such
+#: effects in the traced program; :func:`compare` then holds jit to the
+#: oracle with exactly that hoisting.
 LOOP_INVARIANT_HOISTING = (
     "JAX's loop-invariant hoisting under grad runs a loop's effect once")
 
 
-class KnownJaxBug(Exception):
-  pass
+class LoopInvariantHoisting(Exception):
+  """JAX hoisted effects out of loops (jit matched the hoisting exactly)."""
 
 
-def has_effect_in_loop_under_grad(program) -> bool:
-  """Whether an effect sits in a loop (fori/scan/while) inside a grad."""
-  def inside(block, under_grad, in_loop):
+LOOP_KINDS = ("fori", "scan", "while")
+_TAG_RE = re.compile(r"fuzz(?:print \S+ |callback_)(\d+)")
+
+
+def loop_depths(program) -> dict:
+  """Effect tag -> number of loops around it in the program."""
+  out = {}
+
+  def visit(block, depth):
     for s in block:
-      if s.kind == "effect" and under_grad and in_loop:
-        return True
-      loop = in_loop or s.kind in ("fori", "scan", "while")
-      if (s.kind == "while" and s.args["cond_effect"] is not None
-          and under_grad):
-        return True
-      if any(inside(b, under_grad or s.kind == "grad", loop) for b in s.blocks):
-        return True
-    return False
-  return inside(program, False, False)
+      if s.kind == "effect":
+        out[s.tag] = depth
+      inner = depth + (s.kind in LOOP_KINDS)
+      if s.kind == "while" and s.args["cond_effect"] is not None:
+        out[s.args["cond_effect"].tag] = inner
+      for b in s.blocks:
+        visit(b, inner)
+  visit(program, 0)
+  return out
 
 
-def check_oracle(program, mode, k0, unordered, records, where):
-  want = oracle(program, k0)
+def _sub_jaxprs(params):
+  for v in params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, jax.extend.core.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, jax.extend.core.Jaxpr):
+        yield x
+
+
+def hoisted_effects(program, k0: int = 7) -> dict:
+  """Effect tag -> loops JAX hoisted it out of (only tags with > 0).
+
+  Structural: the program is traced (``jax.make_jaxpr``, which runs JAX's
+  partial evaluation of ``grad``) and each effect's loop depth in the jaxpr
+  (``scan``/``while`` equations around it) is compared with its depth in
+  the program.
+  """
+  if not any(s.kind == "grad" for s in walk(program)):
+    return {}
+  closed = jax.make_jaxpr(build(program, Records()))(jnp.asarray(X0),
+                                                     jnp.int32(k0))
+  seen: dict = {}
+
+  def visit(jaxpr, depth):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "jax_effects_effect":
+        m = _TAG_RE.search(eqn.params["host_callback"].description)
+        tag = int(m.group(1))
+        seen[tag] = min(seen.get(tag, depth), depth)
+      inner = depth + (eqn.primitive.name in ("scan", "while"))
+      for sub in _sub_jaxprs(eqn.params):
+        visit(sub, inner)
+  visit(closed.jaxpr, 0)
+  program_depth = loop_depths(program)
+  return {tag: program_depth[tag] - d for tag, d in seen.items()
+          if program_depth[tag] > d}
+
+
+def check_oracle(program, mode, k0, unordered, records, where, hoisted=None):
+  want = oracle(program, k0, hoisted)
   want_ord = [r for r in want if r[1] not in unordered]
   want_un = sorted(r for r in want if r[1] in unordered)
   got_ord = [r[:3] for r in records if r[1] not in unordered]

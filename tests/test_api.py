@@ -4,7 +4,6 @@ test_lowering.py, token placement in test_dispatch.py, errors in
 test_errors.py.
 """
 import re
-import threading
 import time
 import types
 

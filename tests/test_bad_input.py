@@ -13,11 +13,7 @@ import pytest
 import jax_effects as je
 
 
-def eager(f):
-  return f
-
-
-RUNNERS = [pytest.param(eager, id="eager"), pytest.param(je.jit, id="je.jit")]
+from helpers import RUNNERS
 
 
 def _still_works(effects_capture):

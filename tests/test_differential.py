@@ -6,6 +6,7 @@ one under ``jax.disable_jit()`` and the plain-Python interpretation.
 """
 import pytest
 
+import helpers
 import program_generator as pg
 
 N_DEFAULT = 30
@@ -75,7 +76,7 @@ def test_generator_is_deterministic_and_covers_every_kind():
              for s in range(N_DEFAULT))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", range(N_DEFAULT, N_DEFAULT + N_SLOW))
-def test_random_program_slow(seed):
+@pytest.mark.parametrize(
+    "seed", range(N_DEFAULT, N_DEFAULT + helpers.scale(2, N_SLOW)))
+def test_random_program_deeper(seed):
   _check(seed, max_depth=4, max_block=5)

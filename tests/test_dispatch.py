@@ -15,11 +15,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_effects as je
-from threads import in_thread as run_in_thread
+from helpers import in_thread as run_in_thread
 
 
 def _device_of(array):

@@ -23,22 +23,19 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
 from jax_effects import _runtime_tokens
-from threads import run_threads
+import helpers
+from helpers import Boom, run_threads
 
 N_THREADS = 8
 N_DEFAULT = 1_000
 N_SLOW = 10_000
+N = helpers.scale(N_DEFAULT, N_SLOW)
 FAIL_EVERY = 97
-
-
-class Boom(Exception):
-  """The user's exception raised by the failing callback."""
 
 
 class FailingRecorder:
@@ -142,12 +139,7 @@ def _faults_threads(n):
 
 
 def test_callback_errors_under_thread_load():
-  assert _faults_threads(N_DEFAULT) == N_THREADS * N_DEFAULT // FAIL_EVERY
-
-
-@pytest.mark.slow
-def test_callback_errors_under_thread_load_full():
-  assert _faults_threads(N_SLOW) == N_THREADS * N_SLOW // FAIL_EVERY
+  assert _faults_threads(N) == N_THREADS * N // FAIL_EVERY
 
 
 def test_error_is_raised_once_and_next_calls_work():
@@ -218,33 +210,7 @@ def _mesh():
   return jax.make_mesh((8,), ("x",))
 
 
-def _shard_map_unsupported_reason():
-  """None when jax_effects threads effects through shard_map, else why not."""
-  if len(jax.devices()) < 8:
-    return f"needs 8 devices, have {len(jax.devices())}"
-  mesh = _mesh()
-
-  def probe(x):
-    def body(xs):
-      je.callback(lambda d: None, None, jax.lax.axis_index("x"))
-      return xs
-    return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
-
-  try:
-    je.jit(probe).lower(jax.ShapeDtypeStruct((8,), jnp.float32,
-                                             sharding=NamedSharding(mesh, P("x"))))
-  except NotImplementedError as err:
-    if "shard_map" in str(err):
-      return ("jax_effects has no shard_map rule yet (issue 3: shard_map rule "
-              f"and per-device effects in _thread_tokens.RULES): {err}")
-    raise
-  return None
-
-
 def _faults_shard_map(n, *, barrier_each_call, n_threads=1):
-  reason = _shard_map_unsupported_reason()
-  if reason:
-    pytest.skip(reason)
   mesh = _mesh()
   rec = FailingRecorder()
 
@@ -275,16 +241,11 @@ def test_callback_errors_in_shard_map_barrier_each_call():
   # 8 devices, one failing device callback every 97 calls; a barrier after
   # every call: each error is raised once, the other devices' records and
   # the later calls are all delivered, in order per device.
-  _faults_shard_map(N_DEFAULT // 8, barrier_each_call=True)
+  _faults_shard_map(N // 8, barrier_each_call=True)
 
 
 def test_callback_errors_in_shard_map_under_load():
   _faults_shard_map(N_DEFAULT // 8, barrier_each_call=False)
-
-
-@pytest.mark.slow
-def test_callback_errors_in_shard_map_barrier_each_call_full():
-  _faults_shard_map(N_SLOW // 8, barrier_each_call=True)
 
 
 def test_callback_errors_in_shard_map_under_thread_load():

@@ -13,7 +13,7 @@ Never an opaque runtime error (``JaxRuntimeError``, "INTERNAL: CpuCallback
 ..."), never a crash, never a hang (the cases run in a watchdog thread). After
 every case ``effects_barrier()`` has nothing left to report.
 
-``N_CASES`` cases per seed run by default; ``--run-slow`` runs more seeds.
+``N_CASES`` cases per seed, over ``SEEDS``: both larger with ``--run-slow``.
 """
 import faulthandler
 import random
@@ -28,21 +28,18 @@ import numpy as np
 import pytest
 from jax import tree_util
 
+import helpers
+from helpers import Boom
 import jax_effects as je
 from jax_effects import _capture
 
-N_CASES = 60
-SEEDS = [0, 1]
-SLOW_SEEDS = list(range(2, 12))
-SLOW_N_CASES = 300
+# sizes chosen at collection: CI's, or --run-slow's
+N_CASES = helpers.scale(60, 300)
+SEEDS = list(range(helpers.scale(2, 12)))
 CASE_TIMEOUT_S = 120
 
 FORMAT_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
                  OverflowError)
-
-
-class Boom(Exception):
-  pass
 
 
 class Opaque:
@@ -319,12 +316,6 @@ def test_print_fuzz(seed):
   _print_fuzz(seed, N_CASES)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_print_fuzz_full(seed):
-  _print_fuzz(seed, SLOW_N_CASES)
-
-
 # --- callback results ---------------------------------------------------------
 
 DTYPES = [np.float32, np.int32, np.bool_, np.uint8, np.complex64]
@@ -483,9 +474,3 @@ def _callback_fuzz(seed, n):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_callback_fuzz(seed):
   _callback_fuzz(seed, N_CASES)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_callback_fuzz_full(seed):
-  _callback_fuzz(seed, SLOW_N_CASES)

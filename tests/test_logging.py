@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_effects as je
 
@@ -86,8 +86,7 @@ def test_eager_record_has_no_device(info, effects_capture):
           rec.process_index) == ("eager 1.5", None, None, 0)
 
 
-def test_per_device_records_in_shard_map(info, effects_capture):
-  mesh = Mesh(np.array(jax.devices()), ("i",))
+def test_per_device_records_in_shard_map(info, effects_capture, mesh):
   f = je.jit(jax.shard_map(lambda x: (je.log("s {}", x[0]), x)[1], mesh=mesh,
                            in_specs=P("i"), out_specs=P("i")))
   f(jnp.arange(N, dtype=jnp.int32) * 3)
@@ -96,8 +95,7 @@ def test_per_device_records_in_shard_map(info, effects_capture):
           for r in recs] == [(d, d, 0, f"s {3 * d}") for d in range(N)]
 
 
-def test_sharded_jit_record_is_not_per_device(info, effects_capture):
-  mesh = Mesh(np.array(jax.devices()), ("i",))
+def test_sharded_jit_record_is_not_per_device(info, effects_capture, mesh):
   x = jax.device_put(jnp.arange(N), NamedSharding(mesh, P("i")))
   je.jit(lambda x: (je.log("sum {}", x.sum()), x)[1])(x)
   (rec,) = effects_capture.logged

@@ -15,33 +15,9 @@ import pytest
 from jax import lax
 
 import jax_effects as je
-from jax_effects import _jit
 
 
-class Recorder:
-  """Ordered callbacks that append ``(tag, *values)`` to ``self.events``."""
-
-  def __init__(self):
-    self.events = []
-
-  def __call__(self, tag, *vals, effect=None):
-    def host(*xs):
-      self.events.append((tag, *(np.asarray(x).tolist() for x in xs)))
-    je.callback(host, None, *vals, effect=effect)
-
-  def run(self, fun, *args):
-    """Events of ``je.jit(fun)(*args)`` and of eager execution; both outs."""
-    self.events = []
-    out = je.jit(fun)(*args)
-    je.effects_barrier()
-    jitted = self.events
-    self.events = []
-    with jax.disable_jit():
-      eager_out = fun(*args)
-    eager = self.events
-    self.events = []
-    jax.tree_util.tree_map(np.testing.assert_allclose, out, eager_out)
-    return jitted, eager
+from helpers import Recorder
 
 
 @pytest.fixture
@@ -321,11 +297,3 @@ def test_higher_order_primitive_without_effects_needs_no_rule():
     return lax.custom_linear_solve(lambda v: 2 * v, b, lambda _, v: v / 2)
 
   np.testing.assert_allclose(f(jnp.ones(2)), [0.5, 0.5])
-
-
-def test_rules_table_covers_core_primitives():
-  from jax.extend.core import primitives as p
-  from jax_effects import _thread_tokens
-  for prim in (p.cond_p, p.while_p, p.scan_p, p.jit_p, p.remat_p,
-               p.custom_jvp_call_p, p.custom_vjp_call_p, p.closed_call_p):
-    assert prim in _thread_tokens.RULES, prim

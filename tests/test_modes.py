@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
-from threads import in_thread
+from helpers import in_thread
 
 
 def _effect_keys(fn, *args):

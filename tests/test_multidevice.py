@@ -3,23 +3,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_effects as je
 
 N = 8
-
-
-@pytest.fixture(scope="module")
-def devices():
-  ds = jax.devices()
-  assert len(ds) == N, "run with jax_effects_devices = 8"
-  return ds
-
-
-@pytest.fixture(scope="module")
-def mesh(devices):
-  return Mesh(np.array(devices), ("i",))
 
 
 def test_runtime_token_follows_single_device_work(devices, effects_capture):

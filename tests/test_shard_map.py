@@ -18,12 +18,6 @@ N = 8
 PREFIX = re.compile(r"^\[device (\d+) shard (\S+|\(.*?\)) process (\d+)\] (.*)$")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  assert len(jax.devices()) == N, "run with jax_effects_devices = 8"
-  return Mesh(np.array(jax.devices()), ("i",))
-
-
 def by_device(lines):
   """device id -> [text, ...] for per-device lines; '*' -> other lines."""
   out = {}

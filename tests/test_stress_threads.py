@@ -20,11 +20,13 @@ import pytest
 
 import jax_effects as je
 from jax_effects import _runtime_tokens
-from threads import run_threads
+import helpers
+from helpers import run_threads
 
 N_THREADS = 8
 N_DEFAULT = 1_000
 N_SLOW = 10_000
+N = helpers.scale(N_DEFAULT, N_SLOW)
 JOIN_TIMEOUT_S = 900
 
 
@@ -119,14 +121,7 @@ def _threads_two_functions(n, *, two_devices=False, global_mode=False):
 
 @pytest.mark.parametrize("variant", ["one_device", "two_devices", "global"])
 def test_threads_two_functions(variant):
-  _threads_two_functions(N_DEFAULT, two_devices=variant == "two_devices",
-                         global_mode=variant == "global")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["one_device", "two_devices", "global"])
-def test_threads_two_functions_full(variant):
-  _threads_two_functions(N_SLOW, two_devices=variant == "two_devices",
+  _threads_two_functions(N, two_devices=variant == "two_devices",
                          global_mode=variant == "global")
 
 
@@ -219,14 +214,9 @@ def _churn(n_long, n_short_waves, short_per_wave, n_long_effects,
 
 
 def test_threads_start_and_exit_while_others_run():
-  _churn(n_long=4, n_short_waves=4, short_per_wave=4, n_long_effects=N_DEFAULT,
-         n_short_effects=N_DEFAULT // 10)
-
-
-@pytest.mark.slow
-def test_threads_start_and_exit_while_others_run_full():
-  _churn(n_long=8, n_short_waves=10, short_per_wave=8,
-         n_long_effects=N_SLOW, n_short_effects=N_SLOW // 20)
+  _churn(n_long=helpers.scale(4, 8), n_short_waves=helpers.scale(4, 10),
+         short_per_wave=helpers.scale(4, 8), n_long_effects=N,
+         n_short_effects=helpers.scale(N // 10, N // 20))
 
 
 def test_exited_thread_effects_complete_at_barrier():

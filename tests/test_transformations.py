@@ -14,28 +14,7 @@ from jax import lax
 import jax_effects as je
 
 
-class Recorder:
-  """Host-side log of ``(tag, *values)`` tuples, in the order they ran."""
-
-  def __init__(self):
-    self.seen = []
-
-  def __call__(self, tag, *args):
-    def host(*vals):
-      self.seen.append((tag, *(np.asarray(v).tolist() for v in vals)))
-    je.callback(host, None, *args)
-
-  def take(self):
-    je.effects_barrier()
-    seen, self.seen = self.seen, []
-    return seen
-
-
-def eager(f):
-  return f
-
-
-RUNNERS = [pytest.param(eager, id="eager"), pytest.param(je.jit, id="je.jit")]
+from helpers import RUNNERS, Recorder
 ALL_RUNNERS = RUNNERS + [pytest.param(jax.jit, id="jax.jit")]
 
 

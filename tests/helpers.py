@@ -1,0 +1,127 @@
+"""Test helpers shared by the test modules (fixtures live in ``conftest.py``).
+
+* :func:`scale`: a size chosen at collection (CI default, or ``--run-slow``).
+* :class:`Recorder`: ordered host callbacks recording ``(tag, *values)``.
+* :func:`eager`, :data:`RUNNERS`: run a function eagerly or under ``je.jit``.
+* :class:`Boom`: the exception test callbacks raise.
+* :func:`in_thread`, :func:`run_threads`: test code on other Python threads
+  (each has its own token state), bounded by :data:`JOIN_TIMEOUT_S`.
+"""
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import jax_effects as je
+
+#: Set by ``conftest.pytest_configure``: ``--run-slow`` (or the environment
+#: variable ``JAX_EFFECTS_RUN_SLOW=1``) selects the long variants.
+RUN_SLOW = False
+
+JOIN_TIMEOUT_S = 900
+
+
+def scale(default, slow):
+  """``slow`` under ``--run-slow``, else ``default`` (read at collection).
+
+  Generated-case counts and stress sizes are chosen here, as JAX's
+  ``JAX_NUM_GENERATED_CASES`` does, so a run collects what it runs.
+  """
+  return slow if RUN_SLOW else default
+
+
+class Boom(Exception):
+  """Raised by test callbacks."""
+
+
+class Recorder:
+  """Ordered host callbacks that append ``(tag, *values)`` to ``self.events``.
+
+  ``rec(tag, *vals, effect=None)`` inside traced code binds one callback;
+  :meth:`take` waits for effects and returns (and clears) the events;
+  :meth:`run` runs a function under ``je.jit`` and eagerly (``disable_jit``),
+  checks the outputs agree and returns both event lists.
+  """
+
+  def __init__(self):
+    self.events = []
+
+  def __call__(self, tag, *vals, effect=None):
+    def host(*xs):
+      self.events.append((tag, *(np.asarray(x).tolist() for x in xs)))
+    je.callback(host, None, *vals, effect=effect)
+
+  def take(self):
+    je.effects_barrier()
+    events, self.events = self.events, []
+    return events
+
+  def run(self, fun, *args):
+    """Events of ``je.jit(fun)(*args)`` and of eager execution; both outs."""
+    self.events = []
+    out = je.jit(fun)(*args)
+    jitted = self.take()
+    with jax.disable_jit():
+      eager_out = fun(*args)
+    eager = self.take()
+    jax.tree_util.tree_map(np.testing.assert_allclose, out, eager_out)
+    return jitted, eager
+
+
+def eager(f):
+  """A "runner" that leaves ``f`` as it is (see :data:`RUNNERS`)."""
+  return f
+
+
+#: ``@pytest.mark.parametrize("run", RUNNERS)``: the same test eagerly and
+#: under ``je.jit``.
+RUNNERS = [pytest.param(eager, id="eager"), pytest.param(je.jit, id="je.jit")]
+
+
+def in_thread(fn, *args):
+  """Runs ``fn(*args)`` in a fresh thread; returns its result or raises."""
+  box = {}
+
+  def target():
+    try:
+      box["out"] = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - re-raised below
+      box["err"] = e
+
+  t = threading.Thread(target=target)
+  t.start()
+  t.join(JOIN_TIMEOUT_S)
+  assert not t.is_alive(), "the thread hangs"
+  if "err" in box:
+    raise box["err"]
+  return box["out"]
+
+
+def run_threads(targets, *, start_together=True):
+  """Runs each target in its own thread (released together by default).
+
+  Fails if a thread hangs; re-raises the first exception a target raised.
+  """
+  errors = []
+  go = threading.Event()
+
+  def wrap(fn):
+    def run():
+      if start_together:
+        go.wait()
+      try:
+        fn()
+      except BaseException as exc:  # noqa: BLE001 - re-raised below
+        errors.append(exc)
+    return run
+
+  threads = [threading.Thread(target=wrap(t)) for t in targets]
+  for t in threads:
+    t.start()
+  go.set()
+  for t in threads:
+    t.join(JOIN_TIMEOUT_S)
+  assert not any(t.is_alive() for t in threads), "a worker thread hangs"
+  if errors:
+    raise errors[0]
