@@ -14,21 +14,30 @@ Public API (everything else is private):
 * :func:`effects_barrier` - wait for dispatched effects.
 * :func:`runtime_tokens` - a snapshot of the calling thread's tokens.
 
-Layers (one module each): ``_effects`` (effects and modes) ->
-``_primitives`` (side-effect primitives, lowering) -> ``_thread_tokens`` (the
-compiler-token pass) -> ``_jit`` (dispatch hook) -> ``_runtime_tokens``
-(runtime/output tokens, barrier, errors). See ``design/``.
+Layers, each importing only from the ones above it (``design/architecture.md``):
+
+1. effects and modes: ``_effects`` (``_compat`` fences JAX's internals);
+2. host-side runtime state, shared by host callbacks and dispatch:
+   ``_placement`` (where a callback runs), ``_errors`` (callback errors),
+   ``_output`` (sinks, deterministic view), ``_runtime_tokens`` (per-thread
+   runtime and output tokens, the barrier);
+3. primitives: ``_host`` (host functions, the primitives' parameter) and
+   ``_primitives`` (``effect_p``/``threaded_effect_p`` with all their rules);
+4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``);
+5. dispatch and switching: ``_jit``, ``_modes``;
+6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``;
+7. tools (``_tools``: demo, bench, multi-process launcher, pytest plugin).
 """
 from jax_effects._callback import callback
-from jax_effects._effects import DEFAULT, GLOBAL, Effect, get_ordering, ordering, set_ordering
+from jax_effects._effects import DEFAULT, GLOBAL, Effect, get_ordering
 from jax_effects._jit import jit
 from jax_effects._logging import log
-from jax_effects._placement import Placement, deterministic
+from jax_effects._modes import deterministic, ordering, set_ordering
+from jax_effects._placement import Placement
 from jax_effects._placement import current as placement
 from jax_effects._printing import print  # noqa: A004
 from jax_effects._runtime_tokens import RuntimeTokens, effects_barrier, runtime_tokens
-from jax_effects import _transformation_rules  # noqa: F401  (registers vmap/jvp rules)
-from jax_effects import _shard_map_rules  # noqa: F401  (registers the shard_map rule)
+from jax_effects import _shard_map_rule  # noqa: F401  (registers the shard_map rule)
 
 __version__ = "0.1.0"
 

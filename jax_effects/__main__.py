@@ -1,7 +1,7 @@
 """``python -m jax_effects {demo,bench} [options]``.
 
-``demo`` takes the options its sections declare (``_demo.add_arguments``);
-``bench`` hands the rest of the command line to ``_bench.main``. Both modules
+``demo`` takes the options its sections declare (``demo.add_arguments``);
+``bench`` hands the rest of the command line to ``bench.main``. Both modules
 are imported only when their command runs.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ def _parser() -> argparse.ArgumentParser:
       prog="python -m jax_effects",
       description="Ordered side effects from compiled JAX code.")
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  demo = sub.add_parser("demo", help="a tour of ordered side effects")
-  from jax_effects import _demo  # imports no jax at module level
-  _demo.add_arguments(demo)
+  demo_parser = sub.add_parser("demo", help="a tour of ordered side effects")
+  from jax_effects._tools import demo  # imports no jax at module level
+  demo.add_arguments(demo_parser)
   bench = sub.add_parser("bench", help="benchmarks (see `bench --help`)",
                          add_help=False)
   bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -28,14 +28,14 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   if argv and argv[0] == "bench":  # every option belongs to the benchmark
-    from jax_effects import _bench
-    return _bench.main(argv[1:]) or 0
+    from jax_effects._tools import bench
+    return bench.main(argv[1:]) or 0
   args = parser.parse_args(argv)
   if args.command == "demo":
-    from jax_effects import _demo
-    return _demo.run(args) or 0
-  from jax_effects import _bench
-  return _bench.main(args.bench_args) or 0
+    from jax_effects._tools import demo
+    return demo.run(args) or 0
+  from jax_effects._tools import bench
+  return bench.main(args.bench_args) or 0
 
 
 if __name__ == "__main__":

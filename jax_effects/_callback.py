@@ -15,6 +15,7 @@ import numpy as np
 from jax import tree_util
 
 from jax_effects import _arguments
+from jax_effects import _effects
 from jax_effects import _primitives
 
 
@@ -52,6 +53,7 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
     raise TypeError(f"jax_effects.callback: {fn!r} is not callable")
   name = getattr(fn, "__qualname__", None) or repr(fn)
   what = f"jax_effects.callback({name})"
+  effect, ordered = _effects.resolve(what, effect, ordered)
   operands, rebuild = _arguments.split(what, args, kwargs, allow_str=False)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
 
@@ -73,9 +75,8 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
           f"{out_tree} (from result_shape_dtypes)")
     return leaves
 
-  results = _primitives.bind_effect(
-      _primitives.HostCallback(call, what), operands, effect=effect,
-      ordered=ordered, result_avals=avals)
+  results = _primitives.bind_effect(call, what, operands, effect=effect,
+                                   ordered=ordered, result_avals=avals)
   if result_shape_dtypes is None:
     return None
   return tree_util.tree_unflatten(out_tree, results)

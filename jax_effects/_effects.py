@@ -5,32 +5,32 @@ with the same ``Effect`` happen in program order, within one computation (a
 compiler-token chain) and across dispatches (a runtime token per thread).
 Side effects with different effects are not ordered relative to each other,
 unless the ordering mode is ``"global"``, where every ordered effect shares one
-stream (:data:`GLOBAL`) and so one total order.
+stream (:data:`GLOBAL`) and so one total order. The mode is state here
+(:func:`get_ordering`); switching it (``_modes``) first waits for the effects
+dispatched under the old one.
 
 Inside a trace, every side-effect primitive carries a :class:`TraceEffect`, a
 JAX-level effect that tells JAX's transformations to keep the equation (no
 dead-code elimination, no duplication under remat). It is not one of JAX's
 *ordered* effects; ordered side effects also carry :data:`PLAIN_JIT_ORDER`,
 which is, but only matters where the pass never runs (plain ``jax.jit``). The
-token-threading pass (``_thread_tokens``) reads these markers to learn which
+token-threading pass (``_token_pass``) reads these markers to learn which
 streams a sub-computation touches and then removes them: after the pass, JAX
 sees an effect-free function.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Iterator
-
 import jax.extend.core as jex_core
+import numpy as np
 
 from jax_effects import _compat
 
-__all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "ordering",
-           "set_ordering", "get_ordering", "TraceEffect", "PLAIN_JIT_ORDER",
-           "marker", "jax_effects_of", "chain_key"]
+__all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
+           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "marker",
+           "jax_effects_of", "chain_key"]
 
 ORDERING_MODES = ("per_effect", "global")
 
@@ -116,7 +116,7 @@ class _Unordered:
 UNORDERED = _Unordered()
 
 
-# --- ordering mode -----------------------------------------------------------
+# --- ordering mode (state; switching waits for dispatched effects: _modes) ---------
 
 _process_mode = "per_effect"
 
@@ -130,35 +130,11 @@ class _ModeStack(threading.local):
 _local = _ModeStack()
 
 
-def _check_mode(mode: str) -> str:
+def check_mode(mode: str) -> str:
   if mode not in ORDERING_MODES:
     raise ValueError(
         f"Unknown ordering mode {mode!r}; expected one of {ORDERING_MODES}")
   return mode
-
-
-def _wait_for_switch(all_threads: bool) -> None:
-  """Waits for effects dispatched under the old mode (a mode switch).
-
-  The two modes use different runtime-token streams, so nothing would order
-  an effect dispatched after a switch behind one dispatched before it.
-  Switches are rare: blocking here keeps one program order across them.
-  """
-  from jax_effects import _runtime_tokens  # (imports jax arrays lazily)
-  _runtime_tokens.effects_barrier(all_threads=all_threads)
-
-
-def set_ordering(mode: str) -> None:
-  """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``).
-
-  Threads inside an :func:`ordering` context keep their own mode. Changing
-  the mode first waits for every thread's dispatched effects.
-  """
-  global _process_mode
-  _check_mode(mode)
-  if mode != _process_mode:
-    _wait_for_switch(all_threads=True)
-  _process_mode = mode
 
 
 def get_ordering() -> str:
@@ -167,29 +143,50 @@ def get_ordering() -> str:
   return stack[-1] if stack else _process_mode
 
 
-@contextlib.contextmanager
-def ordering(mode: str) -> Iterator[None]:
-  """Context manager selecting the ordering mode on this thread.
+def process_mode() -> str:
+  """The process-wide mode (threads outside an ``ordering`` context)."""
+  return _process_mode
 
-  ``"per_effect"``: one runtime token per :class:`Effect`. ``"global"``: all
-  ordered effects share one token (:data:`GLOBAL`), giving one total order.
-  Entering or leaving a context that changes the mode waits for this
-  thread's dispatched effects, so order holds across the switch.
-  """
-  _check_mode(mode)
-  outer = get_ordering()
-  if mode != outer:
-    _wait_for_switch(all_threads=False)
+
+def set_process_mode(mode: str) -> None:
+  """Sets the process-wide mode (``_modes.set_ordering`` waits first)."""
+  global _process_mode
+  _process_mode = check_mode(mode)
+
+
+def push_mode(mode: str) -> None:
+  """Enters ``mode`` on this thread (``_modes.ordering``)."""
   stack = _local.stack
   if isinstance(stack, tuple):  # the class default: this thread's first use
     stack = _local.stack = []
-  stack.append(mode)
-  try:
-    yield
-  finally:
-    stack.pop()
-  if mode != outer:  # not reached with an exception in flight
-    _wait_for_switch(all_threads=False)
+  stack.append(check_mode(mode))
+
+
+def pop_mode() -> None:
+  _local.stack.pop()
+
+
+# --- resolving a call's settings ---------------------------------------------------
+
+def resolve(what: str, effect, ordered) -> tuple[Effect, bool]:
+  """``(effect, ordered)`` of a ``print``/``log``/``callback`` call.
+
+  ``effect=None`` is :data:`DEFAULT`; ``ordered=None`` takes the effect's
+  setting (``Effect.ordered``). Resolved once, when the call is traced;
+  errors name the call (``what``).
+  """
+  if effect is None:
+    effect = DEFAULT
+  elif not isinstance(effect, Effect):
+    raise TypeError(
+        f"{what}: effect= must be a jax_effects.Effect or None, got {effect!r}")
+  if ordered is None:
+    ordered = effect.ordered
+  elif not isinstance(ordered, (bool, np.bool_)):
+    raise TypeError(
+        f"{what}: ordered= must be a bool (or None for the effect's setting), "
+        f"got {ordered!r}")
+  return effect, bool(ordered)
 
 
 # --- trace-time marker --------------------------------------------------------

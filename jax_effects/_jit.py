@@ -10,7 +10,7 @@ is the first positional argument (``static_argnums``/``donate_argnums`` are
 shifted by one, ``in_shardings`` gets None for it): ``jax.jit`` refuses
 keyword arguments when ``in_shardings`` is given. Tracing ``g``
 traces the user function to a jaxpr and runs the token-threading pass on it
-(``_thread_tokens``), re-tracing the result into ``g``'s trace. The pass leaves
+(``_token_pass``), re-tracing the result into ``g``'s trace. The pass leaves
 no JAX-level effect behind, so ``jax.jit``'s C++ fast path dispatches ``g``;
 the Python hook around it only reads the runtime tokens from
 :mod:`~jax_effects._runtime_tokens` and stores the returned token.
@@ -47,8 +47,9 @@ from jax.extend import core as jex_core
 
 from jax_effects import _compat
 from jax_effects import _effects
+from jax_effects import _errors
 from jax_effects import _runtime_tokens
-from jax_effects import _thread_tokens
+from jax_effects import _token_pass
 
 #: How many traces (jaxprs by signature) a Function keeps for reuse.
 _KEPT_TRACES = 8
@@ -197,7 +198,7 @@ class Function:
   def _trace_pure(self, args, kwargs):
     closed, dyn, out_tree = self._trace(args, kwargs)
     mode = _effects.get_ordering()
-    keys = _thread_tokens.chain_keys(closed.effects, mode)
+    keys = _token_pass.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
       err = NeedsTokens(tuple(k for k in keys if k is not _effects.UNORDERED))
       if getattr(_strict, "on", False):
@@ -212,18 +213,18 @@ class Function:
       _runtime_tokens.wait_for_thread()
       outs = jex_core.jaxpr_as_fun(closed)(*dyn)
       return tree_util.tree_unflatten(out_tree, outs)
-    outs, _ = _thread_tokens.thread_tokens(closed, dyn, {}, mode)
+    outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
     return tree_util.tree_unflatten(out_tree, outs)
 
   def _trace_threaded(self, mode, args, kwargs):
     runtime, *args = args
     closed, dyn, out_tree = self._trace(tuple(args), kwargs)
     known = self.keys.get(mode, ())
-    missing = tuple(k for k in _thread_tokens.chain_keys(closed.effects, mode)
+    missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
                     if k is not _effects.UNORDERED and k not in known)
     if missing or len(runtime) != len(known):
       raise NeedsTokens(missing)
-    outs, token = _thread_tokens.thread_tokens(
+    outs, token = _token_pass.thread_program(
         closed, dyn, dict(zip(known, runtime)), mode)
     if token is None:
       token = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
@@ -282,7 +283,7 @@ class Function:
     if not _compat.at_top_level() or _compat.disable_jit_flag.value:
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
-    state = _runtime_tokens.thread_tokens()
+    state = _runtime_tokens.thread_state()
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
       _runtime_tokens.effects_barrier()
@@ -297,7 +298,7 @@ class Function:
         self._learn(mode, err)
         continue
       except Exception as err:  # noqa: BLE001 - an execution error or not
-        _runtime_tokens.reraise(err, state)
+        _errors.reraise(err, state.reset)
       if token.ndim:
         self._per_device_sharding[mode] = token.sharding
       _runtime_tokens.update(state, keys, token)
@@ -362,13 +363,13 @@ class Compiled:
   def __call__(self, *args, **kwargs):
     if self._mode is None:
       return self._compiled(*args, **kwargs)
-    state = _runtime_tokens.thread_tokens()
+    state = _runtime_tokens.thread_state()
     # compiled for scalar tokens (see Function.lower): no per-device sharding
     tokens = _runtime_tokens.tokens_for(state, self._keys, None)
     try:
       out, token = self._compiled(tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
-      _runtime_tokens.reraise(err, state)
+      _errors.reraise(err, state.reset)
     _runtime_tokens.update(state, self._keys, token)
     return out
 

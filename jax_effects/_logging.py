@@ -6,7 +6,7 @@ captured from the Python stack, so records point at the user's line, not at
 the host callback. At run time the host callback formats the NumPy values,
 builds a :class:`logging.LogRecord` with ``logger.makeRecord`` (so the
 logger's record factory and filters apply) and hands it to
-:func:`jax_effects._capture.deliver_record` (through ``_placement`` for the
+:func:`jax_effects._output.deliver_record` (which holds it in the
 deterministic view). Every record carries:
 
 * ``device_id``: the device whose computation ran the callback (None when run
@@ -29,6 +29,8 @@ import sys
 import jax
 
 from jax_effects import _arguments
+from jax_effects import _effects
+from jax_effects import _output
 from jax_effects import _placement
 from jax_effects import _primitives
 from jax_effects._printing import check_format
@@ -97,6 +99,7 @@ def log(fmt: str, *args, level=logging.INFO, logger=None,
   each device emits its own record.
   """
   what = f"jax_effects.log({fmt!r})"
+  effect, ordered = _effects.resolve(what, effect, ordered)
   check_format(what, fmt, args, kwargs)
   lg = _resolve_logger(what, logger)
   levelno = _resolve_level(what, level)
@@ -116,8 +119,7 @@ def log(fmt: str, *args, level=logging.INFO, logger=None,
                "process_index": place.process_index}
     record = lg.makeRecord(lg.name, levelno, pathname, lineno,
                            fmt.format(*a, **k), (), None, func, extra)
-    _placement.deliver_record(lg, record, effect, ordered)
+    _output.deliver_record(lg, record, ordered)
     return ()
 
-  _primitives.bind_effect(_primitives.HostCallback(emit, what), operands,
-                          effect=effect, ordered=ordered)
+  _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered)

@@ -1,7 +1,7 @@
-"""Where a host callback runs, and the deterministic view of per-device output.
+"""Where a host callback runs: decided at lowering, read while it runs.
 
-**Attribution.** A host callback receives only arrays, so where it runs is
-decided when it is lowered, from the lowering's axis context:
+A host callback receives only arrays, so where it runs is decided when it is
+lowered, from the lowering's axis context (:func:`at_lowering`):
 
 * *Per device* (inside a fully manual ``shard_map``, and so inside ``pmap``,
   which JAX stages as ``shard_map``): XLA runs the callback once on every
@@ -17,47 +17,23 @@ decided when it is lowered, from the lowering's axis context:
 * Eagerly (outside any compiled computation) there is no placement:
   :func:`current` returns None.
 
-While the host function runs, :func:`current` returns its placement (a
-thread-local: XLA may run the callbacks of several devices at the same time
-on different threads). ``print`` prefixes per-device lines with
-:meth:`Placement.prefix`; ``log`` copies the fields onto its records.
-
-**Errors.** In a multi-device computation a failing callback must not fail
-its device's part of the program (the other devices would wait forever in the
-next collective and XLA's CPU runtime aborts the process): the error is
-recorded under the slot of the dispatching thread (the value of the carrier,
-see ``_runtime_tokens``), the callback returns zeros, and that thread's call
-(or its next call or barrier) raises it.
-
-**Deterministic view.** Per-device effects are ordered on each device
-(program order, by that device's compiler-token chain), but devices run
-concurrently, so the interleaving of their output changes from run to run.
-Inside :func:`deterministic`, the ordered output of per-device callbacks of
-``jax_effects.jit`` code is *held* instead of delivered, and released sorted
-by (position in its device's sequence, device id) when the dispatch's
-per-device token is combined into the next runtime token
-(:func:`combine_per_device`, a host callback that runs after every device's
-effects), or just before an ordered effect that runs once (which follows
-them by data dependency), or when the block exits.
+While the host function runs (``_host``), :data:`site` holds its placement
+(a thread-local: XLA may run the callbacks of several devices at the same
+time on different threads) and :func:`current` returns it. ``print``
+prefixes per-device lines with :meth:`Placement.prefix`; ``log`` copies the
+fields onto its records.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
-from jax_effects import _capture
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _runtime_tokens
 
-__all__ = ["Placement", "current", "deterministic", "is_deterministic"]
+__all__ = ["Placement", "current", "at_lowering"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,88 +72,57 @@ class _Site(threading.local):
   threaded: bool = False
 
 
-_site = _Site()
+#: The running host callback's placement (set by the host function, ``_host``).
+site = _Site()
 
 
 def current() -> Placement | None:
   """The placement of the host callback running on this thread, if any."""
-  return _site.placement
+  return site.placement
 
 
-def _run_at(placement: Placement, threaded: bool, fn: Callable, args):
-  site = _site
-  prev = site.placement, site.threaded
-  site.placement, site.threaded = placement, threaded
-  try:
-    return fn(*args)
-  finally:
-    site.placement, site.threaded = prev
+def threaded() -> bool:
+  """Whether the running host callback went through the token-threading pass."""
+  return site.threaded
 
 
-def _device_placement(device) -> Placement:
-  return Placement(device.id, None, device.process_index)
+# --- lowering side -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """Where a callback lowered in some context runs (see :func:`at_lowering`).
+
+  ``fixed``: the placement of a callback that runs once (None when per
+  device). ``table``: per-device placements indexed by partition id (the
+  extra last operand), or None. ``multi_device``: the computation spans
+  several devices, so a failing callback must not fail it (``_host``).
+  """
+  fixed: Placement | None
+  table: tuple | None
+  multi_device: bool
 
 
-def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
-              threaded: bool, passthrough: int = 0):
-  """Lowering side: where the callback lowered in ``ctx`` runs.
+def at_lowering(ctx, operands: list, avals_in: list):
+  """Where the callback lowered in ``ctx`` runs.
 
-  ``operands``/``avals_in``/``avals_out`` are those of the host function;
-  its first ``passthrough`` results are its first operands returned as
-  received (the token placeholder and the carrier of a threaded effect).
-  Returns ``(operands, avals_in, wrap)``: the operands and their avals (with
-  the partition id appended in the per-device case) and ``wrap``, which turns
-  the host function into one that takes those operands and runs the original
-  with :func:`current` set.
-
-  In a multi-device computation the wrapped function does not fail: a user
-  error is recorded for the dispatching thread
-  (``_runtime_tokens.defer_error``) and the results are zeros (the
-  ``passthrough`` ones are returned as received), because a device failing
-  its part of an SPMD program leaves the others waiting forever in the next
-  collective.
+  Returns ``(where, operands, avals_in)``: with the partition id appended to
+  the operands (and its aval to ``avals_in``) in the per-device case.
   """
   axis_ctx = ctx.module_context.axis_context
   if isinstance(axis_ctx, _compat.SPMDAxisContext):
     table, operands, avals_in = _per_device_table(axis_ctx.mesh, operands,
                                                   avals_in)
-    return operands, avals_in, _wrapper(lambda args: table[int(args[-1])], 1,
-                                        threaded, avals_out, passthrough,
-                                        defer=True)
+    return Where(None, table, True), operands, avals_in
   device = None
   n_devices = 1
   if isinstance(axis_ctx, _compat.ShardingContext):
     n_devices = axis_ctx.num_devices
     if axis_ctx.device_assignment:
       device = axis_ctx.device_assignment[0]
-  placement = (_device_placement(device) if device is not None
+  placement = (Placement(device.id, None, device.process_index)
+               if device is not None
                else Placement(None, None, jax.process_index()))
-  return operands, avals_in, _wrapper(lambda args: placement, 0, threaded,
-                                      avals_out, passthrough,
-                                      defer=n_devices > 1)
-
-
-def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
-             passthrough: int, *, defer: bool):
-  from jax_effects import _runtime_tokens
-
-  def wrap(host):
-    def attributed(*args):
-      placement = placement_of(args)
-      if n_extra:
-        args = args[:-n_extra]
-      if not defer:
-        return _run_at(placement, threaded, host, args)
-      try:
-        return _run_at(placement, threaded, host, args)
-      except _runtime_tokens.CallbackFailed as failed:
-        # The carrier holds the dispatching thread's slot (_runtime_tokens).
-        slot = int(args[passthrough - 1]) if threaded and passthrough else 0
-        _runtime_tokens.defer_error(failed, slot)
-        return (*args[:passthrough],
-                *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:]))
-    return attributed
-  return wrap
+  return Where(placement, None, n_devices > 1), operands, avals_in
 
 
 def _per_device_table(mesh, operands, avals_in):
@@ -198,142 +143,3 @@ def _per_device_table(mesh, operands, avals_in):
   pid_value = stablehlo.partition_id()
   pid_aval = jax.core.ShapedArray((), np.uint32)
   return tuple(table), [*operands, pid_value], [*avals_in, pid_aval]
-
-
-# --- delivery and the deterministic view -------------------------------------------
-
-_det_lock = threading.Lock()
-_det_depth = 0
-# device sort key -> [(effect, deliver thunk), ...] in that device's order
-_held: dict[Any, list] = {}
-
-
-def is_deterministic() -> bool:
-  """Whether a :func:`deterministic` block is active (in any thread)."""
-  return _det_depth > 0
-
-
-def _hold_or_run(effect, ordered: bool | None, thunk: Callable[[], None]) -> None:
-  site = _site
-  p = site.placement
-  if _det_depth and site.threaded:
-    if effect is None:
-      effect = _effects.DEFAULT
-    if ordered is None:   # the effect's default (``Effect(..., ordered=...)``)
-      ordered = getattr(effect, "ordered", True)
-    if ordered and p is not None and p.per_device:
-      key = (p.device_id if p.device_id is not None else -1, p.shard_index)
-      with _det_lock:
-        if _det_depth:
-          _held.setdefault(key, []).append(thunk)
-          return
-    elif ordered and _held:
-      # Runs once, after the per-device effects before it (data dependency):
-      # they come first.
-      release_held()
-  thunk()
-
-
-def deliver_line(text: str, effect, ordered: bool | None) -> None:
-  """Delivers a printed line; per-device lines get :meth:`Placement.prefix`."""
-  p = _site.placement
-  if p is not None and p.per_device:
-    text = p.prefix() + text
-  _hold_or_run(effect, ordered,
-               lambda: _capture.deliver_line(text))
-
-
-def deliver_record(logger, record, effect, ordered: bool | None) -> None:
-  """Delivers a log record (held in the deterministic view like lines)."""
-  _hold_or_run(effect, ordered,
-               lambda: _capture.deliver_record(logger, record))
-
-
-def release_held() -> None:
-  """Delivers the held output, ordered by (position on its device, device)."""
-  if not _held:
-    return
-  with _det_lock:
-    release = dict(_held)
-    _held.clear()
-  keys = sorted(release, key=lambda k: k[0])
-  depth = max((len(v) for v in release.values()), default=0)
-  for i in range(depth):
-    for key in keys:
-      entries = release[key]
-      if i < len(entries):
-        entries[i]()
-
-
-def _release_and_pass(token):
-  release_held()
-  return token
-
-
-def _combine(*shards):
-  return jnp.max(jnp.concatenate([s.reshape((-1,)) for s in shards]))
-
-
-def _combine_and_release(*shards):
-  # The callback's result is the token: the next dispatch's effects follow
-  # the release.
-  return io_callback(_release_and_pass,
-                     jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE),
-                     _combine(*shards))
-
-
-_combine_jit = jax.jit(_combine)
-_combine_release_jit = jax.jit(_combine_and_release)
-
-
-def combine_per_device(token):
-  """The next runtime token from a per-device token (one element per device).
-
-  The elements are copied to the first device (plain copies, no collective)
-  and reduced there; the result, uncommitted on that device, is ready only
-  once every device's effects have run. In the deterministic view, the held
-  per-device output is released at that point (a host callback).
-  """
-  shards = [s.data for s in token.addressable_shards]
-  moved = jax.device_put(shards, shards[0].device)
-  fn = _combine_release_jit if _det_depth else _combine_jit
-  return _compat.uncommitted(fn(*moved))
-
-
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-  """Per-device output of each dispatch in a fixed order (process-wide).
-
-  While the block is active (in any thread: the callbacks run on XLA's
-  threads), ordered ``print`` lines and ``log`` records of per-device
-  callbacks (``shard_map``/``pmap`` in ``jax_effects.jit`` code) are held and
-  released once every device's effects of that dispatch have run, sorted by
-  (position in the device's sequence of effects of the dispatch, device id).
-  For SPMD code whose control flow is the same on every device, position =
-  program point, so the same program logs identically run after run. On exit,
-  waits for the calling thread's effects (``effects_barrier``) and releases
-  anything still held.
-
-  Guaranteed: on one device, program order (always); within one dispatch,
-  sorted as above (in this view only); a dispatch's output before the next
-  dispatch's on the same effect stream, and an ordered effect that runs once
-  after the per-device output before it (always). Not guaranteed: any order
-  across processes (each process delivers its own devices' output); an order
-  for ``ordered=False`` effects (delivered at once); a fixed interleaving when
-  several threads dispatch per-device effects at the same time (a release
-  delivers everything held); per-device effects under plain ``jax.jit``
-  (delivered at once).
-  """
-  global _det_depth
-  from jax_effects import _runtime_tokens
-  with _det_lock:
-    _det_depth += 1
-  try:
-    yield
-  finally:
-    try:
-      _runtime_tokens.effects_barrier()
-    finally:
-      with _det_lock:
-        _det_depth -= 1
-      release_held()   # everything still held: the effects have all run

@@ -3,11 +3,36 @@
 ``effect_p`` is what user-facing functions (``print``, ``log``, ``callback``)
 bind while a program is being traced::
 
-    results = effect_p(*args; host_callback, effect, ordered, result_avals)
+    results = effect_p(*args; host_callback, effect, ordered)
 
-It carries a :class:`~jax_effects._effects.TraceEffect` marker so JAX keeps it
-through its transformations, and it has the rules those transformations need
-(eager impl, JVP, batching, a fallback lowering for plain ``jax.jit``).
+(``host_callback``, a :class:`~jax_effects._host.HostCallback`, holds the
+host function and ``result_avals``.) It carries a
+:class:`~jax_effects._effects.TraceEffect` marker so JAX keeps it through its
+transformations, and every rule of it lives here: abstract evaluation, the
+eager impl, a fallback lowering for plain ``jax.jit``, and the rules that act
+when a user's function is *traced* (before the pass), inside
+``jax_effects.jit``, under plain ``jax.jit`` and eagerly alike (see
+``design/transformations.md``):
+
+* **vmap** (a *fancy* batcher, called even when no operand is batched): the
+  equation is re-bound with a :class:`~jax_effects._host.BatchedHost` that
+  runs the user's host function once per batch element, in batch
+  (row-major) order, and stacks the results. Nested vmaps flatten into one
+  ``BatchedHost`` with a multi-dimensional ``batch_shape`` (outermost vmap
+  first); an operand that is not batched at some level is not broadcast,
+  just reused for every element.
+* **jvp**: the effect runs once, on the primal values; tangents of its
+  results are symbolic zeros (host results are not differentiable). There is
+  no linear part, so linearize/vjp/grad never stage an effect into the
+  tangent or cotangent computation, and rematerialization
+  (``jax.checkpoint``) never re-runs it: the equation carries a marker JAX
+  keeps in the primal ("known") computation (``partial_eval_kept_effects``).
+* **vmap of cond/switch with a batched predicate**: JAX converts it to a
+  ``select`` that evaluates every branch, erasing the ``cond``. An effect
+  records at bind time whether it was traced directly in a ``cond`` branch
+  (``HostCallback.traced_in_branch``); the pass (and the eager impl) then
+  reports an effect that reappears outside any branch with an error naming
+  the limitation (:func:`branch_vmapped_error`).
 
 ``threaded_effect_p`` is what the token-threading pass replaces it with::
 
@@ -33,63 +58,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from jax_effects import _compat
 from jax_effects import _effects
+from jax_effects import _host
 from jax_effects import _placement
 from jax_effects import _runtime_tokens
-
-
-class HostCallback:
-  """A host function run by a side-effect primitive.
-
-  ``fn`` takes the flat operands as NumPy arrays and returns a tuple of NumPy
-  arrays matching ``result_avals`` (checked here, with a message naming the
-  callback). Compared and hashed by identity, as JAX requires of primitive
-  parameters. ``traced_in_branch``: bound directly in a ``cond``/``switch``
-  branch (see ``_transformation_rules``).
-  """
-  __slots__ = ("fn", "description", "result_avals", "traced_in_branch",
-               "traced_in_while_cond", "__weakref__")
-
-  def __init__(self, fn: Callable[..., Sequence[Any]], description: str,
-               result_avals: tuple = ()):
-    self.fn = fn
-    self.description = description
-    self.result_avals = result_avals
-    self.traced_in_branch = False
-    self.traced_in_while_cond = False
-
-  def __repr__(self):
-    return f"<host callback {self.description}>"
-
-  def __call__(self, *args):
-    results = self.fn(*args)
-    avals = self.result_avals
-    if not avals:
-      return ()
-    return check_results(self.description, results, avals)
-
-
-def check_results(description, results, avals):
-  if not isinstance(results, (tuple, list)) or len(results) != len(avals):
-    n = len(results) if isinstance(results, (tuple, list)) else "a non-sequence"
-    raise TypeError(
-        f"{description} returned {n} results; expected {len(avals)} "
-        f"(shapes/dtypes {[str(a.str_short()) for a in avals]})")
-  out = []
-  for i, (r, aval) in enumerate(zip(results, avals)):
-    if isinstance(r, (np.ndarray, np.generic, jax.Array)):
-      r = np.asarray(r)
-    else:  # Python scalars and lists take the declared dtype, like literals
-      r = np.asarray(r, dtype=aval.dtype)
-    if r.shape != aval.shape or r.dtype != aval.dtype:
-      raise TypeError(
-          f"{description} result #{i} has shape {r.shape} and dtype {r.dtype}; "
-          f"expected shape {aval.shape} and dtype {aval.dtype}")
-    out.append(r)
-  return tuple(out)
 
 
 # --- trace-time primitive ------------------------------------------------------
@@ -98,22 +75,21 @@ effect_p = Primitive("jax_effects_effect")
 effect_p.multiple_results = True
 
 
-def _effect_abstract_eval(*avals, host_callback, effect, ordered, result_avals):
+def _effect_abstract_eval(*avals, host_callback, effect, ordered):
   del avals
-  return result_avals, _effects.jax_effects_of(
+  return host_callback.result_avals, _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
 
 
 effect_p.def_effectful_abstract_eval(_effect_abstract_eval)
 
 
-def _effect_impl(*args, host_callback, effect, ordered, result_avals):
+def _effect_impl(*args, host_callback, effect, ordered):
   """Eager execution: wait for this stream's earlier dispatches, then run."""
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
-    from jax_effects import _transformation_rules
-    raise _transformation_rules.branch_vmapped_error(host_callback)
+    raise branch_vmapped_error(host_callback)
   if ordered:
-    state = _runtime_tokens.thread_tokens()
+    state = _runtime_tokens.thread_state()
     marker = _effects.marker(effect, True)
     key = _effects.chain_key(marker, _effects.get_ordering())
     token = state.runtime.get(key)
@@ -133,7 +109,7 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
 effect_p.def_impl(_effect_impl)
 
 
-def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals):
+def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   """Lowering under plain ``jax.jit`` (no token threading by jax_effects).
 
   An ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``: JAX
@@ -141,22 +117,22 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals)
   threads runtime tokens between dispatches, so program order holds, through
   JAX's slower dispatch path. Unordered effects get no token.
   """
-  del result_avals
   if host_callback.traced_in_branch and "_fun" not in str(ctx.name_stack):
     # A cond branch that vmap inlined (its predicate is batched): the cond
     # lowering names each branch's ops "branch_<i>_fun"; these have no branch.
-    from jax_effects import _transformation_rules
-    raise _transformation_rules.branch_vmapped_error(host_callback)
+    raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
   # Where it runs (device, shard): may add the partition id as an operand.
-  operands, avals_in, wrap = _placement.attribute(
-      ctx, list(args), list(ctx.avals_in), list(ctx.avals_out), threaded=False)
+  where, operands, avals_in = _placement.at_lowering(
+      ctx, list(args), list(ctx.avals_in))
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
+  host = _host.host_function(host_callback, where, passthrough=0,
+                             threaded=False, avals_out=ctx.avals_out)
   results, token, _ = mlir.emit_python_callback(
-      sub_ctx, wrap(_host_function(host_callback, with_carrier=False)), token,
+      sub_ctx, host, token,
       operands, avals_in, ctx.avals_out, has_side_effect=True,
       returns_token=ordered,
       sharding=_compat.callback_op_sharding(
@@ -171,64 +147,77 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals)
 mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
 
 
+# --- vmap ------------------------------------------------------------------------
+
+def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
+  size = axis_data.size
+  fn = host_callback.fn
+  if isinstance(fn, _host.BatchedHost):
+    element, shape, levels = fn.element, fn.batch_shape, fn.levels
+    element_avals = fn.element_avals
+  else:
+    element, shape, levels = host_callback, (), tuple(() for _ in args)
+    element_avals = host_callback.result_avals
+  new_args, new_levels = [], []
+  for x, d, lv in zip(args, dims, levels):
+    if d is None:
+      new_args.append(x)
+      new_levels.append((False, *lv))
+    else:
+      new_args.append(jnp.moveaxis(x, d, 0))
+      new_levels.append((True, *lv))
+  new_shape = (size, *shape)
+  new_avals = tuple(jax.core.ShapedArray(new_shape + a.shape, a.dtype)
+                    for a in element_avals)
+  batched = dataclasses.replace(
+      host_callback,
+      fn=_host.BatchedHost(element, new_shape, tuple(new_levels),
+                           element_avals),
+      result_avals=new_avals)
+  outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
+                       ordered=ordered)
+  return outs, [0] * len(outs)
+
+
+batching.fancy_primitive_batchers[effect_p] = _effect_batcher
+
+
+# --- jvp -------------------------------------------------------------------------
+
+def _effect_jvp(primals, tangents, **params):
+  del tangents  # the host function sees primal values only
+  outs = effect_p.bind(*primals, **params)
+  return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+
+
+ad.primitive_jvps[effect_p] = _effect_jvp
+
+
+# --- vmap of cond with a batched predicate -------------------------------------
+
+def branch_vmapped_error(host_callback) -> NotImplementedError:
+  return NotImplementedError(
+      f"{host_callback.description} is inside a branch of jax.lax.cond/switch "
+      f"whose predicate jax.vmap batched: JAX then evaluates every branch for "
+      f"every element (a select), so this effect would also run for the "
+      f"elements that did not take its branch. Use jax.lax.map instead of "
+      f"jax.vmap for this function, keep the predicate unbatched, or move the "
+      f"effect out of the branch (e.g. a while_loop runs effects only for the "
+      f"live iterations of each element).")
+
+
 # --- post-pass primitive -----------------------------------------------------
 
 threaded_effect_p = Primitive("jax_effects_threaded_effect")
 threaded_effect_p.multiple_results = True
 
 
-def _threaded_abstract_eval(token, carrier, *avals, host_callback, result_avals):
-  del avals, host_callback
-  return [token, carrier, *result_avals]
+def _threaded_abstract_eval(token, carrier, *avals, host_callback):
+  del avals
+  return [token, carrier, *host_callback.result_avals]
 
 
 threaded_effect_p.def_abstract_eval(_threaded_abstract_eval)
-
-
-def _host_function(host_callback: HostCallback, with_carrier: bool):
-  """The Python function XLA calls: runs the callback, records its errors."""
-  if with_carrier:
-    def host(carrier, *args):
-      try:
-        results = host_callback(*args)
-      except BaseException as exc:  # reaches the caller as itself, once
-        raise _runtime_tokens.record_error(exc) from None
-      return (carrier, *results)
-  else:
-    def host(*args):
-      try:
-        return host_callback(*args)
-      except BaseException as exc:
-        raise _runtime_tokens.record_error(exc) from None
-  return host
-
-
-def _threaded_host(host_callback: HostCallback, result_avals: tuple):
-  """The function XLA calls for a threaded effect (hot path, one frame).
-
-  ``(token, carrier, *args) -> (token, carrier, *results)``: ``token`` is the
-  None XLA passes for a ``!stablehlo.token`` operand and the placeholder it
-  expects back; the carrier is returned as received. Results are converted
-  and checked by :func:`check_results` (errors name the callback, expected
-  and actual shape/dtype); a user exception is recorded, once.
-  """
-  fn = host_callback.fn
-  description = host_callback.description
-  if result_avals:
-    def host(token, carrier, *args):
-      try:
-        results = check_results(description, fn(*args), result_avals)
-      except BaseException as exc:  # reaches the caller as itself, once
-        raise _runtime_tokens.record_error(exc) from None
-      return (token, carrier, *results)
-  else:
-    def host(token, carrier, *args):
-      try:
-        fn(*args)
-      except BaseException as exc:  # reaches the caller as itself, once
-        raise _runtime_tokens.record_error(exc) from None
-      return (token, carrier)
-  return host
 
 
 # Custom-call targets of JAX's Python callbacks (jaxlib registers them).
@@ -267,28 +256,27 @@ def _emit_host_call(ctx, host, operands, sharding):
   return op.results
 
 
-def _threaded_lowering(ctx, token, carrier, *args, host_callback, result_avals):
+def _threaded_lowering(ctx, token, carrier, *args, host_callback):
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
   if len(platforms) == 1 and platforms[0] in _FFI_TARGETS:
     # Where it runs (device, shard): may add the partition id as an operand.
-    operands, avals_in, wrap = _placement.attribute(
-        ctx, [token, carrier, *args], list(ctx.avals_in), list(ctx.avals_out),
-        threaded=True, passthrough=2)
-    return _emit_host_call(
-        dataclasses.replace(ctx, avals_in=avals_in),
-        wrap(_threaded_host(host_callback, tuple(result_avals))), operands,
-        sharding)
-  del result_avals
+    where, operands, avals_in = _placement.at_lowering(
+        ctx, [token, carrier, *args], list(ctx.avals_in))
+    host = _host.host_function(host_callback, where, passthrough=2,
+                               threaded=True, avals_out=ctx.avals_out)
+    return _emit_host_call(dataclasses.replace(ctx, avals_in=avals_in), host,
+                           operands, sharding)
   # Other platforms (TPU): through emit_python_callback, which adds the token.
-  operands, avals_in, wrap = _placement.attribute(
-      ctx, [carrier, *args], list(ctx.avals_in[1:]), list(ctx.avals_out[1:]),
-      threaded=True, passthrough=1)
+  where, operands, avals_in = _placement.at_lowering(
+      ctx, [carrier, *args], list(ctx.avals_in[1:]))
+  host = _host.host_function(host_callback, where, passthrough=1,
+                             threaded=True, avals_out=ctx.avals_out[1:])
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
                                 avals_out=ctx.avals_out[1:])
   results, token, _ = mlir.emit_python_callback(
-      sub_ctx, wrap(_host_function(host_callback, with_carrier=True)), token,
+      sub_ctx, host, token,
       operands, sub_ctx.avals_in, sub_ctx.avals_out,
       has_side_effect=True, returns_token=True, sharding=sharding)
   return [token, *results]
@@ -300,28 +288,19 @@ mlir.register_lowering(threaded_effect_p, _threaded_lowering, cacheable=False)
 _compat.require_devices_during_lowering(threaded_effect_p)
 
 
-def bind_effect(host_callback: HostCallback, flat_args: Sequence[Any], *,
-                effect: _effects.Effect | None, ordered: bool | None,
-                result_avals: tuple = ()) -> list:
+def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
+                flat_args: Sequence[Any], *, effect: _effects.Effect,
+                ordered: bool, result_avals: tuple = ()) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
-  ``ordered=None`` takes the effect's own setting (``Effect.ordered``).
+  ``effect``/``ordered`` are resolved (``_effects.resolve``); ``fn`` is the
+  host side (flat NumPy operands -> results matching ``result_avals``). The
+  :class:`~jax_effects._host.HostCallback` is built here, complete.
   """
-  if effect is None:
-    effect = _effects.DEFAULT
-  elif not isinstance(effect, _effects.Effect):
-    raise TypeError(
-        f"{host_callback.description}: effect= must be a jax_effects.Effect or "
-        f"None, got {effect!r}")
-  if ordered is None:
-    ordered = effect.ordered
-  elif not isinstance(ordered, (bool, np.bool_)):
-    raise TypeError(
-        f"{host_callback.description}: ordered= must be a bool (or None for "
-        f"the effect's setting), got {ordered!r}")
-  host_callback.result_avals = tuple(result_avals)
   staging = _compat.enclosing_staging()
-  host_callback.traced_in_branch = staging in ("cond", "switch")
-  host_callback.traced_in_while_cond = staging == "while_cond"
+  host_callback = _host.HostCallback(
+      fn, description, tuple(result_avals),
+      traced_in_branch=staging in ("cond", "switch"),
+      traced_in_while_cond=staging == "while_cond")
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
-                       ordered=bool(ordered), result_avals=tuple(result_avals))
+                       ordered=ordered)

@@ -4,7 +4,7 @@ The format string is checked when the call is traced (fields against
 arguments, with Python's own ``str.format`` rules, and no unused arguments), so
 a bad format fails at trace time naming the format string, never inside XLA.
 At run time the host callback formats the NumPy values and hands the line to
-:func:`jax_effects._capture.deliver_line` (``sys.stdout`` plus listeners).
+:func:`jax_effects._output.deliver_line` (``sys.stdout`` plus listeners).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from jax_effects import _arguments
-from jax_effects import _capture  # noqa: F401  (delivery, via _placement)
-from jax_effects import _placement
+from jax_effects import _effects
+from jax_effects import _output
 from jax_effects import _primitives
 
 
@@ -117,6 +117,7 @@ def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A0
   see ``design/placement.md``.
   """
   what = f"jax_effects.print({fmt!r})"
+  effect, ordered = _effects.resolve(what, effect, ordered)
   check_format(what, fmt, args, kwargs)
   operands, rebuild = _arguments.split(what, args, kwargs, allow_str=True)
   check_format_specs(what, fmt, operands, rebuild)
@@ -124,10 +125,9 @@ def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A0
   def emit(*np_operands):
     a, k = rebuild(np_operands)
     # Per-device lines get a "[device D shard S process P] " prefix.
-    _placement.deliver_line(fmt.format(*a, **k), effect, ordered)
+    _output.deliver_line(fmt.format(*a, **k), ordered)
     return ()
 
-  _primitives.bind_effect(_primitives.HostCallback(emit, what), operands,
-                          effect=effect, ordered=ordered)
+  _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered)
 
 

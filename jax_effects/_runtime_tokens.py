@@ -21,15 +21,17 @@ Under strict execution all outputs of an executable become ready together, so
 a threaded executable returns one token array that serves as the new runtime
 token of every ordered effect it takes and as the output token of its devices.
 
-Errors raised by a user's callback are recorded here (:func:`record_error`)
-and replace the opaque XLA error that reaches the caller (:func:`reraise`).
+After a per-device (``shard_map``) program the token is a vector, one
+element per device; it stays on its devices for the next call of the same
+program and is combined (:func:`combine_per_device`) only for a computation
+that runs elsewhere. A token's *value* is the dispatching thread's slot, so a
+multi-device callback knows whom to report an error to (``_errors``).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import itertools
-import re
 import threading
 import types
 import weakref
@@ -38,8 +40,11 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jax_effects import _compat
+from jax_effects import _errors
+from jax_effects import _output
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -101,7 +106,7 @@ _all_lock = threading.Lock()
 _all_states: list[ThreadTokens] = []
 
 
-def thread_tokens() -> ThreadTokens:
+def thread_state() -> ThreadTokens:
   """This thread's token state (created and registered on first use)."""
   try:
     return _local.state
@@ -144,9 +149,8 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
       # chain from its own element, with no copy and no extra dispatch; it is
       # combined only for a computation that runs elsewhere (per_device_tokens)
       # or, in the deterministic view, right away (that releases the output).
-      from jax_effects import _placement
-      if _placement.is_deterministic():
-        runtime = _placement.combine_per_device(token)
+      if _output.holding():
+        runtime = combine_per_device(token)
       else:
         runtime = token
         state.per_device = True
@@ -154,8 +158,8 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
       runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
       state.runtime[key] = runtime
-  if _deferred:   # a multi-device callback of this thread failed
-    raise_deferred(state)
+  if _errors.deferred:   # a multi-device callback (of this thread?) failed
+    _errors.raise_deferred(state.slot)
 
 
 def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
@@ -184,13 +188,12 @@ def per_device_tokens(state: ThreadTokens, keys, tokens: tuple,
   can be handed as it is only to a computation over the same devices
   (``sharding``: that of the token the callee returned last time, or None).
   Any other computation gets the elements combined into one scalar token on
-  the first device (``_placement.combine_per_device``), which is stored back.
+  the first device (:func:`combine_per_device`), which is stored back.
   """
-  from jax_effects import _placement
   out = []
   for key, token in zip(keys, tokens):
     if token.ndim and (sharding is None or token.sharding != sharding):
-      token = state.runtime[key] = _placement.combine_per_device(token)
+      token = state.runtime[key] = combine_per_device(token)
     out.append(token)
   state.per_device = any(t.ndim for t in state.runtime.values())
   return tuple(out)
@@ -210,125 +213,46 @@ def runtime_tokens() -> RuntimeTokens:
   mode) to its current runtime token; ``.devices`` maps each device to the
   latest output token returned by a computation that ran on it.
   """
-  state = thread_tokens()
+  state = thread_state()
   return RuntimeTokens(types.MappingProxyType(dict(state.runtime)),
                        types.MappingProxyType(state.devices()))
 
 
-# --- callback errors -----------------------------------------------------------
+# --- combining per-device tokens ------------------------------------------------
 
-_error_ids = itertools.count(1)
-_errors_lock = threading.Lock()
-_errors: dict[int, BaseException] = {}
-_MARK = "jax_effects callback error #"
-_MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
+def _release_and_pass(token):
+  _output.release_held()
+  return token
 
 
-class CallbackFailed(Exception):
-  """Raised into XLA in place of a user's exception; carries its id."""
+def _combine(*shards):
+  return jnp.max(jnp.concatenate([s.reshape((-1,)) for s in shards]))
 
 
-def record_error(exc: BaseException) -> CallbackFailed:
-  """Stores a user callback's exception; returns the marker to raise to XLA."""
-  n = next(_error_ids)
-  with _errors_lock:
-    _errors[n] = exc
-  return CallbackFailed(f"{_MARK}{n}: {type(exc).__name__}: {exc}")
+def _combine_and_release(*shards):
+  # The callback's result is the token: the next dispatch's effects follow
+  # the release.
+  return io_callback(_release_and_pass,
+                     jax.ShapeDtypeStruct((), TOKEN_DTYPE),
+                     _combine(*shards))
 
 
-def original_error(err: BaseException) -> BaseException | None:
-  """The user exception behind an XLA error, removed so it is reported once."""
-  ids = _MARK_RE.findall(str(err))
-  if not ids:
-    return None
-  found = None
-  with _errors_lock:
-    for n in ids:   # one XLA error may mention several; report the first
-      exc = _errors.pop(int(n), None)
-      found = found or exc
-  return found
+_combine_jit = jax.jit(_combine)
+_combine_release_jit = jax.jit(_combine_and_release)
 
 
-# Errors of callbacks in multi-device computations. Raising into XLA there
-# would leave the other devices waiting forever in the next collective (XLA's
-# CPU runtime then aborts the process), so the host function returns normally
-# and the error waits here, under the slot of the thread that dispatched the
-# computation (read from the carrier the callback received; 0 if unknown, as
-# for a chain that did not start from a runtime token). The dispatching
-# thread raises it when its call returns (raise_deferred), or its next
-# effects_barrier does.
-_deferred: dict[int, list[int]] = {}
+def combine_per_device(token):
+  """The next runtime token from a per-device token (one element per device).
 
-
-def defer_error(failed: CallbackFailed, slot: int = 0) -> None:
-  """Keeps the error behind ``failed`` for thread ``slot`` to raise."""
-  with _errors_lock:
-    _deferred.setdefault(slot, []).extend(
-        int(n) for n in _MARK_RE.findall(str(failed)))
-
-
-def pop_deferred(slots=None) -> BaseException | None:
-  """Removes and returns the oldest deferred error of ``slots`` (all if None).
-
-  One error per call: each reaches the user once, as itself. If more are
-  pending for those slots, a note on the returned one says so (the next call
-  or barrier raises the next one).
+  The elements are copied to the first device (plain copies, no collective)
+  and reduced there; the result, uncommitted on that device, is ready only
+  once every device's effects have run. In the deterministic view, the held
+  per-device output is released at that point (a host callback).
   """
-  if not _deferred:
-    return None
-  exc = None
-  with _errors_lock:
-    slots = list(_deferred) if slots is None else slots
-    for slot in slots:
-      ids = _deferred.get(slot, [])
-      while ids and exc is None:
-        exc = _errors.pop(ids.pop(0), None)
-      if not ids:
-        _deferred.pop(slot, None)
-      if exc is not None:
-        break
-    left = sum(len(_deferred.get(s, ())) for s in slots)
-  if exc is not None and left and hasattr(exc, "add_note"):
-    exc.add_note(
-        f"jax_effects: {left} more callback error(s) of multi-device "
-        "computations are pending; the next effects_barrier() (or call) "
-        "raises the next one")
-  return exc
-
-
-def raise_deferred(state: ThreadTokens) -> None:
-  """Raises an error deferred by a computation this thread dispatched."""
-  exc = pop_deferred((state.slot,))
-  if exc is not None:
-    raise exc.with_traceback(exc.__traceback__)
-
-
-def is_execution_error(err: BaseException) -> bool:
-  """Whether ``err``, raised by running an executable, is an execution failure.
-
-  An XLA runtime error, or a callback's error surfacing as another type: when
-  the CPU client runs a computation inline, a failed host callback reaches the
-  caller as ``ValueError("INTERNAL: CpuCallback error ...")``.
-  """
-  return isinstance(err, jax.errors.JaxRuntimeError) or _MARK in str(err)
-
-
-def reraise(err: BaseException, state: ThreadTokens | None) -> None:
-  """Raises the user's exception behind ``err`` (or ``err`` itself).
-
-  The thread's tokens are reset: a failed computation's tokens carry its error
-  and must not be handed to the next computation. An error that is not an
-  execution failure (:func:`is_execution_error`: a tracing error, say) is
-  raised unchanged and resets nothing.
-  """
-  if not is_execution_error(err):
-    raise err
-  orig = original_error(err)
-  if state is not None:
-    state.reset()
-  if orig is None:
-    raise err
-  raise orig.with_traceback(orig.__traceback__) from None
+  shards = [s.data for s in token.addressable_shards]
+  moved = jax.device_put(shards, shards[0].device)
+  fn = _combine_release_jit if _output.holding() else _combine_jit
+  return _compat.uncommitted(fn(*moved))
 
 
 # --- barrier -------------------------------------------------------------------
@@ -336,7 +260,7 @@ def reraise(err: BaseException, state: ThreadTokens | None) -> None:
 def wait_for_thread() -> None:
   """Blocks until this thread's dispatched effects have run (raises nothing:
   a failure is reported by the next call or barrier)."""
-  for token in thread_tokens().pending():
+  for token in thread_state().pending():
     try:
       token.block_until_ready()
     except Exception:  # noqa: BLE001 - reported by effects_barrier
@@ -359,7 +283,7 @@ def effects_barrier(all_threads: bool = False) -> None:
     # Dead before the wait: dispatches nothing after it, so it can be dropped.
     dead = [s for s in states if not s.alive()]
   else:
-    states = [thread_tokens()]
+    states = [thread_state()]
   first_error = None
   for state in states:
     try:
@@ -376,10 +300,10 @@ def effects_barrier(all_threads: bool = False) -> None:
   if all_threads:
     _forget_dead_threads(dead)
   if first_error is not None:
-    reraise(first_error, None)
+    _errors.reraise(first_error, None)
   # multi-device callbacks' errors: this thread's and those of unknown origin
   # (every thread's with all_threads=True)
-  deferred = pop_deferred(None if all_threads else (states[0].slot, 0))
+  deferred = _errors.pop_deferred(None if all_threads else (states[0].slot, 0))
   if deferred is not None:
     raise deferred.with_traceback(deferred.__traceback__)
 

@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 import jax_effects as je
-from jax_effects import _capture
+from jax_effects import _output
 
 D = 3                 # length of x
 K_MOD = 1009
@@ -172,11 +172,11 @@ class Records:
       self.add((name, int(tag), int(k), None))
 
   def __enter__(self):
-    _capture.add_line_listener(self.on_line)
+    _output.add_line_listener(self.on_line)
     return self
 
   def __exit__(self, *exc):
-    _capture.remove_line_listener(self.on_line)
+    _output.remove_line_listener(self.on_line)
 
 
 # --- building the JAX function ------------------------------------------------------

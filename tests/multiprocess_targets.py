@@ -1,6 +1,6 @@
 """Targets for the launcher's own tests (tests/test_multiprocess.py).
 
-Run in child processes by ``jax_effects._multiprocess.launch`` after
+Run in child processes by ``jax_effects._tools.launcher.launch`` after
 ``jax.distributed.initialize``.
 """
 import time

@@ -473,17 +473,17 @@ def run_python(program: Block, x: int):
 
 
 def _with_printed(ctx: Context, fn):
-  from jax_effects import _capture
+  from jax_effects import _output
 
   def on_line(line):
     event = parse_printed(line)
     if event is not None:
       ctx.events.append(event)
-  _capture.add_line_listener(on_line)
+  _output.add_line_listener(on_line)
   try:
     return fn()
   finally:
-    _capture.remove_line_listener(on_line)
+    _output.remove_line_listener(on_line)
 
 
 def run_eager(program: Block, x: int):

@@ -42,8 +42,8 @@ SCRIPT = textwrap.dedent(r"""
 
     f = je.jit(effectful)
     lines = []
-    from jax_effects import _capture
-    _capture.add_line_listener(lines.append)
+    from jax_effects import _output
+    _output.add_line_listener(lines.append)
     out = f(x)
     f(x)
     je.effects_barrier()

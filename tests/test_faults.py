@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
-from jax_effects import _runtime_tokens
+from jax_effects import _errors
 import helpers
 from helpers import Boom, run_threads
 
@@ -110,8 +110,8 @@ def check(rec: FailingRecorder, caught: dict, expected_keys, tid_of):
   for stream, seqs in per_stream.items():
     assert seqs == sorted(seqs), f"stream {stream} out of dispatch order"
   # The error registry keeps nothing of ours.
-  with _runtime_tokens._errors_lock:
-    leftover = [e for e in _runtime_tokens._errors.values() if isinstance(e, Boom)]
+  with _errors._errors_lock:
+    leftover = [e for e in _errors._errors.values() if isinstance(e, Boom)]
   assert not leftover
 
 

@@ -31,7 +31,7 @@ from jax import tree_util
 import helpers
 from helpers import Boom
 import jax_effects as je
-from jax_effects import _capture
+from jax_effects import _output
 
 # sizes chosen at collection: CI's, or --run-slow's
 N_CASES = helpers.scale(60, 300)
@@ -294,7 +294,7 @@ def run_print_case(case, lines):
 def _print_fuzz(seed, n):
   rng = random.Random(seed)
   lines = []
-  _capture.add_line_listener(lines.append)
+  _output.add_line_listener(lines.append)
   outcomes = {"ok": 0, "error": 0}
 
   def run_cases():
@@ -306,7 +306,7 @@ def _print_fuzz(seed, n):
   try:
     with_watchdog(run_cases, CASE_TIMEOUT_S * 10)
   finally:
-    _capture.remove_line_listener(lines.append)
+    _output.remove_line_listener(lines.append)
   # The generator exercises both outcomes.
   assert outcomes["ok"] > n // 10 and outcomes["error"] > n // 10, outcomes
 

@@ -1,10 +1,10 @@
 """Multi-process programs (``jax.distributed``): two JAX processes on 127.0.0.1.
 
 Each process has 2 simulated CPU devices and gloo CPU collectives; both run
-``jax_effects._multiprocess_worker.shard_map_logging`` (a ``jax_effects.jit``
+``jax_effects._tools.multiprocess_program.shard_map_logging`` (a ``jax_effects.jit``
 of a ``shard_map`` step over a mesh of all 4 devices that logs and prints per
 device, called several times, then ``effects_barrier()``), launched by
-``jax_effects._multiprocess.launch`` (free port, bounded time, cleanup).
+``jax_effects._tools.launcher.launch`` (free port, bounded time, cleanup).
 The checks are on what each process observed: attribution of every record
 (process, device, mesh position), per-device program order across calls, the
 order within a process around each ``shard_map``, and per-process tokens.
@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from jax_effects import _multiprocess
-from jax_effects import _multiprocess_worker as worker
+from jax_effects._tools import launcher
+from jax_effects._tools import multiprocess_program
 
 TIMEOUT = 120  # seconds for the whole two-process run, startup included
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def results():
-  return _multiprocess.launch(
-      "jax_effects._multiprocess_worker:shard_map_logging",
+  return launcher.launch(
+      "jax_effects._tools.multiprocess_program:shard_map_logging",
       num_processes=2, devices_per_process=2, timeout=TIMEOUT)
 
 
@@ -136,8 +136,8 @@ def test_runtime_tokens_are_per_process(results):
 
 @pytest.fixture(scope="module")
 def deterministic_results():
-  return _multiprocess.launch(
-      "jax_effects._multiprocess_worker:shard_map_logging_deterministic",
+  return launcher.launch(
+      "jax_effects._tools.multiprocess_program:shard_map_logging_deterministic",
       num_processes=2, devices_per_process=2, timeout=TIMEOUT)
 
 
@@ -183,9 +183,9 @@ def _gone(pid: int) -> bool:
 def test_launcher_stops_every_process_when_one_fails():
   env = {"PYTHONPATH": os.pathsep.join(
       [HERE, os.environ.get("PYTHONPATH", "")])}
-  with pytest.raises(_multiprocess.LaunchError,
+  with pytest.raises(launcher.LaunchError,
                      match=r"process 1 exited with code 1") as info:
-    _multiprocess.launch("multiprocess_targets:fail_in_process_one",
+    launcher.launch("multiprocess_targets:fail_in_process_one",
                          num_processes=2, devices_per_process=1,
                          timeout=TIMEOUT, env=env)
   results = info.value.results
@@ -197,15 +197,15 @@ def test_launcher_stops_every_process_when_one_fails():
 def test_launcher_bounds_time():
   env = {"PYTHONPATH": os.pathsep.join(
       [HERE, os.environ.get("PYTHONPATH", "")])}
-  with pytest.raises(_multiprocess.LaunchError, match="timed out") as info:
-    _multiprocess.launch("multiprocess_targets:hang", num_processes=2,
+  with pytest.raises(launcher.LaunchError, match="timed out") as info:
+    launcher.launch("multiprocess_targets:hang", num_processes=2,
                          devices_per_process=1, timeout=3, env=env)
   assert all(r.returncode is None and _gone(r.pid) for r in info.value.results)
 
 
 def test_launcher_rejects_bad_target():
   with pytest.raises(ValueError, match="module:function"):
-    _multiprocess.launch("jax_effects._multiprocess_worker")
+    launcher.launch("jax_effects._tools.multiprocess_program")
 
 
 def test_demo_command_with_processes():
@@ -221,4 +221,4 @@ def test_demo_command_with_processes():
   assert verdicts == ["  -> every record attributed to this process's devices; "
                       "each device's records in program order"] * 2
   logs = [l for l in lines if l.startswith("  log ")]
-  assert len(logs) == 2 * 2 * 2 * worker.STEPS   # processes x devices x 2 x steps
+  assert len(logs) == 2 * 2 * 2 * multiprocess_program.STEPS   # processes x devices x 2 x steps

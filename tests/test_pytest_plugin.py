@@ -1,4 +1,4 @@
-"""Tests of the pytest plugin (jax_effects/_pytest_plugin.py) with pytester.
+"""Tests of the pytest plugin (jax_effects/_tools/pytest_plugin.py) with pytester.
 
 Inner pytest runs use ``runpytest_subprocess``: each gets a fresh JAX backend,
 so device-count options can be checked, and the plugin is loaded the way users
@@ -18,14 +18,14 @@ def _run(pytester, *args):
 
 
 def test_plugin_is_loaded_through_entry_point(pytestconfig):
-  from jax_effects import _pytest_plugin
-  assert pytestconfig.pluginmanager.get_plugin("jax_effects") is _pytest_plugin
+  from jax_effects._tools import pytest_plugin
+  assert pytestconfig.pluginmanager.get_plugin("jax_effects") is pytest_plugin
 
 
 def test_importing_plugin_does_not_start_backend():
   code = textwrap.dedent("""
       import sys
-      import jax_effects._pytest_plugin
+      import jax_effects._tools.pytest_plugin
       if "jax" in sys.modules:
         from jax._src import xla_bridge
         assert not xla_bridge.backends_are_initialized()

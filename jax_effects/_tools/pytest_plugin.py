@@ -220,14 +220,14 @@ class EffectsCapture:
 @pytest.fixture
 def effects_capture():
   """Captures jax_effects.print lines and jax_effects.log records."""
-  from jax_effects import _capture
+  from jax_effects import _output
 
   cap = EffectsCapture()
-  _capture.add_line_listener(cap._on_line)
-  _capture.add_record_listener(cap._on_record)
+  _output.add_line_listener(cap._on_line)
+  _output.add_record_listener(cap._on_record)
   try:
     yield cap
     _barrier()  # deliver effects of later-torn-down fixtures too
   finally:
-    _capture.remove_line_listener(cap._on_line)
-    _capture.remove_record_listener(cap._on_record)
+    _output.remove_line_listener(cap._on_line)
+    _output.remove_record_listener(cap._on_record)

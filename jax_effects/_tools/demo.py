@@ -273,7 +273,7 @@ def run(args) -> int:
 
 
 def run_processes(args) -> int:
-  """``--processes N``: the multi-process demo (``_multiprocess_worker``).
+  """``--processes N``: the multi-process demo (``multiprocess_program``).
 
   This process only launches and reports; it starts no JAX backend.
   """
@@ -281,9 +281,9 @@ def run_processes(args) -> int:
     builtins.print("--processes and --devices-per-process must be >= 1",
                    file=sys.stderr)
     return 2
-  from jax_effects import _multiprocess_worker
+  from jax_effects._tools import multiprocess_program
   heading(f"multi-process: {args.processes} processes")
-  return _multiprocess_worker.demo(args.processes, args.devices_per_process,
+  return multiprocess_program.demo(args.processes, args.devices_per_process,
                                    out=say)
 
 

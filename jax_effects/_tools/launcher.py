@@ -7,7 +7,7 @@ so the test suite and ``python -m jax_effects demo --processes N`` can run a
 real multi-process program:
 
 * it picks a free coordinator port (binds ``127.0.0.1:0``),
-* starts ``num_processes`` children ``python -m jax_effects._multiprocess
+* starts ``num_processes`` children ``python -m jax_effects._tools.launcher
   worker TARGET``, each in its own process group, with the coordinator
   address, process count, process id and simulated CPU device count in its
   environment (``JAX_EFFECTS_*``),
@@ -124,7 +124,7 @@ def launch(target: str, num_processes: int = 2, devices_per_process: int = 2,
         err = open(os.path.join(tmp, f"stderr{pid}"), "w+b")
         files.append((out, err))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jax_effects._multiprocess", "worker", target],
+            [sys.executable, "-m", "jax_effects._tools.launcher", "worker", target],
             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=child_env,
             start_new_session=True))
       failure = _wait(procs, timeout, killed)
@@ -222,5 +222,5 @@ def worker_main(target: str) -> None:
 
 if __name__ == "__main__":
   if len(sys.argv) != 3 or sys.argv[1] != "worker":
-    sys.exit("usage: python -m jax_effects._multiprocess worker module:function")
+    sys.exit("usage: python -m jax_effects._tools.launcher worker module:function")
   worker_main(sys.argv[2])

@@ -22,7 +22,7 @@ the carriers of the chains used inside as extra operands and results::
   are in flight (several threads, or async dispatch), so a program that had
   none must not get one from us. The dispatch hook combines the elements into
   the next runtime token outside the program
-  (``_placement.combine_per_device``), so the next computation's effects
+  (``_runtime_tokens.combine_per_device``), so the next computation's effects
   follow every device's effects, and each device keeps program order across
   calls.
 * Where a scalar carrier is needed (an effect after the ``shard_map`` that
@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
-from jax_effects import _thread_tokens
+from jax_effects import _token_pass
 
 
 def _to_varying(x, axes: tuple):
@@ -50,7 +50,7 @@ def _to_varying(x, axes: tuple):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
+def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   p = eqn.params
   mesh = p["mesh"]
   manual = p["newly_manual_axes"]
@@ -59,8 +59,8 @@ def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
   for a in axes:
     n *= mesh.shape[a]
   check_vma = p["check_vma"]
-  keys = _thread_tokens.chain_keys(eqn.effects, mode)
-  body_fn = _thread_tokens.region(p["jaxpr"], keys, mode)
+  keys = _token_pass.chain_keys(eqn.effects, mode)
+  body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
   carriers_in = []
   for c in chains.take(keys):
@@ -86,11 +86,11 @@ def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
   carrier_vecs, outs = mapped(tuple(carriers_in), *invals)
   # In a loop or branch the carrier keeps the shape it came in with (the
   # carry's type); at the top level it stays per device.
-  at_top = _thread_tokens._context.kind == "top"
+  at_top = _token_pass.region_kind() == "top"
   for key, c_in, vec in zip(keys, carriers_in, carrier_vecs):
     keep = at_top or c_in.shape == vec.shape
     chains.carriers[key] = vec if keep else jnp.max(vec)
   return outs
 
 
-_thread_tokens.RULES[_compat.shard_map_p] = _shard_map_rule
+_token_pass.register_rule(_compat.shard_map_p, _shard_map_rule)

@@ -1,6 +1,6 @@
 """The multi-process SPMD program run by the test suite and the demo.
 
-Run in every process by :func:`jax_effects._multiprocess.launch` (after
+Run in every process by :func:`jax_effects._tools.launcher.launch` (after
 ``jax.distributed.initialize``): :func:`shard_map_logging` builds a mesh over
 the *global* device list (all processes' devices), creates a sharded array
 from process-local data, and calls a ``jax_effects.jit`` step several times.
@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_effects
-from jax_effects import _capture
+from jax_effects import _output
 
 STEPS = 3
 AXIS = "devices"
@@ -101,8 +101,8 @@ def _run(deterministic: bool) -> dict:
     return y
 
   logging.getLogger(LOGGER).setLevel(logging.INFO)
-  _capture.add_record_listener(on_record)
-  _capture.add_line_listener(on_line)
+  _output.add_record_listener(on_record)
+  _output.add_line_listener(on_line)
   try:
     with (jax_effects.deterministic() if deterministic
           else contextlib.nullcontext()):
@@ -116,8 +116,8 @@ def _run(deterministic: bool) -> dict:
             events.append({"kind": "barrier", "step": i})
       jax_effects.effects_barrier()
   finally:
-    _capture.remove_record_listener(on_record)
-    _capture.remove_line_listener(on_line)
+    _output.remove_record_listener(on_record)
+    _output.remove_line_listener(on_line)
   with lock:
     observed = list(events)
   return {
@@ -160,13 +160,13 @@ def demo(num_processes: int = 2, devices_per_process: int = 2,
   machine and shows what each process delivered; 0 if all checks hold."""
   import sys
 
-  from jax_effects import _multiprocess
+  from jax_effects._tools import launcher
   write = out or (lambda line: sys.stdout.write(line + "\n"))
   write(f"{num_processes} JAX processes x {devices_per_process} CPU devices "
         "(jax.distributed on 127.0.0.1, gloo collectives); each runs a "
         "jax_effects.jit of a shard_map step that logs and prints per device, "
         f"{STEPS} times, then effects_barrier():")
-  results = _multiprocess.launch(
+  results = launcher.launch(
       f"{__name__}:shard_map_logging", num_processes=num_processes,
       devices_per_process=devices_per_process, timeout=timeout)
   failed = False

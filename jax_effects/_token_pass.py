@@ -23,11 +23,12 @@ effects) the current *compiler token* and the current *carrier*.
   arguments; at the end all carriers are combined into the one token array the
   executable returns (new runtime token and output token).
 
-Higher-order primitives are handled by :data:`RULES` (primitive -> rule).
-A rule gets the equation, its input values and the chains, and returns the
-equation's outputs. A higher-order primitive with a marked effect inside and
-no rule is an error naming the primitive. Equations with no marker are bound
-unchanged.
+Higher-order primitives are handled by rules, registered with
+:func:`register_rule` under each rule's definition (here, and in
+``_shard_map_rule``). A rule gets the equation, its input values, the chains
+and the ordering mode, and returns the equation's outputs. A higher-order
+primitive with a marked effect inside and no rule is an error naming the
+primitive. Equations with no marker are bound unchanged.
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ import functools
 import threading
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
@@ -44,9 +44,26 @@ from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
 from jax_effects import _effects
+from jax_effects import _host
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
-from jax_effects import _transformation_rules
+
+#: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
+Rule = Callable[..., Sequence[Any]]
+#: Primitive -> rule; add to it only through :func:`register_rule`.
+RULES: dict[jex_core.Primitive, Rule] = {}
+
+
+def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
+  """Makes the pass thread chains through ``primitive`` with ``rule``.
+
+  ``rule(eqn, invals, chains, mode)`` must bind the equation's computation
+  into the current trace with every effect inside linked to its chain
+  (``chains.take``/``chains.put`` the carriers of the chain keys it uses,
+  :func:`chain_keys` of ``eqn.effects``; :func:`region` runs a sub-jaxpr
+  threaded) and return the equation's outputs.
+  """
+  RULES[primitive] = rule
 
 
 class Chains:
@@ -85,6 +102,11 @@ class _Context(threading.local):
 
 
 _context = _Context()
+
+
+def region_kind() -> str:
+  """Where the pass is: "top", "branch" (directly in a cond branch), "loop"."""
+  return _context.kind
 
 
 @contextlib.contextmanager
@@ -140,10 +162,10 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         rule = RULES.get(eqn.primitive)
         if rule is None:
           raise NotImplementedError(
-              f"jax_effects cannot thread side effects through the "
-              f"higher-order primitive '{eqn.primitive.name}': it has no rule "
-              f"in jax_effects._thread_tokens.RULES. Move the effect out of "
-              f"it, or add a rule.")
+              f"jax_effects cannot order side effects inside the higher-order "
+              f"primitive '{eqn.primitive.name}' (no token-threading rule for "
+              f"it). Move the effect out of it, or report this to "
+              f"jax_effects.")
         outs = rule(eqn, invals, chains, mode)
       else:
         outs = eqn.primitive.bind(*invals,
@@ -161,18 +183,16 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   key = _effects.chain_key(marker, mode)
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
-    raise _transformation_rules.branch_vmapped_error(host_callback)
+    raise _primitives.branch_vmapped_error(host_callback)
   if _context.masks:
-    host_callback, masks = _transformation_rules.masked(host_callback,
-                                                         _context.masks)
+    host_callback, masks = _host.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
   carrier = chains.carrier(key)
   token, carrier, *results = _primitives.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=host_callback,
-      result_avals=eqn.params["result_avals"])
+      token, carrier, *invals, host_callback=host_callback)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
   return results
@@ -210,6 +230,9 @@ def _cond_rule(eqn, invals, chains: Chains, mode: str):
   carriers, outs = lax.switch(index, branches, chains.take(keys), *ops)
   chains.put(keys, carriers)
   return outs
+
+
+register_rule(jex_prims.cond_p, _cond_rule)
 
 
 def _while_rule(eqn, invals, chains: Chains, mode: str):
@@ -253,13 +276,16 @@ def _while_rule(eqn, invals, chains: Chains, mode: str):
   return outs
 
 
+register_rule(jex_prims.while_p, _while_rule)
+
+
 def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
   """A while_loop that ``vmap`` gave a batched predicate (a bool array).
 
   As JAX's own lowering does, the body runs while any element is live and a
   finished element keeps its carry (a select); in addition, the effects of
   the body and of ``cond_fun`` get the live mask, so they run only for the
-  elements still iterating (``_transformation_rules.masked``).
+  elements still iterating (``_host.masked``).
   """
   def cond(carriers, vals):
     c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
@@ -303,6 +329,9 @@ def _scan_rule(eqn, invals, chains: Chains, mode: str):
   return [*carry, *ys]
 
 
+register_rule(jex_prims.scan_p, _scan_rule)
+
+
 def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
   """Call-like primitives (jit, checkpoint, custom_jvp/vjp, closed_call).
 
@@ -316,23 +345,17 @@ def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
   return thread_jaxpr(callee, (), invals, chains, mode)
 
 
-#: Primitive -> rule(eqn, invals, chains, mode) -> outputs.
-RULES: dict[jex_core.Primitive, Callable] = {
-    jex_prims.cond_p: _cond_rule,
-    jex_prims.while_p: _while_rule,
-    jex_prims.scan_p: _scan_rule,
-    jex_prims.jit_p: functools.partial(_inline_rule, "jaxpr"),
-    jex_prims.remat_p: functools.partial(_inline_rule, "jaxpr"),
-    jex_prims.closed_call_p: functools.partial(_inline_rule, "call_jaxpr"),
-    jex_prims.call_p: functools.partial(_inline_rule, "call_jaxpr"),
-    jex_prims.custom_jvp_call_p: functools.partial(_inline_rule, "call_jaxpr"),
-    jex_prims.custom_vjp_call_p: functools.partial(_inline_rule, "call_jaxpr"),
-}
+for _prim, _param in ((jex_prims.jit_p, "jaxpr"), (jex_prims.remat_p, "jaxpr"),
+                      (jex_prims.closed_call_p, "call_jaxpr"),
+                      (jex_prims.call_p, "call_jaxpr"),
+                      (jex_prims.custom_jvp_call_p, "call_jaxpr"),
+                      (jex_prims.custom_vjp_call_p, "call_jaxpr")):
+  register_rule(_prim, functools.partial(_inline_rule, _param))
 
 
 # --- top level -----------------------------------------------------------------
 
-def thread_tokens(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
+def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   runtime_tokens: dict, mode: str):
   """Threads a whole program; returns ``(outs, token)``.
 
@@ -345,6 +368,6 @@ def thread_tokens(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finals = list(chains.carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
-  # _shard_map_rules: the token is then that vector, no collective needed.)
+  # _shard_map_rule: the token is then that vector, no collective needed.)
   token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token

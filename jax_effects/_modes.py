@@ -1,0 +1,91 @@
+"""Switching how effects are ordered: ``set_ordering``, ``ordering``, ``deterministic``.
+
+The ordering mode decides which runtime-token stream an ordered effect uses
+(``_effects.chain_key``): one per :class:`~jax_effects.Effect`
+(``"per_effect"``) or one for all (``"global"``). The two modes use different
+streams, so nothing would order an effect dispatched after a switch behind
+one dispatched before it: every switch here first waits for the effects
+already dispatched (``effects_barrier``), which keeps one program order
+across it. Switches are rare; blocking there costs nothing per call.
+
+:func:`deterministic` switches how per-device output is *delivered*: held and
+released in a fixed order (``_output``); leaving it waits for the calling
+thread's effects and releases what is still held.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from jax_effects import _effects
+from jax_effects import _output
+from jax_effects import _runtime_tokens
+
+
+def set_ordering(mode: str) -> None:
+  """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``).
+
+  Threads inside an :func:`ordering` context keep their own mode. Changing
+  the mode first waits for every thread's dispatched effects.
+  """
+  _effects.check_mode(mode)
+  if mode != _effects.process_mode():
+    _runtime_tokens.effects_barrier(all_threads=True)
+  _effects.set_process_mode(mode)
+
+
+@contextlib.contextmanager
+def ordering(mode: str) -> Iterator[None]:
+  """Context manager selecting the ordering mode on this thread.
+
+  ``"per_effect"``: one runtime token per :class:`~jax_effects.Effect`.
+  ``"global"``: all ordered effects share one token
+  (:data:`~jax_effects.GLOBAL`), giving one total order. Entering or leaving
+  a context that changes the mode waits for this thread's dispatched
+  effects, so order holds across the switch.
+  """
+  _effects.check_mode(mode)
+  outer = _effects.get_ordering()
+  if mode != outer:
+    _runtime_tokens.effects_barrier()
+  _effects.push_mode(mode)
+  try:
+    yield
+  finally:
+    _effects.pop_mode()
+  if mode != outer:  # not reached with an exception in flight
+    _runtime_tokens.effects_barrier()
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+  """Per-device output of each dispatch in a fixed order (process-wide).
+
+  While the block is active (in any thread: the callbacks run on XLA's
+  threads), ordered ``print`` lines and ``log`` records of per-device
+  callbacks (``shard_map``/``pmap`` in ``jax_effects.jit`` code) are held and
+  released once every device's effects of that dispatch have run, sorted by
+  (position in the device's sequence of effects of the dispatch, device id).
+  For SPMD code whose control flow is the same on every device, position =
+  program point, so the same program logs identically run after run. On exit,
+  waits for the calling thread's effects (``effects_barrier``) and releases
+  anything still held.
+
+  Guaranteed: on one device, program order (always); within one dispatch,
+  sorted as above (in this view only); a dispatch's output before the next
+  dispatch's on the same effect stream, and an ordered effect that runs once
+  after the per-device output before it (always). Not guaranteed: any order
+  across processes (each process delivers its own devices' output); an order
+  for ``ordered=False`` effects (delivered at once); a fixed interleaving when
+  several threads dispatch per-device effects at the same time (a release
+  delivers everything held); per-device effects under plain ``jax.jit``
+  (delivered at once).
+  """
+  _output.start_holding()
+  try:
+    yield
+  finally:
+    try:
+      _runtime_tokens.effects_barrier()
+    finally:
+      _output.stop_holding()   # releases what is still held
