@@ -58,6 +58,9 @@ _strict = threading.local()
 
 TOKENS_KW = "__jax_effects_runtime_tokens__"
 
+# Returned by a call that must be retried (after NeedsTokens).
+_RETRY = object()
+
 
 class NeedsTokens(Exception):
   """Raised from inside a trace: the call did not pass these chains' tokens."""
@@ -271,9 +274,13 @@ class Function:
       out = self._pure(*args, **kwargs)
     except NeedsTokens as err:
       self._learn(_effects.get_ordering(), err)
-      return self._call_threaded(*args, **kwargs)
+      out = _RETRY
     finally:
       _strict.on = previous
+    if out is _RETRY:
+      # Outside the handler: neither an error of the threaded call nor an
+      # exception a user callback handles gets NeedsTokens as __context__.
+      return self._call_threaded(*args, **kwargs)
     if not self._effectful:
       self._dispatch = self._pure
     return out

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _effects
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -209,9 +210,22 @@ def runtime_tokens() -> RuntimeTokens:
   ``.effects`` maps each :class:`~jax_effects.Effect` (or ``GLOBAL`` in global
   mode) to its current runtime token; ``.devices`` maps each device to the
   latest output token returned by a computation that ran on it.
+
+  While ``ordering("global")`` is active on this thread, ``.effects`` has
+  exactly one entry, ``GLOBAL`` (the one stream of that mode; the initial
+  token if no global-mode call has run yet): calls in that mode use no
+  per-effect stream. In ``"per_effect"`` mode it lists every stream this
+  thread has used (``GLOBAL`` too, after a global block).
   """
   state = thread_tokens()
-  return RuntimeTokens(types.MappingProxyType(dict(state.runtime)),
+  if _effects.get_ordering() == "global":
+    token = state.runtime.get(_effects.GLOBAL)
+    if token is None:
+      token = initial_token(state)
+    effects = {_effects.GLOBAL: token}
+  else:
+    effects = dict(state.runtime)
+  return RuntimeTokens(types.MappingProxyType(effects),
                        types.MappingProxyType(state.devices()))
 
 
