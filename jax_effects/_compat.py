@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import operator
 
+import jax
+
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
@@ -130,3 +132,17 @@ def jax_runtime_token(effect):
   for our effects; eager effects wait for it to keep program order.
   """
   return _dispatch.runtime_tokens.current_tokens.get(effect)
+
+
+
+def no_user_mesh():
+  """A context in which the user's ambient mesh is not in effect.
+
+  Our own helper computations (combining per-device runtime tokens, the
+  initial token) run on the devices of their operands; a mesh the user set
+  with ``jax.set_mesh`` (context or global setter) would make ``jax.jit``
+  check them against that mesh ("Received incompatible devices").
+  ``jax.set_mesh(None)`` is public and clears this thread's concrete and
+  abstract mesh for the block (JAX 0.8-0.10).
+  """
+  return jax.set_mesh(None)

@@ -295,9 +295,11 @@ def combine_per_device(token):
   per-device output is released at that point (a host callback).
   """
   shards = [s.data for s in token.addressable_shards]
-  moved = jax.device_put(shards, shards[0].device)
   fn = _combine_release_jit if _det_depth else _combine_jit
-  return _compat.uncommitted(fn(*moved))
+  # Our own computation, on the token's devices: never the user's mesh.
+  with _compat.no_user_mesh():
+    moved = jax.device_put(shards, shards[0].device)
+    return _compat.uncommitted(fn(*moved))
 
 
 @contextlib.contextmanager

@@ -120,7 +120,8 @@ def initial_token(state: ThreadTokens) -> jax.Array:
   """
   token = state.initial
   if token is None:
-    token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
+    with _compat.no_user_mesh():   # not placed by the user's mesh
+      token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
   return token
 
 
