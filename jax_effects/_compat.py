@@ -50,6 +50,18 @@ from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
 
+# JAX's own host-callback primitives, adopted by the token-threading pass
+# (``_adopted``): ``jax.debug.callback`` binds ``debug_callback_p``,
+# ``jax.debug.print``/``log`` bind ``debug_print_p``,
+# ``jax.experimental.io_callback`` binds ``io_callback_p``. No public handle
+# on the primitives, their effect types (``jax.debug`` exports only the debug
+# ones) or io_callback's host-side implementation (``io_callback_p.impl``
+# dispatches a computation instead). JAX 0.8-0.10.
+from jax._src.debugging import debug_callback_p, debug_print_p  # noqa: E402
+from jax._src.debugging import DebugEffect, OrderedDebugEffect  # noqa: E402
+from jax._src.callback import io_callback_p, io_callback_impl  # noqa: E402
+from jax._src.callback import IOEffect, OrderedIOEffect  # noqa: E402
+
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by
 # partition id into the mesh; sharding context = one call on the first device
