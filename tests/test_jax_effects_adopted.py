@@ -245,6 +245,27 @@ def test_io_callback_on_several_devices_under_automatic_partitioning():
   assert record == [28, ("je", 28), 36, ("je", 36)]
 
 
+def test_ordered_jax_print_on_several_devices_runs_once(capsys):
+  mesh = Mesh(np.array(jax.devices()), ("i",))
+  x = jax.device_put(jnp.arange(8), jax.sharding.NamedSharding(mesh, P("i")))
+
+  def fun(x):
+    jax.debug.print("sum {}", x.sum(), ordered=True)
+    je.print("ours {}", x[0])
+    jax.debug.print("max {}", x.max(), ordered=True)
+    return x + 1
+
+  with pytest.raises(ValueError, match="not supported for more than 1 device"):
+    jax.jit(fun)(x)   # JAX refuses it
+  capsys.readouterr()
+  f = je.jit(fun)
+  f(x)
+  f(x)
+  je.effects_barrier()
+  assert capsys.readouterr().out.splitlines() == ["sum 28", "ours 0",
+                                                  "max 7"] * 2
+
+
 # --- fast path ---------------------------------------------------------------------
 
 @pytest.fixture

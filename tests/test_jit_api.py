@@ -187,3 +187,34 @@ def test_export_of_a_pure_function_works_like_jax_jit():
   assert "callback" not in exported.mlir_module()
   np.testing.assert_allclose(exported.call(jnp.ones(3)),
                              np.sin(np.ones(3)) * 2, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_stages_with_static_args_shardings_and_donation(effects_capture):
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()), ("i",))
+  s = NamedSharding(mesh, P("i"))
+
+  def f(n, x, y):
+    je.print("n={} x={}", n, x.sum())
+    return x * n + y
+
+  kw = dict(static_argnums=0, in_shardings=(s, None), out_shardings=s,
+            donate_argnums=2)
+  ours = je.jit(f, **kw)
+  theirs = jax.jit(lambda n, x, y: x * n + y, **kw)
+  args = (3, jnp.arange(8.0), jnp.ones(8))
+  l_ours, l_theirs = ours.lower(*args), theirs.lower(*args)
+  c_ours, c_theirs = l_ours.compile(), l_theirs.compile()
+  for name in ("args_info", "in_tree", "out_info", "donate_argnums"):
+    assert getattr(l_ours, name) == getattr(l_theirs, name), name
+  for name in ("args_info", "in_tree", "out_info", "donate_argnums",
+               "input_shardings", "output_shardings", "input_formats",
+               "output_formats"):
+    assert getattr(c_ours, name) == getattr(c_theirs, name), name
+  assert c_ours.output_shardings == s
+  assert ours.eval_shape(*args) == theirs.eval_shape(*args)
+  out = c_ours(jnp.arange(8.0), jnp.ones(8))
+  np.testing.assert_array_equal(out, np.arange(8.0) * 3 + 1)
+  je.effects_barrier()
+  assert effects_capture.printed == ["n=3 x=28.0"]
