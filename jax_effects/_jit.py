@@ -391,8 +391,10 @@ def _export_error(function: Function) -> Exception:
   name = getattr(function._fun, "__qualname__", repr(function._fun))
   return ValueError(
       f"jax.export cannot export the jax_effects.jit function '{name}': it "
-      f"has jax_effects side effects (print/log/callback), which run as host "
-      f"(Python) callbacks, and host callbacks cannot be serialized. Export "
+      f"has side effects (jax_effects print/log/callback, or JAX callbacks "
+      f"such as jax.debug.print that jax_effects.jit adopts), which run as "
+      f"host (Python) callbacks, and host callbacks cannot be serialized. "
+      f"Export "
       f"the pure part instead: jax.export.export(jax.jit(g)) of a function g "
       f"without jax_effects effects, and run the effects around the exported "
       f"call.")
