@@ -7,15 +7,16 @@ traced inside a ``jax_effects.jit`` function are converted by the
 token-threading pass into ``threaded_effect_p`` equations, like
 ``jax_effects`` effects. Their part of the token calling convention:
 
-* an *ordered* one (``ordered=True``: JAX's ``OrderedDebugEffect`` /
-  ``OrderedIOEffect``) joins the chain of :data:`~jax_effects.DEFAULT`
+* each one joins the chain of :data:`~jax_effects.DEFAULT`
   (:data:`~jax_effects.GLOBAL` in global mode): it takes and returns that
   chain's compiler token and carrier, so it runs in program order with every
   ``jax_effects`` effect of the default stream, inside the computation and
-  across dispatches (the runtime token of ``DEFAULT``);
-* an *unordered* one (JAX's default, ``DebugEffect`` / ``IOEffect``) joins
-  the ``UNORDERED`` chain, as ``ordered=False`` effects of ours do: no
-  runtime token, nothing orders it against other effects;
+  across dispatches (the runtime token of ``DEFAULT``). That holds for
+  ``ordered=True`` (JAX's ``OrderedDebugEffect``/``OrderedIOEffect``) and
+  for JAX's default unordered callbacks (``DebugEffect``/``IOEffect``) alike:
+  JAX promises no order for the latter, and program order is one, so
+  existing code (which mostly calls ``jax.debug.print`` without
+  ``ordered=True``) prints in program order by changing only its ``jit``;
 * the host side is JAX's own (the debug primitives' impl, io_callback's
   host implementation), so arguments, formatting and results are exactly JAX's;
   where it runs is ours (``_placement``: once per device inside
@@ -38,7 +39,7 @@ from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _primitives
 
-#: JAX effect types of adopted callbacks -> whether they are ordered.
+#: JAX effect types of adopted callbacks -> whether JAX orders them.
 _EFFECT_TYPES = {
     _compat.OrderedDebugEffect: True,
     _compat.DebugEffect: False,
@@ -53,9 +54,9 @@ def is_adoptable_effect(effect) -> bool:
 
 
 def chain_key(effect, mode: str):
-  """The chain of an adopted JAX effect: DEFAULT (or GLOBAL), or UNORDERED."""
-  if not _EFFECT_TYPES[type(effect)]:
-    return _effects.UNORDERED
+  """The chain of an adopted JAX effect: DEFAULT (GLOBAL in global mode),
+  whether JAX's effect is ordered or not (see the module docstring)."""
+  del effect
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
 
 

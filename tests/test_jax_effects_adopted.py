@@ -1,10 +1,9 @@
 """JAX's own callbacks inside ``jax_effects.jit`` (issue 14 item 6).
 
 ``jax.debug.print``/``log``/``callback`` and ``io_callback`` traced inside a
-``jax_effects.jit`` function are adopted by the token-threading pass: the
-ordered ones join the ``DEFAULT`` chain (program order with our effects, in
-the computation and across dispatches), the unordered ones stay unordered;
-they run where JAX refuses ordered callbacks (several devices, ``shard_map``)
+``jax_effects.jit`` function are adopted by the token-threading pass:
+ordered or not, they join the ``DEFAULT`` chain (program order with our
+effects, in the computation and across dispatches); they run where JAX refuses ordered callbacks (several devices, ``shard_map``)
 and the function keeps ``jax.jit``'s C++ fast path. Oracle: the same
 function with ``jax.disable_jit()`` (everything eager, in program order).
 """
@@ -85,6 +84,31 @@ def test_alternating_prints_in_program_order(capsys):
   assert got == [f"{k} {i}" for i in range(3) for k in range(1, 6)]
 
 
+def test_default_unordered_jax_prints_join_program_order(capsys):
+  # jax.debug.print without ordered=True (what most code calls): JAX promises
+  # no order; inside jax_effects.jit it keeps program order with ours.
+  record = []
+
+  def f(x):
+    je.print("1 {}", x)
+    jax.debug.print("2 {}", x)
+    je.print("3 {}", x)
+    jax.debug.print("4 {}", x)
+    jax.debug.callback(lambda v: record.append(int(v)), x)
+    io_callback(lambda v: record.append(-int(v)), None, x)
+    je.callback(lambda v: record.append(100 + int(v)), None, x)
+    je.print("5 {}", x)
+    return x
+
+  g = je.jit(f)
+  for i in range(5):
+    g(i)
+  je.effects_barrier()
+  assert capsys.readouterr().out.splitlines() == [
+      f"{k} {i}" for i in range(5) for k in range(1, 6)]
+  assert record == [r for i in range(5) for r in (i, -i, 100 + i)]
+
+
 def test_order_holds_across_dispatches_of_jax_and_our_effects():
   # A slow JAX ordered callback in one function; our effect in the next:
   # the DEFAULT runtime token makes the second wait for the first.
@@ -163,13 +187,13 @@ def _streams(f, *args):
   return in_thread(go)
 
 
-def test_ordered_ones_join_default_unordered_ones_take_no_token(capsys):
+def test_ordered_and_unordered_ones_join_default(capsys):
   ordered = je.jit(lambda x: jax.debug.print("o {}", x, ordered=True) or x)
   unordered = je.jit(lambda x: jax.debug.print("u {}", x) or x)
   io_unordered = je.jit(lambda x: io_callback(lambda v: None, None, x) or x)
   assert _streams(ordered, 1) == {je.DEFAULT}
-  assert _streams(unordered, 2) == set()
-  assert _streams(io_unordered, 3) == set()
+  assert _streams(unordered, 2) == {je.DEFAULT}
+  assert _streams(io_unordered, 3) == {je.DEFAULT}
   assert capsys.readouterr().out.splitlines() == ["o 1", "u 2"]
 
   def global_mode():
