@@ -249,6 +249,32 @@ def test_ordered_jax_print_in_shard_map_runs_per_device(capfd):
   assert per_device == {d: ["a", "b"] for d in range(8)}
 
 
+def test_ordered_jax_callback_in_pmap_runs_per_device():
+  record = []
+  lock = threading.Lock()
+
+  def host(v):
+    with lock:
+      record.append(int(v))
+
+  def fun(x):
+    def per_device(v):
+      jax.debug.callback(host, v, ordered=True)
+      jax.debug.callback(host, v + 100, ordered=True)
+      return v + 1
+    return jax.pmap(per_device)(x)
+
+  with pytest.raises(ValueError, match="not supported for more than 1 device"):
+    jax.jit(fun)(jnp.arange(8))   # JAX refuses it
+  record.clear()
+  out = je.jit(fun)(jnp.arange(8))
+  je.effects_barrier()
+  np.testing.assert_array_equal(out, np.arange(8) + 1)
+  assert sorted(record) == [*range(8), *range(100, 108)]
+  for d in range(8):   # each device: its two callbacks in program order
+    assert record.index(d) < record.index(d + 100)
+
+
 def test_io_callback_on_several_devices_under_automatic_partitioning():
   record = []
   devices = np.array(jax.devices())
