@@ -261,7 +261,8 @@ class Function:
       key = (mode, n_dynamic := n - len(static))
     jitted = self._threaded.get(key)
     if jitted is None:
-      jitted = jax.jit(self._wrap(functools.partial(self._trace_threaded, mode), True),
+      traced = functools.partial(self._trace_threaded, mode)
+      jitted = jax.jit(self._wrap(traced, True),
                        **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic))
       self._threaded[key] = jitted
     return jitted
@@ -326,7 +327,7 @@ class Function:
       _runtime_tokens.update(state, keys, token)
       return out
 
-  # --- the jax.jit API ----------------------------------------------------------
+  # --- the jax.jit API -----------------------------------------------------
 
   def trace(self, *args, **kwargs) -> "Traced":
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).

@@ -3,8 +3,9 @@
 ``jax.debug.print``/``log``/``callback`` and ``io_callback`` traced inside a
 ``jax_effects.jit`` function are adopted by the token-threading pass:
 ordered or not, they join the ``DEFAULT`` chain (program order with our
-effects, in the computation and across dispatches); they run where JAX refuses ordered callbacks (several devices, ``shard_map``)
-and the function keeps ``jax.jit``'s C++ fast path. Oracle: the same
+effects, in the computation and across dispatches); they run where JAX
+refuses ordered callbacks (several devices, ``shard_map``, ``pmap``) and
+the function keeps ``jax.jit``'s C++ fast path. Oracle: the same
 function with ``jax.disable_jit()`` (everything eager, in program order).
 """
 import collections
@@ -218,7 +219,7 @@ def test_jax_debug_log_is_adopted(caplog):
   assert not f.trace(jnp.int32(7)).jaxpr.effects
 
 
-# --- where JAX refuses them ------------------------------------------------------
+# --- where JAX refuses them ---------------------------------------------------
 
 def test_ordered_jax_print_in_shard_map_runs_per_device(capfd):
   mesh = Mesh(np.array(jax.devices()), ("i",))
@@ -316,7 +317,7 @@ def test_ordered_jax_print_on_several_devices_runs_once(capsys):
                                                   "max 7"] * 2
 
 
-# --- fast path ---------------------------------------------------------------------
+# --- fast path ----------------------------------------------------------------
 
 @pytest.fixture
 def jax_events(monkeypatch):
