@@ -80,3 +80,38 @@ def test_first_call_trace_error_shows_no_needs_tokens():
     g(jnp.ones(2))
   text = "".join(traceback.format_exception(info.value))
   assert "NeedsTokens" not in text
+
+
+def test_learning_a_new_chain_later_shows_no_needs_tokens():
+  # A later signature needs a chain the function did not use before: that
+  # call retries too (in the threaded path's loop).
+  contexts = []
+  other = je.Effect("tracebacks-other")
+
+  def host(x):
+    try:
+      raise KeyError("handled")
+    except KeyError as e:
+      contexts.append(e.__context__)
+
+  def failing(x):
+    raise ValueError("boom on the new chain")
+
+  @je.jit(static_argnums=1)
+  def f(x, mode):
+    je.print("x = {}", x)
+    if mode == 1:
+      je.callback(host, None, x, effect=other)
+    if mode == 2:
+      je.callback(failing, None, x, effect=je.Effect("tracebacks-third"))
+    return x
+
+  f(1.0, 0)
+  f(1.0, 1)
+  je.effects_barrier()
+  assert contexts == [None]
+  with pytest.raises(ValueError, match="boom on the new chain") as info:
+    f(1.0, 2)
+    je.effects_barrier()
+  assert not any(type(e).__name__ == "NeedsTokens" for e in _chain(info.value))
+  assert "NeedsTokens" not in "".join(traceback.format_exception(info.value))
