@@ -372,6 +372,11 @@ class Function:
     for jitted in list(self._threaded.values()):
       jitted.clear_cache()
 
+  def _cache_size(self) -> int:
+    """Executables in this function's ``jax.jit`` caches (as ``jax.jit``'s)."""
+    return self._pure._cache_size() + sum(
+        j._cache_size() for j in list(self._threaded.values()))
+
   def __copy__(self) -> "Function":
     return Function(self._fun, **self._jit_kwargs)
 

@@ -152,7 +152,9 @@ def test_clear_cache_retraces(effects_capture):
   f(1)
   f(2)
   assert len(traces) == 1
+  assert f._cache_size() >= 1
   f.clear_cache()
+  assert f._cache_size() == 0
   f(3)
   assert len(traces) == 2
   je.effects_barrier()
