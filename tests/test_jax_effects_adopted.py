@@ -344,3 +344,26 @@ def test_adopted_effects_keep_the_cpp_fast_path(jax_events, capsys):
   in_thread(go)
   assert jax_events["jit_cpp_cache_miss"] == 0, jax_events
   assert len(record) == 3 * 7
+
+
+def test_jax_print_inside_a_solver_prints_as_under_jax_jit(capsys):
+  # jax.scipy.sparse.linalg.cg (custom_linear_solve) with a print in its
+  # matvec: the same lines as under jax.jit, whether or not the pass has a
+  # rule for the solver's primitive.
+  a = jnp.array([[4.0, 1.0], [1.0, 3.0]])
+
+  def solve(b):
+    def matvec(v):
+      jax.debug.print("matvec {}", v)
+      return a @ v
+    return jax.scipy.sparse.linalg.cg(matvec, b, tol=1e-6)[0]
+
+  b = jnp.array([1.0, 2.0])
+  expected_x = jax.jit(solve)(b)
+  jax.effects_barrier()
+  expected = capsys.readouterr().out.splitlines()
+  x = je.jit(solve)(b)
+  je.effects_barrier()
+  assert capsys.readouterr().out.splitlines() == expected
+  assert len(expected) >= 2
+  np.testing.assert_allclose(x, expected_x, rtol=1e-6)
