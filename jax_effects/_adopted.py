@@ -26,10 +26,17 @@ token-threading pass into ``threaded_effect_p`` equations, like
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
+Differences from JAX's own lowering: ``io_callback``'s ``sharding=`` (the
+device to run on) is ignored, the callback runs where ours run (the first
+device of the computation); output of adopted callbacks is JAX's own (no
+device prefix, not held by :func:`~jax_effects.deterministic`); an ordered
+``io_callback`` under ``vmap`` is still refused by JAX while tracing, before
+the pass.
+
 Not adopted (left to JAX, which then also keeps its slower dispatch):
 ``jax.debug.callback(..., partitioned=True)`` (JAX runs it per shard under
-automatic partitioning; ours would run once on the whole value), and an
-adopted callback inside a higher-order primitive the pass has no rule for.
+automatic partitioning; ours would run once on the whole value), and a
+callback inside a higher-order primitive the pass has no rule for.
 """
 from __future__ import annotations
 

@@ -367,3 +367,25 @@ def test_jax_print_inside_a_solver_prints_as_under_jax_jit(capsys):
   assert capsys.readouterr().out.splitlines() == expected
   assert len(expected) >= 2
   np.testing.assert_allclose(x, expected_x, rtol=1e-6)
+
+
+def test_partitioned_jax_callback_stays_jaxs_and_runs_per_shard():
+  mesh = Mesh(np.array(jax.devices()), ("i",))
+  x = jax.device_put(jnp.arange(8.0),
+                     jax.sharding.NamedSharding(mesh, P("i")))
+  shards = []
+  lock = threading.Lock()
+
+  def host(v):
+    with lock:
+      shards.append(np.asarray(v).tolist())
+
+  @je.jit
+  def f(x):
+    jax.debug.callback(host, x, partitioned=True)
+    je.print("ours {}", x.sum())
+    return x + 1
+
+  np.testing.assert_array_equal(f(x), np.arange(8.0) + 1)
+  je.effects_barrier()
+  assert sorted(shards) == [[float(i)] for i in range(8)]
