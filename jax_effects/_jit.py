@@ -482,6 +482,10 @@ class Traced(_Stage):
   def out_avals(self):
     return self._strip_out(self._inner.out_avals)
 
+  def __call__(self, *args, **kwargs):
+    """Runs the function (with its effects, through the dispatch hook)."""
+    return self._function(*args, **kwargs)
+
   def lower(self, *, lowering_platforms=None, _private_parameters=None):
     if self._mode is not None and getattr(_private_parameters, "for_export",
                                           False):

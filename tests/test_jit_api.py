@@ -79,8 +79,10 @@ def test_stages_show_the_users_arguments_and_outputs(fun, effects_capture):
 
   out = c_ours(jnp.arange(4.0), jnp.int32(3), **KW)
   assert float(out["sum"]) == 18.0 and int(out["y"]) == 4
+  out = t_ours(jnp.arange(4.0), jnp.int32(3), **KW)   # as Traced.__call__
+  assert float(out["sum"]) == 18.0 and int(out["y"]) == 4
   je.effects_barrier()
-  assert effects_capture.printed == (["x = [0. 1. 2. 3.]"]
+  assert effects_capture.printed == (["x = [0. 1. 2. 3.]"] * 2
                                      if fun is effectful else [])
 
 
