@@ -42,6 +42,9 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import numpy as np
+
 from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _primitives
@@ -73,7 +76,16 @@ def _debug_host(primitive, params, *args):
 
 
 def _io_host(params, *args):
-  return tuple(_compat.io_callback_impl(*args, **params))
+  # As JAX's callback lowering: results are NumPy arrays of JAX's canonical
+  # dtypes (a float64 result of a float32 io_callback is float32 without
+  # x64); shapes and dtypes are then checked against result_avals.
+  return tuple(_canonical(np.asarray(r))
+               for r in _compat.io_callback_impl(*args, **params))
+
+
+def _canonical(a):
+  dtype = jax.dtypes.canonicalize_dtype(a.dtype)
+  return a if a.dtype == dtype else a.astype(dtype)
 
 
 _DEBUG_NAMES = {_compat.debug_callback_p: "jax.debug.callback",

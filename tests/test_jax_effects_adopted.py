@@ -389,3 +389,31 @@ def test_partitioned_jax_callback_stays_jaxs_and_runs_per_shard():
   np.testing.assert_array_equal(f(x), np.arange(8.0) + 1)
   je.effects_barrier()
   assert sorted(shards) == [[float(i)] for i in range(8)]
+
+
+@pytest.mark.parametrize("result", [
+    lambda v: 1.5, lambda v: np.float64(2.0), lambda v: np.ones(3),
+    lambda v: v * 2],
+    ids=["py-float", "np-f64-scalar", "np-f64-array", "array"])
+def test_io_callback_results_converted_as_jax_does(result):
+  def fun(x):
+    shape = np.shape(result(np.zeros(3)))
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return io_callback(result, spec, x, ordered=True)
+
+  x = jnp.arange(3.0)
+  expected = jax.jit(fun)(x)
+  got = je.jit(fun)(x)
+  je.effects_barrier()
+  assert got.dtype == expected.dtype == jnp.float32
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_io_callback_wrong_result_shape_is_an_error_naming_it():
+  f = je.jit(lambda x: io_callback(lambda v: np.zeros(2, np.float32),
+                                   jax.ShapeDtypeStruct((3,), jnp.float32),
+                                   x, ordered=True))
+  with pytest.raises(TypeError, match=r"io_callback .*shape \(2,\).*"
+                                      r"expected shape \(3,\)"):
+    f(jnp.zeros(3))
+    je.effects_barrier()
