@@ -6,6 +6,7 @@ import here and nothing else changes.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import jax
@@ -155,6 +156,10 @@ def no_user_mesh():
   with ``jax.set_mesh`` (context or global setter) would make ``jax.jit``
   check them against that mesh ("Received incompatible devices").
   ``jax.set_mesh(None)`` is public and clears this thread's concrete and
-  abstract mesh for the block (JAX 0.8-0.10).
+  abstract mesh for the block (JAX 0.8-0.10). JAX allows it only outside
+  any trace; under one (our helpers are called at the top level, so only if
+  a user reads ``runtime_tokens()`` while tracing) nothing is changed.
   """
+  if not _trace_ctx.is_top_level():
+    return contextlib.nullcontext()
   return jax.set_mesh(None)
