@@ -6,7 +6,10 @@ import here and nothing else changes.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+
+import jax
 
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -47,6 +50,18 @@ from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 # shard_map's primitive (and pmap's: JAX 0.10 stages jax.pmap as jit(shard_map)).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
+
+# JAX's own host-callback primitives, adopted by the token-threading pass
+# (``_adopted``): ``jax.debug.callback`` binds ``debug_callback_p``,
+# ``jax.debug.print``/``log`` bind ``debug_print_p``,
+# ``jax.experimental.io_callback`` binds ``io_callback_p``. No public handle
+# on the primitives, their effect types (``jax.debug`` exports only the debug
+# ones) or io_callback's host-side implementation (``io_callback_p.impl``
+# dispatches a computation instead). JAX 0.8-0.10.
+from jax._src.debugging import debug_callback_p, debug_print_p  # noqa: E402
+from jax._src.debugging import DebugEffect, OrderedDebugEffect  # noqa: E402
+from jax._src.callback import io_callback_p, io_callback_impl  # noqa: E402
+from jax._src.callback import IOEffect, OrderedIOEffect  # noqa: E402
 
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by
@@ -130,3 +145,21 @@ def jax_runtime_token(effect):
   for our effects; eager effects wait for it to keep program order.
   """
   return _dispatch.runtime_tokens.current_tokens.get(effect)
+
+
+
+def no_user_mesh():
+  """A context in which the user's ambient mesh is not in effect.
+
+  Our own helper computations (combining per-device runtime tokens, the
+  initial token) run on the devices of their operands; a mesh the user set
+  with ``jax.set_mesh`` (context or global setter) would make ``jax.jit``
+  check them against that mesh ("Received incompatible devices").
+  ``jax.set_mesh(None)`` is public and clears this thread's concrete and
+  abstract mesh for the block (JAX 0.8-0.10). JAX allows it only outside
+  any trace; under one (our helpers are called at the top level, so only if
+  a user reads ``runtime_tokens()`` while tracing) nothing is changed.
+  """
+  if not _trace_ctx.is_top_level():
+    return contextlib.nullcontext()
+  return jax.set_mesh(None)

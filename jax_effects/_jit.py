@@ -31,6 +31,15 @@ the threaded path for every later call.
 Calls under an enclosing transformation or trace, and calls with
 ``jax.disable_jit()``, run the user function directly: the enclosing
 ``jax_effects.jit`` (or the eager impl rules) takes care of the effects.
+
+The rest of ``jax.jit``'s API: ``trace``/``lower``/``eval_shape`` go through
+the same learning as a call; :class:`Traced`, :class:`Lowered` and
+:class:`Compiled` wrap JAX's stages of whichever ``jax.jit`` the call would
+use and show the user's arguments and outputs (``args_info``, ``in_tree``,
+``out_info``, ``input_shardings``, ...), never the token argument or
+result; ``Compiled.__call__`` runs the dispatch hook. ``jax.export`` of a
+function with effects is refused (host callbacks cannot be serialized); a
+pure one exports as under ``jax.jit``.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import functools
 import inspect
 import operator
 import threading
+import types
 from typing import Any, Callable
 
 import jax
@@ -58,6 +68,9 @@ _KEPT_TRACES = 8
 _strict = threading.local()
 
 TOKENS_KW = "__jax_effects_runtime_tokens__"
+
+# Returned by a call that must be retried (after NeedsTokens).
+_RETRY = object()
 
 
 class NeedsTokens(Exception):
@@ -111,9 +124,12 @@ def _threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None) -> dict:
 class Function:
   """A jitted function whose side effects are token-threaded.
 
-  Call it like the function it wraps. ``.lower(*args, **kwargs)`` returns a
-  :class:`Lowered` whose ``.as_text()`` is the StableHLO of the threaded
-  computation.
+  Call it like the function it wraps. Offers what a ``jax.jit`` object
+  offers: ``.trace``, ``.lower`` (a :class:`Lowered` whose ``.as_text()`` is
+  the StableHLO of the threaded computation), ``.eval_shape``,
+  ``.clear_cache``, ``__wrapped__``, ``copy.copy``/``copy.deepcopy``/pickle
+  (a fresh Function of the same function and options), and use as a method
+  (a bound ``types.MethodType``).
   """
 
   def __init__(self, fun: Callable, **jit_kwargs):
@@ -135,23 +151,26 @@ class Function:
     #: ordering mode -> tuple of ordered chain keys passed as runtime tokens
     self.keys: dict[str, tuple] = {}
     self._threaded: dict[str, Any] = {}
-    self._pure = jax.jit(self._wrap(self._trace_pure), **jit_kwargs)
+    self._pure = jax.jit(self._wrap(self._trace_pure, False), **jit_kwargs)
 
   def __repr__(self):
     return f"<jax_effects.jit of {getattr(self._fun, '__qualname__', self._fun)}>"
 
   def __get__(self, instance, owner=None):
+    # As jax.jit objects: a bound method when looked up on an instance.
     if instance is None:
       return self
-    return functools.partial(self, instance)
+    return types.MethodType(self, instance)
 
   # --- tracing -----------------------------------------------------------------
 
-  def _wrap(self, traced):
+  def _wrap(self, traced, tokens: bool):
+    """The function ``jax.jit`` traces: ``f``'s signature, with the token
+    parameter in front if ``tokens`` (so JAX names arguments as for ``f``)."""
     @functools.wraps(self._fun)
     def g(*args, **kwargs):
       return traced(args, kwargs)
-    if self._signature is not None:
+    if tokens and self._signature is not None:
       g.__signature__ = self._signature
     return g
 
@@ -243,7 +262,8 @@ class Function:
       key = (mode, n_dynamic := n - len(static))
     jitted = self._threaded.get(key)
     if jitted is None:
-      jitted = jax.jit(self._wrap(functools.partial(self._trace_threaded, mode)),
+      traced = functools.partial(self._trace_threaded, mode)
+      jitted = jax.jit(self._wrap(traced, True),
                        **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic))
       self._threaded[key] = jitted
     return jitted
@@ -272,9 +292,13 @@ class Function:
       out = self._pure(*args, **kwargs)
     except NeedsTokens as err:
       self._learn(_effects.get_ordering(), err)
-      return self._call_threaded(*args, **kwargs)
+      out = _RETRY
     finally:
       _strict.on = previous
+    if out is _RETRY:
+      # Outside the handler: neither an error of the threaded call nor an
+      # exception a user callback handles gets NeedsTokens as __context__.
+      return self._call_threaded(*args, **kwargs)
     if not self._effectful:
       self._dispatch = self._pure
     return out
@@ -304,13 +328,19 @@ class Function:
       _runtime_tokens.update(state, keys, token)
       return out
 
-  def lower(self, *args, **kwargs) -> "Lowered":
-    """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
+  # --- the jax.jit API -----------------------------------------------------
+
+  def trace(self, *args, **kwargs) -> "Traced":
+    """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
+
+    As ``jax.jit(f).trace``; the returned :class:`Traced` shows the user's
+    arguments and outputs (not the runtime-token argument and result).
+    """
     if not self._effectful:
       previous = getattr(_strict, "on", False)
       _strict.on = True
       try:
-        return Lowered(self, self._pure.lower(*args, **kwargs), None, ())
+        return Traced(self, self._pure.trace(*args, **kwargs), None, ())
       except NeedsTokens as err:
         self._learn(_effects.get_ordering(), err)
       finally:
@@ -321,53 +351,222 @@ class Function:
       tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
                      for _ in keys)
       try:
-        lowered = self._threaded_jit(mode, args).lower(tokens, *args,
-                                                       **kwargs)
+        traced = self._threaded_jit(mode, args).trace(tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      return Lowered(self, lowered, mode, keys)
+      return Traced(self, traced, mode, keys)
+
+  def lower(self, *args, **kwargs) -> "Lowered":
+    """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
+    return self.trace(*args, **kwargs).lower()
+
+  def eval_shape(self, *args, **kwargs):
+    """Output shapes/dtypes (``jax.ShapeDtypeStruct`` s), as ``jax.eval_shape``."""
+    return self.trace(*args, **kwargs).out_info
+
+  def clear_cache(self) -> None:
+    """Drops the kept traces and the ``jax.jit`` caches of this function."""
+    with self._traces_lock:
+      self._traces.clear()
+    self._pure.clear_cache()
+    for jitted in list(self._threaded.values()):
+      jitted.clear_cache()
+
+  def _cache_size(self) -> int:
+    """Executables in this function's ``jax.jit`` caches (as ``jax.jit``'s)."""
+    return self._pure._cache_size() + sum(
+        j._cache_size() for j in list(self._threaded.values()))
+
+  def __copy__(self) -> "Function":
+    return Function(self._fun, **self._jit_kwargs)
+
+  def __deepcopy__(self, memo) -> "Function":
+    # A fresh Function of the same function and options (as for jax.jit:
+    # caches and learnt state are not copied; locks cannot be).
+    return Function(self._fun, **self._jit_kwargs)
+
+  def __reduce__(self):
+    return (_rebuild, (self._fun, self._jit_kwargs))
 
 
-class Lowered:
+def _rebuild(fun, jit_kwargs):
+  return Function(fun, **jit_kwargs)
+
+
+def _export_error(function: Function) -> Exception:
+  name = getattr(function._fun, "__qualname__", repr(function._fun))
+  return ValueError(
+      f"jax.export cannot export the jax_effects.jit function '{name}': it "
+      f"has side effects (jax_effects print/log/callback, or JAX callbacks "
+      f"such as jax.debug.print that jax_effects.jit adopts), which run as "
+      f"host (Python) callbacks, and host callbacks cannot be serialized. "
+      f"Export "
+      f"the pure part instead: jax.export.export(jax.jit(g)) of a function g "
+      f"without jax_effects effects, and run the effects around the exported "
+      f"call.")
+
+
+class _Stage:
+  """What a JAX stage shows about inputs and outputs, minus our token.
+
+  ``_inner`` is JAX's stage (``Traced``, ``Lowered`` or ``Compiled``) of the
+  pure ``jax.jit`` (``_mode`` None: nothing to strip) or of the threaded
+  ``g(tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
+  here are JAX's.
+  """
+
+  def _strip_in(self, tree):
+    if self._mode is None:
+      return tree
+    args, kwargs = tree
+    return tuple(args[1:]), kwargs
+
+  def _strip_out(self, tree):
+    return tree if self._mode is None else tree[0]
+
+  @property
+  def args_info(self):
+    return self._strip_in(self._inner.args_info)
+
+  @property
+  def in_tree(self):
+    return tree_util.tree_structure(self.args_info)
+
+  @property
+  def in_avals(self):
+    return self._strip_in(self._inner.in_avals)
+
+  @property
+  def donate_argnums(self):
+    n = 0 if self._mode is None else len(self._keys)
+    return tuple(i - n for i in self._inner.donate_argnums if i >= n)
+
+  @property
+  def out_info(self):
+    return self._strip_out(self._inner.out_info)
+
+  @property
+  def out_tree(self):
+    tree = self._inner.out_tree
+    return tree if self._mode is None else tree.children()[0]
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name in ("_inner", "_mode", "_keys"):
+      raise AttributeError(name)
+    return getattr(self._inner, name)
+
+
+class Traced(_Stage):
+  """A traced :class:`Function` (as ``jax.jit(f).trace(...)``).
+
+  ``.jaxpr`` is the token-threaded jaxpr (what is lowered); ``args_info``,
+  ``in_tree``, ``out_info``, ``out_avals`` show the user's arguments and
+  outputs.
+  """
+
+  def __init__(self, function: Function, traced, mode, keys):
+    self._function = function
+    self._inner = traced
+    self._mode = mode
+    self._keys = keys
+
+  @property
+  def jaxpr(self):
+    return self._inner.jaxpr
+
+  @property
+  def fun_name(self):
+    return self._inner.fun_name
+
+  @property
+  def out_avals(self):
+    return self._strip_out(self._inner.out_avals)
+
+  def __call__(self, *args, **kwargs):
+    """Runs the function (with its effects, through the dispatch hook)."""
+    return self._function(*args, **kwargs)
+
+  def lower(self, *, lowering_platforms=None, _private_parameters=None):
+    if self._mode is not None and getattr(_private_parameters, "for_export",
+                                          False):
+      raise _export_error(self._function)
+    lowered = self._inner.lower(lowering_platforms=lowering_platforms,
+                                _private_parameters=_private_parameters)
+    return Lowered(self._function, lowered, self._mode, self._keys)
+
+
+class Lowered(_Stage):
   """A lowered :class:`Function`; ``.as_text()`` shows the threaded StableHLO."""
 
   def __init__(self, function: Function, lowered, mode, keys):
     self._function = function
-    self._lowered = lowered
+    self._inner = lowered
     self._mode = mode
     self._keys = keys
 
   def as_text(self, *args, **kwargs) -> str:
-    return self._lowered.as_text(*args, **kwargs)
+    return self._inner.as_text(*args, **kwargs)
 
   def compiler_ir(self, *args, **kwargs):
-    return self._lowered.compiler_ir(*args, **kwargs)
+    return self._inner.compiler_ir(*args, **kwargs)
+
+  def cost_analysis(self):
+    return self._inner.cost_analysis()
 
   def compile(self, *args, **kwargs) -> "Compiled":
-    return Compiled(self._lowered.compile(*args, **kwargs), self._mode,
+    return Compiled(self._inner.compile(*args, **kwargs), self._mode,
                     self._keys)
 
 
-class Compiled:
-  """A compiled :class:`Function`; calling it runs the dispatch hook."""
+class Compiled(_Stage):
+  """A compiled :class:`Function`; calling it runs the dispatch hook.
+
+  ``input_shardings``/``input_formats`` and ``output_shardings``/
+  ``output_formats`` are those of the user's arguments and outputs.
+  """
 
   def __init__(self, compiled, mode, keys):
-    self._compiled = compiled
+    self._inner = compiled
     self._mode = mode
     self._keys = keys
 
   def as_text(self) -> str:
-    return self._compiled.as_text()
+    return self._inner.as_text()
+
+  def cost_analysis(self):
+    return self._inner.cost_analysis()
+
+  def memory_analysis(self):
+    return self._inner.memory_analysis()
+
+  def runtime_executable(self):
+    return self._inner.runtime_executable()
+
+  @property
+  def input_shardings(self):
+    return self._strip_in(self._inner.input_shardings)
+
+  @property
+  def input_formats(self):
+    return self._strip_in(self._inner.input_formats)
+
+  @property
+  def output_shardings(self):
+    return self._strip_out(self._inner.output_shardings)
+
+  @property
+  def output_formats(self):
+    return self._strip_out(self._inner.output_formats)
 
   def __call__(self, *args, **kwargs):
     if self._mode is None:
-      return self._compiled(*args, **kwargs)
+      return self._inner(*args, **kwargs)
     state = _runtime_tokens.thread_state()
     # compiled for scalar tokens (see Function.lower): no per-device sharding
     tokens = _runtime_tokens.tokens_for(state, self._keys, None)
     try:
-      out, token = self._compiled(tokens, *args, **kwargs)
+      out, token = self._inner(tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _errors.reraise(err, state.reset)
     _runtime_tokens.update(state, self._keys, token)

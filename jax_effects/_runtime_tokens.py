@@ -45,6 +45,7 @@ from jax.experimental import io_callback
 from jax_effects import _compat
 from jax_effects import _errors
 from jax_effects import _output
+from jax_effects import _effects
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -124,7 +125,8 @@ def initial_token(state: ThreadTokens) -> jax.Array:
   """
   token = state.initial
   if token is None:
-    token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
+    with _compat.no_user_mesh():   # not placed by the user's mesh
+      token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
   return token
 
 
@@ -212,9 +214,22 @@ def runtime_tokens() -> RuntimeTokens:
   ``.effects`` maps each :class:`~jax_effects.Effect` (or ``GLOBAL`` in global
   mode) to its current runtime token; ``.devices`` maps each device to the
   latest output token returned by a computation that ran on it.
+
+  While ``ordering("global")`` is active on this thread, ``.effects`` has
+  exactly one entry, ``GLOBAL`` (the one stream of that mode; the initial
+  token if no global-mode call has run yet): calls in that mode use no
+  per-effect stream. In ``"per_effect"`` mode it lists every stream this
+  thread has used (``GLOBAL`` too, after a global block).
   """
   state = thread_state()
-  return RuntimeTokens(types.MappingProxyType(dict(state.runtime)),
+  if _effects.get_ordering() == "global":
+    token = state.runtime.get(_effects.GLOBAL)
+    if token is None:
+      token = initial_token(state)
+    effects = {_effects.GLOBAL: token}
+  else:
+    effects = dict(state.runtime)
+  return RuntimeTokens(types.MappingProxyType(effects),
                        types.MappingProxyType(state.devices()))
 
 
@@ -250,9 +265,11 @@ def combine_per_device(token):
   per-device output is released at that point (a host callback).
   """
   shards = [s.data for s in token.addressable_shards]
-  moved = jax.device_put(shards, shards[0].device)
   fn = _combine_release_jit if _output.holding() else _combine_jit
-  return _compat.uncommitted(fn(*moved))
+  # Our own computation, on the token's devices: never the user's mesh.
+  with _compat.no_user_mesh():
+    moved = jax.device_put(shards, shards[0].device)
+    return _compat.uncommitted(fn(*moved))
 
 
 # --- barrier -------------------------------------------------------------------

@@ -43,6 +43,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
+from jax_effects import _adopted
 from jax_effects import _effects
 from jax_effects import _host
 from jax_effects import _primitives
@@ -123,9 +124,14 @@ def _in_region(kind: str | None = None, mask=None):
 
 
 def chain_keys(effects, mode: str) -> tuple:
-  """Chain keys of the markers in a set of JAX effects, in a stable order."""
+  """Chain keys of the markers in a set of JAX effects, in a stable order.
+
+  JAX's own callback effects the pass adopts (``_adopted``) count too.
+  """
   keys = {_effects.chain_key(e, mode) for e in effects
           if isinstance(e, _effects.TraceEffect)}
+  keys.update(_adopted.chain_key(e, mode) for e in effects
+              if _adopted.is_adoptable_effect(e))
   return tuple(sorted(keys, key=_sort_key))
 
 
@@ -134,6 +140,13 @@ def _sort_key(key):
 
 
 def has_marker(effects) -> bool:
+  """Whether the pass has work in an equation with these effects (a marker,
+  or a JAX callback effect it adopts)."""
+  return any(isinstance(e, _effects.TraceEffect)
+             or _adopted.is_adoptable_effect(e) for e in effects)
+
+
+def _has_own_marker(effects) -> bool:
   return any(isinstance(e, _effects.TraceEffect) for e in effects)
 
 
@@ -156,9 +169,16 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=eqn.source_info.name_stack), \
         eqn.ctx.manager:
+      adopted = (_adopted.adopt(eqn) if eqn.primitive in _adopted.PRIMITIVES
+                 else None)
       if eqn.primitive is _primitives.effect_p:
         outs = _thread_effect(eqn, invals, chains, mode)
-      elif has_marker(eqn.effects):
+      elif adopted is not None:   # JAX's own callback: threaded like ours
+        host_callback, effect = adopted
+        outs = _bind_threaded(_adopted.chain_key(effect, mode), host_callback,
+                              invals, chains)
+      elif has_marker(eqn.effects) and (eqn.primitive in RULES or
+                                        _has_own_marker(eqn.effects)):
         rule = RULES.get(eqn.primitive)
         if rule is None:
           raise NotImplementedError(
@@ -187,6 +207,11 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   if _context.masks:
     host_callback, masks = _host.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
+  return _bind_threaded(key, host_callback, invals, chains)
+
+
+def _bind_threaded(key, host_callback, invals, chains: Chains):
+  """One ``threaded_effect_p`` on chain ``key``; returns its results."""
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()

@@ -172,8 +172,10 @@ def test_set_ordering_is_process_wide_and_ordering_overrides_it():
     def go():
       with je.ordering("per_effect"):
         f(1)
-      return set(je.runtime_tokens().effects)
-    assert in_thread(go) == {a, b}
+        inside = set(je.runtime_tokens().effects)
+      # global mode again (process-wide): the snapshot has only GLOBAL
+      return inside, set(je.runtime_tokens().effects)
+    assert in_thread(go) == ({a, b}, {je.GLOBAL})
   finally:
     je.set_ordering("per_effect")
   assert _effect_keys(f, 1) == {a, b}
