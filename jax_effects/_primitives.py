@@ -48,10 +48,13 @@ class HostCallback:
   arrays matching ``result_avals`` (checked here, with a message naming the
   callback). Compared and hashed by identity, as JAX requires of primitive
   parameters. ``traced_in_branch``: bound directly in a ``cond``/``switch``
-  branch (see ``_transformation_rules``).
+  branch (see ``_transformation_rules``). ``eager`` (optional, result-free
+  effects only): run instead of ``fn`` outside any trace, with the operands
+  as bound (``jax.Array`` and Python values, not NumPy arrays), so
+  ``print``/``log`` format eager values as ``jax.debug.print`` does.
   """
   __slots__ = ("fn", "description", "result_avals", "traced_in_branch",
-               "traced_in_while_cond", "__weakref__")
+               "traced_in_while_cond", "eager", "__weakref__")
 
   def __init__(self, fn: Callable[..., Sequence[Any]], description: str,
                result_avals: tuple = ()):
@@ -60,6 +63,7 @@ class HostCallback:
     self.result_avals = result_avals
     self.traced_in_branch = False
     self.traced_in_while_cond = False
+    self.eager = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"
@@ -80,10 +84,14 @@ def check_results(description, results, avals):
         f"(shapes/dtypes {[str(a.str_short()) for a in avals]})")
   out = []
   for i, (r, aval) in enumerate(zip(results, avals)):
-    if isinstance(r, (np.ndarray, np.generic, jax.Array)):
-      r = np.asarray(r)
-    else:  # Python scalars and lists take the declared dtype, like literals
-      r = np.asarray(r, dtype=aval.dtype)
+    if type(r) is not np.ndarray:
+      if isinstance(r, (bool, int, float, complex, list, tuple)):
+        # Python scalars and lists take the declared dtype, like literals.
+        r = np.asarray(r, dtype=aval.dtype)
+      else:
+        # NumPy scalars, jax.Array, anything with __array__ (whatever its
+        # signature: asarray without a dtype calls it without one).
+        r = np.asarray(r)
     if r.shape != aval.shape or r.dtype != aval.dtype:
       raise TypeError(
           f"{description} result #{i} has shape {r.shape} and dtype {r.dtype}; "
@@ -123,6 +131,9 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
     token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
       token.block_until_ready()
+  if host_callback.eager is not None:
+    host_callback.eager(*args)
+    return []
   # Python scalars take JAX's canonical dtypes, as they do under jit.
   np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
              for a in args]
