@@ -39,9 +39,13 @@ def _is_key(x) -> bool:
 
 def _numeric(dtype) -> bool:
   """bool, integer, floating or complex, including ml_dtypes (bfloat16, int4)."""
-  try:
-    return bool(jax.numpy.issubdtype(dtype, np.number)
-                or jax.numpy.issubdtype(dtype, np.bool_))
+  dtype = np.dtype(dtype)
+  if dtype.kind in "biufc":
+    return True
+  if dtype.kind != "V":  # object, str, bytes, datetime64, timedelta64
+    return False
+  try:  # ml_dtypes register as kind "V"
+    return bool(jax.numpy.issubdtype(dtype, np.number))
   except TypeError:
     return False
 
