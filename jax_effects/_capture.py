@@ -37,7 +37,7 @@ def add_line_listener(fn: Callable[[str], None]) -> None:
 def remove_line_listener(fn: Callable[[str], None]) -> None:
   global _line_listeners
   with _lock:
-    _line_listeners = tuple(f for f in _line_listeners if f is not fn)
+    _line_listeners = tuple(f for f in _line_listeners if f != fn)
 
 
 def add_record_listener(fn: Callable, all_levels: bool = False) -> None:
@@ -53,9 +53,9 @@ def add_record_listener(fn: Callable, all_levels: bool = False) -> None:
 def remove_record_listener(fn: Callable) -> None:
   global _record_listeners, _all_record_listeners
   with _lock:
-    _record_listeners = tuple(f for f in _record_listeners if f is not fn)
+    _record_listeners = tuple(f for f in _record_listeners if f != fn)
     _all_record_listeners = tuple(
-        f for f in _all_record_listeners if f is not fn)
+        f for f in _all_record_listeners if f != fn)
 
 
 def capturing_all_records() -> bool:

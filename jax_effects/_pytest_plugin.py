@@ -204,25 +204,28 @@ class EffectsCapture:
     self._printed.append(line)
 
   def _on_record(self, record: Any, logger: Any, enabled: bool) -> None:
-    if enabled or self._wants(record, logger):
+    if self._wants(record, logger, enabled):
       self._logged.append(record)
 
-  def _wants(self, record: Any, logger: Any) -> bool:
-    """Whether to capture a record its logger's level does not enable."""
+  def _wants(self, record: Any, logger: Any, enabled: bool) -> bool:
+    """Whether to capture ``record`` (``enabled``: by its logger's level)."""
     import logging
 
     if logger.disabled or logging.root.manager.disable >= record.levelno:
       return False
     levels = self._levels
-    name = record.name
-    while True:  # the nearest set_level, by dotted name
-      if name in levels:
-        return record.levelno >= levels[name]
-      if "." not in name:
-        break
-      name = name.rsplit(".", 1)[0]
-    if None in levels:
-      return record.levelno >= levels[None]
+    if levels:
+      name = record.name
+      while True:  # the nearest set_level, by dotted name, decides
+        if name in levels:
+          return record.levelno >= levels[name]
+        if "." not in name:
+          break
+        name = name.rsplit(".", 1)[0]
+      if None in levels:
+        return record.levelno >= levels[None]
+    if enabled:
+      return True
     lg = logger
     while lg is not None and lg is not logging.root:
       if lg.level != logging.NOTSET:  # configured explicitly: it decides
@@ -235,7 +238,7 @@ class EffectsCapture:
 
     ``logger=None``: of every logger ``jax_effects.log`` uses; a name: of that
     logger and its children (the nearest name wins), whatever the logger's
-    own level. Lasts until the end of the test (like ``caplog.set_level``,
+    own level (below ``level`` nothing is captured, above everything is). Lasts until the end of the test (like ``caplog.set_level``,
     but without changing any logger).
     """
     import logging
