@@ -144,6 +144,25 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
 effect_p.def_impl(_effect_impl)
 
 
+def _gathered(ctx, args, avals) -> list:
+  """The array operands of a callback that runs once, annotated replicated.
+
+  Under automatic partitioning over several devices the callback runs on
+  one device (MAXIMAL sharding). A sharded operand going straight there is
+  what XLA's partitioner calls an "involuntary full rematerialization" (and
+  warns about on stderr); through a replicated annotation it becomes an
+  all-gather, the same data movement, without the warning. Per-device
+  callbacks (manual ``shard_map``) and single-device programs are left as
+  they are.
+  """
+  axis_context = ctx.module_context.axis_context
+  if (not isinstance(axis_context, _compat.ShardingContext)
+      or axis_context.num_devices <= 1):
+    return list(args)
+  return [_compat.replicated(ctx, x, aval) if aval.shape else x
+          for x, aval in zip(args, avals)]
+
+
 def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals):
   """Lowering under plain ``jax.jit`` (no token threading by jax_effects).
 
@@ -162,6 +181,7 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered, result_avals)
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
+  args = _gathered(ctx, args, ctx.avals_in)
   # Where it runs (device, shard): may add the partition id as an operand.
   operands, avals_in, wrap = _placement.attribute(
       ctx, list(args), list(ctx.avals_in), list(ctx.avals_out), threaded=False)
@@ -282,6 +302,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, result_avals):
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
+  args = _gathered(ctx, args, ctx.avals_in[2:])
   if len(platforms) == 1 and platforms[0] in _FFI_TARGETS:
     # Where it runs (device, shard): may add the partition id as an operand.
     operands, avals_in, wrap = _placement.attribute(
