@@ -420,14 +420,16 @@ def callback_expectation(spec, result, args, kwargs):
     return "error", result
   if spec is None:
     return "ok", None
-  r_leaves, r_tree = tree_util.tree_flatten(result)
-  if r_tree != treedef:
+  try:  # a leaf may be a list (or anything NumPy takes as an array)
+    r_leaves = treedef.flatten_up_to(result)
+  except (ValueError, TypeError):
     return "error", None
   out = []
   for r, l in zip(r_leaves, leaves):
     try:
-      v = r if isinstance(r, (np.ndarray, np.generic)) else np.asarray(r, l.dtype)
-      v = np.asarray(v)
+      v = (np.asarray(r, l.dtype)
+           if isinstance(r, (bool, int, float, complex, list, tuple))
+           else np.asarray(r))
     except FORMAT_ERRORS as err:
       return "error", err
     if v.shape != tuple(l.shape) or v.dtype != np.dtype(l.dtype):
