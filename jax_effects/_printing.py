@@ -129,14 +129,18 @@ def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
 
 # --- run-time formatting ------------------------------------------------------
 
-_cpu_device = None
+_cpu_device: list = []
 
 
 def _cpu():
-  global _cpu_device
-  if _cpu_device is None:
-    _cpu_device = jax.local_devices(backend="cpu")[0]
-  return _cpu_device
+  """The first local CPU device (where ``jax.debug.print`` puts values), or
+  None (the default device) where JAX has no CPU backend."""
+  if not _cpu_device:
+    try:
+      _cpu_device.append(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+      _cpu_device.append(None)
+  return _cpu_device[0]
 
 
 class Value:
