@@ -77,6 +77,8 @@ CASES = [
     ("new_style_key", "{} {!r}", (jax.random.key(3),) * 2, {}, None),
     ("key_array", "{}", (jax.random.split(jax.random.key(1), 3),), {}, None),
     ("raw_key", "{}", (jax.random.PRNGKey(5),), {}, None),
+    ("key_in_tree", "{}", ({"k": jax.random.key(2), "n": 1},), {}, None),
+    ("rbg_key", "{} {!r}", (jax.random.key(4, impl="rbg"),) * 2, {}, None),
     ("dict", "{}", ({"foo": jnp.int32(2), "bar": (jnp.arange(2), 4.5)},), {},
      None),
     ("python_int_in_tree", "{}", ({"foo": 2},), {}, None),
