@@ -3,8 +3,12 @@
 The callback receives NumPy arrays (the pytree structure of ``*args`` and
 ``**kwargs`` is kept) and must return a pytree matching
 ``result_shape_dtypes``: same structure, and each leaf of the declared shape
-and dtype (Python scalars and lists are converted to the declared dtype;
-NumPy arrays of another dtype are an error naming expected and actual).
+and dtype. A leaf may be anything NumPy takes as an array (NumPy arrays and
+scalars, ``jax.Array``, objects with ``__array__``, whatever its signature;
+Python scalars and lists take the declared dtype; arrays of another dtype
+are an error naming expected and actual). Results take no part in the token
+calling convention beyond being the primitive's outputs after the token and
+carrier.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
   name = getattr(fn, "__qualname__", None) or repr(fn)
   what = f"jax_effects.callback({name})"
   effect, ordered = _effects.resolve(what, effect, ordered)
-  operands, rebuild = _arguments.split(what, args, kwargs, allow_str=False)
+  operands, rebuild = _arguments.split(what, args, kwargs)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
 
   def call(*np_operands):
@@ -62,8 +66,12 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
     out = fn(*a, **k)
     if result_shape_dtypes is None:
       return ()
-    leaves, tree = tree_util.tree_flatten(out)
-    if tree != out_tree:
+    try:
+      # Up to the declared structure: a leaf may be a list, a scalar or any
+      # object NumPy takes as an array.
+      return out_tree.flatten_up_to(out)
+    except (ValueError, TypeError):
+      tree = tree_util.tree_structure(out)
       count = ""
       if (isinstance(out, (tuple, list))
           and isinstance(result_shape_dtypes, (tuple, list))
@@ -72,8 +80,7 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
                  f"{len(result_shape_dtypes)}: ")
       raise TypeError(
           f"{what} returned {count}a value of structure {tree}; expected "
-          f"{out_tree} (from result_shape_dtypes)")
-    return leaves
+          f"{out_tree} (from result_shape_dtypes)") from None
 
   results = _primitives.bind_effect(call, what, operands, effect=effect,
                                    ordered=ordered, result_avals=avals)

@@ -43,6 +43,30 @@ callback_op_sharding = _callback._callback_op_sharding
 from jax._src.interpreters.mlir import set_sharding  # noqa: E402
 from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
 
+# A replicated sharding annotation (``Sharding`` custom call or
+# ``sdy.sharding_constraint``) on the array operands of a callback that runs
+# once under automatic partitioning (JAX 0.10: shardy ``SdyArray``/``SdyDim``
+# with an empty mesh, or GSPMD's replicated ``HloSharding``). The partitioner
+# then all-gathers a sharded operand, where going from a tiled sharding
+# straight to the callback's MAXIMAL one is an "involuntary full
+# rematerialization" it warns about. Used by ``_primitives``.
+from jax._src.interpreters.mlir import wrap_with_sharding_op  # noqa: E402
+from jax._src.lib import xla_client as _xc  # noqa: E402
+from jax._src.named_sharding import SdyDim  # noqa: E402
+
+
+def replicated(ctx, value, aval):
+  """``value`` (of ``aval``) annotated as replicated on every device."""
+  import jax
+  if jax.config.jax_use_shardy_partitioner:
+    sharding = SdyArray(
+        mesh_shape=(),
+        dim_shardings=tuple(SdyDim(axes=(), is_open=False) for _ in aval.shape))
+  else:
+    sharding = _xc.HloSharding.replicate().to_proto()
+  return wrap_with_sharding_op(ctx, value, aval, sharding)
+
+
 # The jax_disable_jit flag's state object: ``.value`` reads it without the
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402

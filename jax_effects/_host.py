@@ -24,7 +24,6 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,13 +39,18 @@ class HostCallback:
   ``result_avals`` (checked by :func:`check_results`, with a message naming
   ``description``). ``traced_in_branch``: bound directly in a
   ``cond``/``switch`` branch; ``traced_in_while_cond``: bound directly in a
-  ``while_loop``'s ``cond_fun``. Compared and hashed by identity.
+  ``while_loop``'s ``cond_fun``. ``eager`` (optional, result-free effects
+  only): run instead of ``fn`` outside any trace, with the operands as bound
+  (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
+  format eager values as ``jax.debug.print`` does. Compared and hashed by
+  identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
   result_avals: tuple = ()
   traced_in_branch: bool = False
   traced_in_while_cond: bool = False
+  eager: Callable[..., None] | None = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"
@@ -68,10 +72,14 @@ def check_results(description, results, avals):
         f"(shapes/dtypes {[str(a.str_short()) for a in avals]})")
   out = []
   for i, (r, aval) in enumerate(zip(results, avals)):
-    if isinstance(r, (np.ndarray, np.generic, jax.Array)):
-      r = np.asarray(r)
-    else:  # Python scalars and lists take the declared dtype, like literals
-      r = np.asarray(r, dtype=aval.dtype)
+    if type(r) is not np.ndarray:
+      if isinstance(r, (bool, int, float, complex, list, tuple)):
+        # Python scalars and lists take the declared dtype, like literals.
+        r = np.asarray(r, dtype=aval.dtype)
+      else:
+        # NumPy scalars, jax.Array, anything with __array__ (whatever its
+        # signature: asarray without a dtype calls it without one).
+        r = np.asarray(r)
     if r.shape != aval.shape or r.dtype != aval.dtype:
       raise TypeError(
           f"{description} result #{i} has shape {r.shape} and dtype {r.dtype}; "

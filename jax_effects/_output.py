@@ -8,7 +8,16 @@ callback. A line of a per-device callback gets its placement prefix
 
 Sinks: lines go to ``sys.stdout`` (one lock keeps each line whole), records
 to their logger. Listeners (the pytest plugin's ``effects_capture``) observe
-both in delivery order; they must be cheap and thread-safe.
+both in delivery order; they must be cheap and thread-safe. Nothing here
+touches tokens: the token calling convention has put the effect in order by
+the time its host callback delivers.
+
+Record listeners come in two kinds: plain ones see the records the logger
+handles (its level enabled); *all-levels* ones (``all_levels=True``) see
+every record ``log`` builds, with a flag saying whether the logger enabled
+it. While an all-levels listener is registered, ``log`` builds records of
+every level (:func:`capturing_all_records`); the logger still handles only
+the enabled ones.
 
 **The deterministic view** (``jax_effects.deterministic``, which calls
 :func:`start_holding`/:func:`stop_holding`). Per-device effects are ordered
@@ -35,6 +44,7 @@ from jax_effects import _placement
 _lock = threading.Lock()
 _line_listeners: tuple[Callable[[str], None], ...] = ()
 _record_listeners: tuple[Callable[[logging.LogRecord], None], ...] = ()
+_all_record_listeners: tuple[Callable[..., None], ...] = ()
 
 
 def add_line_listener(fn: Callable[[str], None]) -> None:
@@ -46,19 +56,31 @@ def add_line_listener(fn: Callable[[str], None]) -> None:
 def remove_line_listener(fn: Callable[[str], None]) -> None:
   global _line_listeners
   with _lock:
-    _line_listeners = tuple(f for f in _line_listeners if f is not fn)
+    # (==: a bound method is a new object on every attribute access)
+    _line_listeners = tuple(f for f in _line_listeners if f != fn)
 
 
-def add_record_listener(fn: Callable[[logging.LogRecord], None]) -> None:
-  global _record_listeners
+def add_record_listener(fn: Callable, all_levels: bool = False) -> None:
+  """Adds ``fn(record)``, or ``fn(record, logger, enabled)`` if ``all_levels``."""
+  global _record_listeners, _all_record_listeners
   with _lock:
-    _record_listeners = (*_record_listeners, fn)
+    if all_levels:
+      _all_record_listeners = (*_all_record_listeners, fn)
+    else:
+      _record_listeners = (*_record_listeners, fn)
 
 
-def remove_record_listener(fn: Callable[[logging.LogRecord], None]) -> None:
-  global _record_listeners
+def remove_record_listener(fn: Callable) -> None:
+  global _record_listeners, _all_record_listeners
   with _lock:
-    _record_listeners = tuple(f for f in _record_listeners if f is not fn)
+    _record_listeners = tuple(f for f in _record_listeners if f != fn)
+    _all_record_listeners = tuple(
+        f for f in _all_record_listeners if f != fn)
+
+
+def capturing_all_records() -> bool:
+  """Whether records of levels the logger does not enable are wanted."""
+  return bool(_all_record_listeners)
 
 
 # --- sinks ---------------------------------------------------------------------------
@@ -71,21 +93,30 @@ def _write_line(line: str) -> None:
 
   Host callbacks of several devices and threads run at the same time, and
   ``sys.stdout`` (a ``TextIOWrapper``) is not thread-safe: one lock keeps
-  every line whole.
+  every line whole. As for the builtin ``print``, a ``sys.stdout`` of None
+  writes nothing and a closed one raises ``ValueError`` (which reaches the
+  caller as the callback's error).
   """
-  with _write_lock:
-    sys.stdout.write(line + "\n")
+  out = sys.stdout
+  if out is not None:
+    with _write_lock:
+      out.write(line + "\n")
   for fn in _line_listeners:
     fn(line)
 
 
 def _handle_record(logger: logging.Logger, record: logging.LogRecord) -> None:
-  """Hands one record to ``logger`` and listeners, if its level is enabled."""
-  if not logger.isEnabledFor(record.levelno):
-    return
-  logger.handle(record)
-  for fn in _record_listeners:
-    fn(record)
+  """Hands one record to ``logger`` and listeners, if its level is enabled.
+
+  All-levels listeners get it whether enabled or not.
+  """
+  enabled = logger.isEnabledFor(record.levelno)
+  if enabled:
+    logger.handle(record)
+    for fn in _record_listeners:
+      fn(record)
+  for fn in _all_record_listeners:
+    fn(record, logger, enabled)
 
 
 # --- delivery ------------------------------------------------------------------------

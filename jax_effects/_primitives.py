@@ -99,6 +99,9 @@ def _effect_impl(*args, host_callback, effect, ordered):
     token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
       token.block_until_ready()
+  if host_callback.eager is not None:
+    host_callback.eager(*args)
+    return []
   # Python scalars take JAX's canonical dtypes, as they do under jit.
   np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
              for a in args]
@@ -107,6 +110,25 @@ def _effect_impl(*args, host_callback, effect, ordered):
 
 
 effect_p.def_impl(_effect_impl)
+
+
+def _gathered(ctx, args, avals) -> list:
+  """The array operands of a callback that runs once, annotated replicated.
+
+  Under automatic partitioning over several devices the callback runs on
+  one device (MAXIMAL sharding). A sharded operand going straight there is
+  what XLA's partitioner calls an "involuntary full rematerialization" (and
+  warns about on stderr); through a replicated annotation it becomes an
+  all-gather, the same data movement, without the warning. Per-device
+  callbacks (manual ``shard_map``) and single-device programs are left as
+  they are.
+  """
+  axis_context = ctx.module_context.axis_context
+  if (not isinstance(axis_context, _compat.ShardingContext)
+      or axis_context.num_devices <= 1):
+    return list(args)
+  return [_compat.replicated(ctx, x, aval) if aval.shape else x
+          for x, aval in zip(args, avals)]
 
 
 def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
@@ -125,6 +147,7 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
+  args = _gathered(ctx, args, ctx.avals_in)
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
       ctx, list(args), list(ctx.avals_in))
@@ -173,7 +196,7 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
       host_callback,
       fn=_host.BatchedHost(element, new_shape, tuple(new_levels),
                            element_avals),
-      result_avals=new_avals)
+      result_avals=new_avals, eager=None)   # eager too: once per element
   outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
                        ordered=ordered)
   return outs, [0] * len(outs)
@@ -260,6 +283,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback):
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
+  args = _gathered(ctx, args, ctx.avals_in[2:])
   if len(platforms) == 1 and platforms[0] in _FFI_TARGETS:
     # Where it runs (device, shard): may add the partition id as an operand.
     where, operands, avals_in = _placement.at_lowering(
@@ -290,17 +314,19 @@ _compat.require_devices_during_lowering(threaded_effect_p)
 
 def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
-                ordered: bool, result_avals: tuple = ()) -> list:
+                ordered: bool, result_avals: tuple = (),
+                eager: Callable[..., None] | None = None) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_effects.resolve``); ``fn`` is the
-  host side (flat NumPy operands -> results matching ``result_avals``). The
-  :class:`~jax_effects._host.HostCallback` is built here, complete.
+  host side (flat NumPy operands -> results matching ``result_avals``);
+  ``eager`` its eager form (see :class:`~jax_effects._host.HostCallback`,
+  built here, complete).
   """
   staging = _compat.enclosing_staging()
   host_callback = _host.HostCallback(
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
-      traced_in_while_cond=staging == "while_cond")
+      traced_in_while_cond=staging == "while_cond", eager=eager)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

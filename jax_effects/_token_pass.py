@@ -216,8 +216,19 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
   if token is None:
     token = lax.create_token()
   carrier = chains.carrier(key)
+  shape = jnp.shape(carrier)
+  if shape:
+    # The per-device carriers of a shard_map (one per device) meet an effect
+    # that runs once, on one device: it follows every device's effects. The
+    # callback takes their max, a scalar, so XLA need not move the sharded
+    # vector whole to the callback's device and back ("[SPMD] Involuntary
+    # full rematerialization", a warning JAX's program does not get). The
+    # chain's carrier keeps its shape (a loop's carry must).
+    carrier = jnp.max(carrier)
   token, carrier, *results = _primitives.threaded_effect_p.bind(
       token, carrier, *invals, host_callback=host_callback)
+  if shape:
+    carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
   return results

@@ -29,10 +29,10 @@ class Thing:
 
 
 @pytest.mark.parametrize("run", RUNNERS)
-def test_print_rejects_objects_naming_the_argument(run):
+def test_print_rejects_object_arrays_naming_the_argument(run):
   with pytest.raises(TypeError, match=r"print\('\{\} \{x\}'\): argument 'x'\['a'\] "
-                                      r"is of type Thing, which is not an array"):
-    run(lambda v: je.print("{} {x}", v, x={"a": Thing()}))(1)
+                                      r"is a NumPy array of dtype object"):
+    run(lambda v: je.print("{} {x}", v, x={"a": np.array([Thing()])}))(1)
 
 
 def test_print_accepts_str_leaves_as_static_values(effects_capture):

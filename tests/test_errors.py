@@ -166,13 +166,14 @@ def test_format_must_be_a_string():
     je.print(3)
 
 
-def test_format_with_attribute_and_index_fields():
+def test_format_with_attribute_and_index_fields_is_refused_at_trace_time():
   @je.jit
   def f(x):
     je.print("{0[a]} {t[1]}", {"a": x}, t=(x, x + 1))
     return x
 
-  f(jnp.int32(1))
+  with pytest.raises(ValueError, match=r"the field \{0\[a\]\}"):
+    f(jnp.int32(1))
   je.effects_barrier()
 
 

@@ -3,7 +3,10 @@
 Every generated case must end in one of two ways:
 
 * the output Python gives: ``jax_effects.print(fmt, *args, **kwargs)`` inside
-  ``jax_effects.jit`` prints exactly ``fmt.format(...)`` of the NumPy values,
+  ``jax_effects.jit`` prints exactly ``fmt.format(...)`` of the values
+  ``jax.debug.print`` formats under ``jax.jit`` (array leaves as CPU
+  ``jax.Array`` values, other leaves as they are), fields that reach into
+  an argument (``{0.shape}``, ``{x[0]}``) being an error of ours,
   and ``jax_effects.callback`` returns exactly the declared results; or
 * a clear error, raised at trace or call time: a ``TypeError``/``ValueError``
   from jax_effects naming what was wrong, or the very exception Python's own
@@ -58,6 +61,11 @@ def _host_value(x):
   """What a host callback receives for an array-like leaf."""
   v = np.asarray(jnp.asarray(x))
   return v[()] if v.ndim == 0 else v
+
+
+def _format_value(x):
+  """What jax.debug.print formats for an array-like leaf under jax.jit."""
+  return jax.device_put(np.asarray(jnp.asarray(x)), jax.devices("cpu")[0])
 
 
 def _is_leaf(x):
@@ -232,6 +240,14 @@ def rand_print_case(rng):
 
 # --- print ---------------------------------------------------------------------
 
+def _fields(fmt: str):
+  for _, field, spec, _ in string.Formatter().parse(fmt):
+    if field is not None:
+      yield field
+      if spec:
+        yield from _fields(spec)
+
+
 def used_arguments(fmt: str) -> set:
   """Positions and names of the arguments ``fmt`` refers to (it formats)."""
   used, auto = set(), [0]
@@ -256,11 +272,13 @@ def print_expectation(fmt, args, kwargs):
   leaves, treedef = tree_util.tree_flatten((args, kwargs), is_leaf=_is_leaf)
   if not isinstance(fmt, str):
     return "error", None
-  if any(not (_is_array_like(x) or isinstance(x, str) or x is None)
-         for x in leaves):
-    return "error", None
-  host = [x if isinstance(x, str) or x is None else _host_value(x)
-          for x in leaves]
+  try:
+    fields = list(_fields(fmt))
+  except ValueError as err:
+    return "error", err
+  if any("." in f or "[" in f for f in fields):
+    return "error", None  # jax_effects formats whole arguments only
+  host = [_format_value(x) if _is_array_like(x) else x for x in leaves]
   a, k = tree_util.tree_unflatten(treedef, host)
   try:
     line = fmt.format(*a, **k)
@@ -393,14 +411,16 @@ def callback_expectation(spec, result, args, kwargs):
     return "error", result
   if spec is None:
     return "ok", None
-  r_leaves, r_tree = tree_util.tree_flatten(result)
-  if r_tree != treedef:
+  try:  # a leaf may be a list (or anything NumPy takes as an array)
+    r_leaves = treedef.flatten_up_to(result)
+  except (ValueError, TypeError):
     return "error", None
   out = []
   for r, l in zip(r_leaves, leaves):
     try:
-      v = r if isinstance(r, (np.ndarray, np.generic)) else np.asarray(r, l.dtype)
-      v = np.asarray(v)
+      v = (np.asarray(r, l.dtype)
+           if isinstance(r, (bool, int, float, complex, list, tuple))
+           else np.asarray(r))
     except FORMAT_ERRORS as err:
       return "error", err
     if v.shape != tuple(l.shape) or v.dtype != np.dtype(l.dtype):

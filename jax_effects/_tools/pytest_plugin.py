@@ -5,8 +5,10 @@ conftest:
 
 * ``effects_capture`` fixture: ``.printed`` lists the lines written by
   :func:`jax_effects.print` during the test, ``.logged`` the
-  :class:`logging.LogRecord` objects emitted by :func:`jax_effects.log`.
-  Reading either runs :func:`jax_effects.effects_barrier` first.
+  :class:`logging.LogRecord` objects emitted by :func:`jax_effects.log`, of
+  every level unless ``.set_level(level, logger=None)`` (or the logger's
+  own explicitly set level) says otherwise. Reading either runs
+  :func:`jax_effects.effects_barrier` first.
 * After every test phase the plugin runs
   ``jax_effects.effects_barrier(all_threads=True)``, so a callback error
   raised by a test's effects fails that test (in its call phase, or as a
@@ -180,17 +182,86 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 class EffectsCapture:
-  """What jax_effects printed and logged since the fixture was set up."""
+  """What jax_effects printed and logged since the fixture was set up.
+
+  ``logged`` holds every record ``jax_effects.log`` emitted during the test,
+  of any level, without the test configuring ``logging`` (as if
+  ``caplog.set_level`` had enabled every level of the loggers ``log``
+  uses): a record the logger's level disables is captured all the same
+  (its handlers do not see it). Where a logger (or a parent other than the
+  root) has a level set explicitly, by the test or by the application
+  (``caplog.set_level(logging.WARNING, logger="jax_effects")``), that level
+  decides; :meth:`set_level` overrides both. ``logging.disable`` and
+  ``logger.disabled`` are honoured.
+  """
 
   def __init__(self) -> None:
     self._printed: list[str] = []
     self._logged: list[Any] = []
+    self._levels: dict[str | None, int] = {}
 
   def _on_line(self, line: str) -> None:
     self._printed.append(line)
 
-  def _on_record(self, record: Any) -> None:
-    self._logged.append(record)
+  def _on_record(self, record: Any, logger: Any, enabled: bool) -> None:
+    if self._wants(record, logger, enabled):
+      self._logged.append(record)
+
+  def _wants(self, record: Any, logger: Any, enabled: bool) -> bool:
+    """Whether to capture ``record`` (``enabled``: by its logger's level)."""
+    import logging
+
+    if logger.disabled or logging.root.manager.disable >= record.levelno:
+      return False
+    levels = self._levels
+    if levels:
+      name = record.name
+      while True:  # the nearest set_level, by dotted name, decides
+        if name in levels:
+          return record.levelno >= levels[name]
+        if "." not in name:
+          break
+        name = name.rsplit(".", 1)[0]
+      if None in levels:
+        return record.levelno >= levels[None]
+    if enabled:
+      return True
+    lg = logger
+    while lg is not None and lg is not logging.root:
+      if lg.level != logging.NOTSET:  # configured explicitly: it decides
+        return False
+      lg = lg.parent
+    return True
+
+  def set_level(self, level: int | str, logger: str | None = None) -> None:
+    """Captures records of ``level`` and above (of ``logger`` and its children).
+
+    ``logger=None``: of every logger ``jax_effects.log`` uses; a name: of that
+    logger and its children (the nearest name wins), whatever the logger's
+    own level (below ``level`` nothing is captured, above everything is). Lasts until the end of the test (like ``caplog.set_level``,
+    but without changing any logger).
+    """
+    import logging
+
+    if isinstance(level, str):
+      levels = logging.getLevelNamesMapping()
+      if level.upper() not in levels:
+        raise ValueError(
+            f"effects_capture.set_level: unknown level name {level!r}; "
+            f"expected one of {sorted(levels)} or an int")
+      level = levels[level.upper()]
+    elif isinstance(level, bool) or not isinstance(level, int):
+      raise TypeError(
+          f"effects_capture.set_level: level must be an int or a level name, "
+          f"got {level!r}")
+    if logger is not None and not isinstance(logger, str):
+      logger = getattr(logger, "name", logger)
+      if not isinstance(logger, str):
+        raise TypeError(
+            "effects_capture.set_level: logger must be None, a logger name "
+            f"or a logging.Logger, got {logger!r}")
+    self._sync()  # records already emitted were captured under the old level
+    self._levels[logger] = level
 
   @staticmethod
   def _sync() -> None:
@@ -224,7 +295,7 @@ def effects_capture():
 
   cap = EffectsCapture()
   _output.add_line_listener(cap._on_line)
-  _output.add_record_listener(cap._on_record)
+  _output.add_record_listener(cap._on_record, all_levels=True)
   try:
     yield cap
     _barrier()  # deliver effects of later-torn-down fixtures too

@@ -1,0 +1,73 @@
+"""Callback results: anything NumPy accepts as an array (issue 15, item 6)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_effects as je
+
+
+class NoDtypeArg:
+  """``__array__`` without a dtype parameter (allowed by NumPy)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __array__(self):
+    return np.asarray(self.value)
+
+
+RUNNERS = [pytest.param(lambda f: f, id="eager"),
+           pytest.param(lambda f: je.jit(f), id="jit")]
+
+F32_3 = jax.ShapeDtypeStruct((3,), jnp.float32)
+I32 = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("result, spec, expected", [
+    (NoDtypeArg(np.arange(3, dtype=np.float32)), F32_3, [0.0, 1.0, 2.0]),
+    (NoDtypeArg(np.int32(7)), I32, 7),
+    ([1, 2, 3], F32_3, [1.0, 2.0, 3.0]),
+    ((4.0, 5.0, 6.0), F32_3, [4.0, 5.0, 6.0]),
+    (7, I32, 7),
+    (True, I32, 1),
+    (np.int32(9), I32, 9),
+    (jnp.arange(3.0), F32_3, [0.0, 1.0, 2.0]),
+], ids=["array_no_dtype", "array_no_dtype_0d", "list", "tuple_leaf",
+        "int", "bool", "numpy_scalar", "jax_array"])
+def test_result_leaves_numpy_accepts(run, result, spec, expected):
+  out = run(lambda x: je.callback(lambda v: result, spec, x))(jnp.int32(0))
+  je.effects_barrier()
+  assert out.dtype == spec.dtype and out.shape == spec.shape
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_structured_results_with_list_and_array_leaves(run):
+  spec = {"a": F32_3, "b": (I32, jax.ShapeDtypeStruct((2,), jnp.int32))}
+  out = run(lambda x: je.callback(
+      lambda v: {"a": NoDtypeArg(np.ones(3, np.float32)), "b": (5, [1, 2])},
+      spec, x))(jnp.int32(0))
+  je.effects_barrier()
+  assert out["a"].tolist() == [1.0, 1.0, 1.0]
+  assert int(out["b"][0]) == 5 and out["b"][1].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_array_of_another_dtype_is_still_an_error(run, effects_capture):
+  f = run(lambda x: je.callback(lambda v: NoDtypeArg(np.zeros(3, np.float64)),
+                                F32_3, x))
+  with pytest.raises(TypeError, match=r"result #0 has shape \(3,\) and dtype "
+                                      r"float64; expected shape \(3,\) and "
+                                      r"dtype float32"):
+    f(jnp.int32(0))
+    je.effects_barrier()
+
+
+def test_wrong_structure_is_still_an_error():
+  f = je.jit(lambda x: je.callback(lambda v: (1, 2, 3), (I32, I32), x))
+  with pytest.raises(TypeError, match="returned 3 results where "
+                                      "result_shape_dtypes declares 2"):
+    f(jnp.int32(0))
+    je.effects_barrier()
