@@ -130,3 +130,10 @@ def jax_runtime_token(effect):
   for our effects; eager effects wait for it to keep program order.
   """
   return _dispatch.runtime_tokens.current_tokens.get(effect)
+
+# ``batch_jaxpr(closed_jaxpr, axis_data, in_batched, instantiate)``: which
+# outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
+# jax_effects wraps (``_transformation_rules``) call JAX's own rule unchanged
+# and use this, as that rule does, to find whether the predicate is batched
+# (JAX 0.8-0.10: same signature; no public route).
+from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402

@@ -4,7 +4,10 @@ These rules act when a user's function is *traced* (before the
 token-threading pass), so they apply inside ``jax_effects.jit``, under plain
 ``jax.jit`` and eagerly alike. See ``design/transformations.md``.
 
-* **vmap** (a *fancy* batcher, called even when no operand is batched): the
+* **vmap**: with no batched operand the effect runs once, unbatched (as
+  ``jax.debug.print``; so ``jacfwd``/``hessian``, vmaps over tangents, run an
+  effect on primal values once). With a batched operand (or inside a
+  ``while_loop`` whose predicate vmap batched, see :func:`_while_batcher`) the
   equation is re-bound with a :class:`BatchedHost` callback that runs the
   user's host function once per batch element, in batch (row-major) order,
   and stacks the results. Nested vmaps flatten into one ``BatchedHost`` with a
@@ -32,7 +35,9 @@ token-threading pass), so they apply inside ``jax_effects.jit``, under plain
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from typing import Sequence
 
 import jax
@@ -40,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
+from jax.extend.core import primitives as jex_prims
 
 from jax_effects import _compat
+from jax_effects import _effects
 from jax_effects import _primitives
 
 effect_p = _primitives.effect_p
@@ -84,6 +91,13 @@ class BatchedHost:
 
 def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered,
                     result_avals):
+  if all(d is None for d in dims) and not _batched_control.depth:
+    # No operand depends on the batch index (e.g. the primal values under
+    # jacfwd/hessian, whose tangents vmap batches): one run, as
+    # jax.debug.print does; its results are the same for every element.
+    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
+                         ordered=ordered, result_avals=result_avals)
+    return outs, [None] * len(outs)
   size = axis_data.size
   fn = host_callback.fn
   if isinstance(fn, BatchedHost):
@@ -116,6 +130,68 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered,
 batching.fancy_primitive_batchers[effect_p] = _effect_batcher
 
 
+# --- vmap of control flow with a batched predicate -----------------------------
+
+class _BatchedControl(threading.local):
+  """Depth of the vmap rules of control flow whose predicate is batched.
+
+  While JAX's rule of such a ``while_loop`` batches the body and ``cond_fun``,
+  an effect there depends on the batch index through the predicate (it runs
+  for an element only while that element iterates) even if none of its
+  operands does: it is batched per element, so the pass can skip the
+  finished elements (:func:`masked`).
+  """
+  depth = 0
+
+
+_batched_control = _BatchedControl()
+
+
+@contextlib.contextmanager
+def _control_dependent():
+  _batched_control.depth += 1
+  try:
+    yield
+  finally:
+    _batched_control.depth -= 1
+
+
+def _has_marker(jaxprs) -> bool:
+  return any(isinstance(e, _effects.TraceEffect)
+             for j in jaxprs for e in j.effects)
+
+
+_jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]
+
+
+def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
+                   body_nconsts, body_jaxpr, **params):
+  """JAX's vmap rule of ``while``, unchanged; effects made per element
+  when the predicate is batched (found as JAX's rule finds it)."""
+  kw = dict(cond_nconsts=cond_nconsts, cond_jaxpr=cond_jaxpr,
+            body_nconsts=body_nconsts, body_jaxpr=body_jaxpr, **params)
+  if (_batched_control.depth or all(d is None for d in dims)
+      or not _has_marker([cond_jaxpr, body_jaxpr])):
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+  batched = [d is not None for d in dims]
+  cconst = batched[:cond_nconsts]
+  bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
+  carry = batched[cond_nconsts + body_nconsts:]
+  for _ in range(1 + len(carry)):
+    _, out = _compat.batch_jaxpr(body_jaxpr, axis_data, bconst + carry, carry)
+    if list(out) == carry:
+      break
+    carry = [a or b for a, b in zip(carry, out)]
+  _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
+  if not pred:
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+  with _control_dependent():
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+
+
+batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
+
+
 # --- jvp -------------------------------------------------------------------------
 
 def _effect_jvp(primals, tangents, **params):
@@ -145,7 +221,8 @@ def masked(host_callback: _primitives.HostCallback, masks: Sequence):
   """
   fn = host_callback.fn
   what = host_callback.description
-  if not isinstance(fn, BatchedHost):
+  k = len(masks)
+  if not isinstance(fn, BatchedHost):   # see _while_batcher
     raise AssertionError(
         f"{what}: inside a vmapped while_loop but not batched")
   shape = fn.batch_shape
@@ -162,7 +239,6 @@ def masked(host_callback: _primitives.HostCallback, masks: Sequence):
           f"move the effect out of the loop.")
     (pos,) = found
     reshapes.append(tuple(shape[j] if j in pos else 1 for j in range(len(shape))))
-  k = len(masks)
 
   def run(*args):
     live = np.ones(shape, dtype=bool)
