@@ -137,3 +137,12 @@ def jax_runtime_token(effect):
 # and use this, as that rule does, to find whether the predicate is batched
 # (JAX 0.8-0.10: same signature; no public route).
 from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
+
+# Higher-order primitives of JAX with no public handle, for the pass's rules
+# (``_thread_tokens.RULES``); JAX 0.8-0.10 define them at these places.
+# ``custom_vmap_call`` (jax.custom_batching.custom_vmap), ``composite``
+# (jax.lax.composite) and ``linear_call`` (jax.custom_derivatives.linear_call)
+# are inlined by the pass, as their impls do.
+from jax._src.custom_batching import custom_vmap_p  # noqa: E402
+from jax._src.lax.lax import composite_p  # noqa: E402
+from jax._src.custom_derivatives import linear_call_p  # noqa: E402

@@ -43,6 +43,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
+from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
@@ -136,14 +137,11 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         eqn.ctx.manager:
       if eqn.primitive is _primitives.effect_p:
         outs = _thread_effect(eqn, invals, chains, mode)
-      elif has_marker(eqn.effects):
+      elif has_marker(eqn.effects) or (
+          eqn.primitive.name in HIDES_EFFECTS and _marker_inside(eqn)):
         rule = RULES.get(eqn.primitive)
         if rule is None:
-          raise NotImplementedError(
-              f"jax_effects cannot thread side effects through the "
-              f"higher-order primitive '{eqn.primitive.name}': it has no rule "
-              f"in jax_effects._thread_tokens.RULES. Move the effect out of "
-              f"it, or add a rule.")
+          raise refusal(eqn)
         outs = rule(eqn, invals, chains, mode)
       else:
         outs = eqn.primitive.bind(*invals,
@@ -316,6 +314,33 @@ def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
   return thread_jaxpr(callee, (), invals, chains, mode)
 
 
+def _linear_solve_rule(eqn, invals, chains: Chains, mode: str):
+  """``custom_linear_solve`` (e.g. ``jax.scipy.sparse.linalg.cg``): as its
+  impl, the ``solve`` jaxpr on its consts and the right-hand side.
+
+  The other jaxprs (``matvec``, ``vecmat``, ``transpose_solve``) are only for
+  differentiation, which has already happened: their effects are in the
+  equations JAX's jvp/transpose rules produced. So a print in the matvec of
+  ``cg`` runs where ``cg``'s solver loop calls the matvec, in order.
+  """
+  p = eqn.params
+  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
+  consts, start = {}, 0
+  for name, n in zip(jaxprs._fields, lengths):
+    consts[name] = invals[start:start + n]
+    start += n
+  solve = jaxprs.solve
+  return thread_jaxpr(solve.jaxpr, solve.consts,
+                      [*consts["solve"], *invals[start:]], chains, mode)
+
+
+def _linear_call_rule(eqn, invals, chains: Chains, mode: str):
+  """``jax.custom_derivatives.linear_call``: the callee, as its impl (the
+  transpose rule has done its work when the pass runs)."""
+  callee = eqn.params["callee"]
+  return thread_jaxpr(callee.jaxpr, callee.consts, invals, chains, mode)
+
+
 #: Primitive -> rule(eqn, invals, chains, mode) -> outputs.
 RULES: dict[jex_core.Primitive, Callable] = {
     jex_prims.cond_p: _cond_rule,
@@ -327,7 +352,66 @@ RULES: dict[jex_core.Primitive, Callable] = {
     jex_prims.call_p: functools.partial(_inline_rule, "call_jaxpr"),
     jex_prims.custom_jvp_call_p: functools.partial(_inline_rule, "call_jaxpr"),
     jex_prims.custom_vjp_call_p: functools.partial(_inline_rule, "call_jaxpr"),
+    jex_prims.linear_solve_p: _linear_solve_rule,
+    _compat.custom_vmap_p: functools.partial(_inline_rule, "call"),
+    _compat.composite_p: functools.partial(_inline_rule, "jaxpr"),
+    _compat.linear_call_p: _linear_call_rule,
 }
+
+#: Names of higher-order primitives whose equation does not report the
+#: effects of its sub-computations (their abstract evaluation drops them): the
+#: pass looks inside. Without this, an effect in them would reach XLA unthreaded.
+HIDES_EFFECTS = frozenset({
+    "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
+
+_REDUCTION = (
+    "its sub-computation is the combiner of a reduction, which XLA calls as "
+    "often and in whatever order it likes, so the effect has no place in "
+    "program order")
+
+#: Primitive name -> why an effect inside it cannot be threaded (shown to the
+#: user). Keyed by name: ``pallas_call`` lives in a module jax_effects does
+#: not import. Any other higher-order primitive without a rule gets a generic
+#: reason (``refusal``).
+REFUSED: dict[str, str] = {
+    "reduce": _REDUCTION,
+    "reduce_window": _REDUCTION,
+    "pallas_call": "a Pallas kernel runs on the accelerator's cores and "
+                   "cannot call host functions",
+}
+
+
+def _effects_inside(eqn) -> list:
+  """The descriptions of the effects inside ``eqn``'s sub-computations."""
+  found = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive is _primitives.effect_p:
+        found.append(e.params["host_callback"].description)
+      for sub in jex_core.jaxprs_in_params(e.params):
+        walk(sub)
+  for sub in jex_core.jaxprs_in_params(eqn.params):
+    walk(sub)
+  return found
+
+
+def _marker_inside(eqn) -> bool:
+  return bool(_effects_inside(eqn))
+
+
+def refusal(eqn) -> NotImplementedError:
+  """The error for an effect inside a higher-order primitive with no rule."""
+  name = eqn.primitive.name
+  inside = _effects_inside(eqn)
+  what = inside[0] if inside else "a jax_effects side effect"
+  reason = REFUSED.get(
+      name, "jax_effects does not know in which order this primitive runs "
+            "its sub-computations")
+  return NotImplementedError(
+      f"{what} is inside JAX's higher-order primitive '{name}', where "
+      f"jax_effects cannot order it: {reason}. Move the effect out of it "
+      f"(compute the values there and print, log or call back after it).")
 
 
 # --- top level -----------------------------------------------------------------
