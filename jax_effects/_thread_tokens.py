@@ -389,9 +389,9 @@ def _effects_inside(eqn) -> list:
     for e in jaxpr.eqns:
       if e.primitive is _primitives.effect_p:
         found.append(e.params["host_callback"].description)
-      for sub in jex_core.jaxprs_in_params(e.params):
+      for sub in _compat.jaxprs_in_params(e.params):
         walk(sub)
-  for sub in jex_core.jaxprs_in_params(eqn.params):
+  for sub in _compat.jaxprs_in_params(eqn.params):
     walk(sub)
   return found
 

@@ -227,15 +227,14 @@ def test_vmap_of_cond_with_unbatched_predicate_runs_taken_branch(run):
 
 
 @pytest.mark.parametrize("run", ALL_RUNNERS)
-def test_vmap_of_cond_with_batched_predicate_is_a_clear_error(run):
+def test_vmap_of_cond_with_batched_predicate_runs_taken_branches(run):
+  # (tests/test_vmap_cond.py has the details)
   rec = Recorder()
   g = jax.vmap(_branchy(rec))
-  with pytest.raises(NotImplementedError,
-                     match=r"callback\(.*branch of jax.lax.cond/switch.*vmap"
-                           r".*jax.lax.map"):
-    run(g)(jnp.array([True, False]), jnp.arange(2))
-  assert rec.take() == []
-  # The suggested workaround runs only the taken branches.
+  out = run(g)(jnp.array([True, False]), jnp.arange(2))
+  np.testing.assert_array_equal(out, [1, 0])
+  assert rec.take() == [("F", 1), ("T", 0)]
+  # lax.map runs the same effects, element after element
   out = je.jit(lambda p, x: lax.map(lambda a: _branchy(rec)(*a), (p, x)))(
       jnp.array([True, False]), jnp.arange(2))
   np.testing.assert_array_equal(out, [1, 0])
