@@ -19,6 +19,9 @@ token-threading pass), so they apply inside ``jax_effects.jit``, under plain
   tangent or cotangent computation, and rematerialization (``jax.checkpoint``)
   never re-runs it: the equation carries a marker JAX keeps in the primal
   ("known") computation (``partial_eval_kept_effects``).
+* **transpose**: an effect on tangents (a ``custom_jvp`` rule printing its
+  tangent, ``linear_transpose``) is dropped by reverse mode, as
+  ``jax.debug.print`` is; one whose results are used there is an error.
 * **liveness** (used by the pass, ``_thread_tokens``): under
   ``vmap``-of-``while_loop`` with a batched predicate, JAX runs the batched
   body while *any* element is live and discards the finished elements'
@@ -384,6 +387,33 @@ def _effect_jvp(primals, tangents, **params):
 
 
 ad.primitive_jvps[effect_p] = _effect_jvp
+
+
+def _effect_transpose(cts, *args, host_callback, effect, ordered,
+                      result_avals):
+  """An effect whose operands are linear values (tangents), transposed.
+
+  Only code that passes tangents to an effect explicitly puts one in the
+  linear part of a derivative: a ``custom_jvp`` rule printing its tangent, or
+  a function given to ``linear_transpose``. The reverse pass computes
+  cotangents, never those tangents, so, as ``jax.debug.print`` does there,
+  the effect is dropped (forward mode, ``jvp``/``linearize``, runs it with
+  the tangents). A callback whose results the linear computation uses has no
+  transpose: that is an error naming it.
+  """
+  del effect, ordered, result_avals
+  if any(type(ct) is not ad.Zero for ct in cts):
+    raise NotImplementedError(
+        f"{host_callback.description} takes tangents (it is in the linear "
+        f"part of a derivative, e.g. in a jax.custom_jvp rule) and its "
+        f"results are used there, so reverse-mode differentiation (grad, "
+        f"vjp, linear_transpose) would have to transpose the host function. "
+        f"Compute the callback from primal values, or give the function a "
+        f"jax.custom_vjp rule.")
+  return [None] * len(args)
+
+
+ad.primitive_transposes[effect_p] = _effect_transpose
 
 
 # --- liveness under vmap-of-while ------------------------------------------------
