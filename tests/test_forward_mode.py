@@ -61,6 +61,7 @@ TRANSFORMS = {
     "hessian": jax.hessian,
     "jacfwd": jax.jacfwd,
     "jacfwd_jacrev": lambda f: jax.jacfwd(jax.jacrev(f)),
+    "jacfwd_jacfwd": lambda f: jax.jacfwd(jax.jacfwd(f)),
     "vmap_jvp": lambda f: (lambda x: jax.vmap(
         lambda t: jax.jvp(f, (x,), (t,))[1])(jnp.eye(x.shape[0]))),
 }
@@ -168,3 +169,32 @@ def test_vmap_of_while_effect_without_batched_operands_runs_per_live_element():
   je.jit(jax.vmap(f, in_axes=None, axis_size=3))(2)
   je.effects_barrier()
   assert seen == ["tick"] * 2
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("how", ["jacfwd", "jacfwd_jacfwd", "vmap_jvp"])
+def test_forward_mode_of_a_while_loop_runs_each_iteration_once(run, how):
+  # The loop's predicate depends on primal values only: vmap over tangents
+  # leaves it unbatched, so its effects run once per iteration. (Forward
+  # mode only: JAX has no reverse mode of a while_loop.)
+  ours, theirs, take = _recorder()
+
+  def make(rec):
+    def loss(x):
+      def body(c):
+        i, y = c
+        rec("body", i)
+        return i + 1, y * x
+      n = jnp.int32(jnp.sum(x) > 0) + 1     # 2 iterations
+      return lax.while_loop(lambda c: (rec("cond", c[0]), c[0] < n)[1], body,
+                            (0, x))[1].sum()
+    return loss
+
+  x = jnp.arange(1.0, 4.0)
+  want_out = TRANSFORMS[how](make(theirs))(x)
+  want = take()
+  assert want == [("cond", 0), ("body", 0), ("cond", 1), ("body", 1),
+                  ("cond", 2)]
+  out = run(TRANSFORMS[how](make(ours)))(x)
+  assert take() == want
+  np.testing.assert_allclose(out, want_out, rtol=1e-6)
