@@ -119,6 +119,24 @@ def _pmap(x):
                   devices=jax.devices()[:2])(jnp.full(2, x)).sum()
 
 
+def _platform_dependent(x):
+  return lax.platform_dependent(x, cpu=lambda x: (rec("cpu", x), x + 1)[1],
+                                default=lambda x: (rec("other", x), x - 1)[1])
+
+
+def _custom_gradient(x):
+  @jax.custom_gradient
+  def g(x):
+    rec("g", x)
+    return jnp.sin(x), lambda ct: (rec("ct", ct), ct * jnp.cos(x))[1]
+  return g(x)
+
+
+def _compute_on(x):
+  from jax.experimental.compute_on import compute_on
+  return compute_on("device_host")(jax.jit(lambda x: (rec("host", x), x * 2)[1]))(x)
+
+
 #: name -> (program, the primitives it stages that hold jaxprs)
 HANDLED = {
     "cond": (lambda x: lax.cond(x > 0, lambda x: (rec("T", x), x)[1],
@@ -142,6 +160,14 @@ HANDLED = {
     "composite": (_composite, {"composite"}),
     "linear_call": (_linear_call, {"linear_call"}),
     "shard_map": (_shard_map, {"shard_map"}),
+    "platform_dependent": (_platform_dependent, {"cond"}),
+    "custom_gradient": (_custom_gradient, {"custom_vjp_call"}),
+    "compute_on": (_compute_on, {"jit"}),
+    "map": (lambda x: lax.map(lambda y: (rec("m", y), y + 1)[1],
+                              jnp.arange(2.0) + x).sum(), {"scan"}),
+    "fori_loop": (lambda x: lax.fori_loop(0, 2, lambda i, c: (rec("i", i, c),
+                                                              c + i)[1], x),
+                  {"scan"}),
     "pmap": (_pmap, {"jit", "shard_map"}),
 }
 
@@ -277,3 +303,21 @@ def test_cg_with_a_print_in_its_matvec_matches_jax_debug_print(effects_capture):
   je.effects_barrier()
   np.testing.assert_allclose(g_got, g_want, rtol=1e-5)
   assert effects_capture.printed[n:] == seen
+
+
+#: Programs JAX can differentiate in reverse mode (no while_loop; composite
+#: and custom_vmap have no JVP rule in JAX; shard_map/pmap run per device).
+DIFFERENTIABLE = sorted(set(HANDLED) - {"while", "composite", "custom_vmap",
+                                        "shard_map", "pmap"})
+
+
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_effects_inside_under_grad_match_the_op_by_op_run(name):
+  take()
+  f = jax.grad(around(HANDLED[name][0]))
+  with jax.disable_jit():
+    expected_out = f(1.0)
+  expected = take()
+  out = je.jit(f)(1.0)
+  assert take() == expected
+  np.testing.assert_allclose(out, expected_out, rtol=1e-5)
