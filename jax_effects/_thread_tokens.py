@@ -26,8 +26,10 @@ effects) the current *compiler token* and the current *carrier*.
 Higher-order primitives are handled by :data:`RULES` (primitive -> rule).
 A rule gets the equation, its input values and the chains, and returns the
 equation's outputs. A higher-order primitive with a marked effect inside and
-no rule is an error naming the primitive. Equations with no marker are bound
-unchanged.
+no rule is an error naming the effect, the primitive and why (:data:`REFUSED`,
+or a generic reason); primitives that hide their sub-computations' effects
+from their equation are looked into (:data:`HIDES_EFFECTS`). Equations with
+no marker are bound unchanged.
 """
 from __future__ import annotations
 
