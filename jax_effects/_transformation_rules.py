@@ -259,13 +259,15 @@ def _eval_masked(jaxpr, consts, mask, args):
   return [read(v) for v in jaxpr.outvars]
 
 
-def _closed_fn(closed, mask, n_consts_args=()):
+def _closed_fn(closed, mask, leading=()):
+  """``closed`` as a function evaluated by :func:`_eval_masked`; ``leading``
+  are its first arguments (consts of the enclosing trace)."""
   if isinstance(closed, jex_core.ClosedJaxpr):
     jaxpr, consts = closed.jaxpr, closed.consts
   else:
     jaxpr, consts = closed, ()
   return lambda *args: _eval_masked(jaxpr, consts, mask,
-                                    [*n_consts_args, *args])
+                                    [*leading, *args])
 
 
 #: Call-like primitives (by name) -> the parameter holding the callee.
