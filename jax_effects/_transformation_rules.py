@@ -186,11 +186,16 @@ def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
   cconst = batched[:cond_nconsts]
   bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
   carry = batched[cond_nconsts + body_nconsts:]
+  # (instantiate=False, unlike JAX's rule: JAX caches batched jaxprs by their
+  # in/out axes, and a probe traced outside ``_control_dependent`` must never
+  # be the entry JAX's final batching of the body (all outputs at axis 0)
+  # finds. OR-ing with ``carry`` gives the same fixpoint.)
   for _ in range(1 + len(carry)):
-    _, out = _compat.batch_jaxpr(body_jaxpr, axis_data, bconst + carry, carry)
-    if list(out) == carry:
+    _, out = _compat.batch_jaxpr(body_jaxpr, axis_data, bconst + carry, False)
+    new = [a or b for a, b in zip(carry, out)]
+    if new == carry:
       break
-    carry = [a or b for a, b in zip(carry, out)]
+    carry = new
   _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
   if not pred:
     return _jax_while_batcher(axis_data, args, dims, **kw)

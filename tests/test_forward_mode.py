@@ -198,3 +198,23 @@ def test_forward_mode_of_a_while_loop_runs_each_iteration_once(run, how):
   out = run(TRANSFORMS[how](make(ours)))(x)
   assert take() == want
   np.testing.assert_allclose(out, want_out, rtol=1e-6)
+
+
+def test_vmap_of_while_with_every_carry_batched_masks_unbatched_effects():
+  # Every carry is batched from the start: the fixpoint jax_effects runs to
+  # find the predicate batched must not leave JAX's rule a cached body in
+  # which the effect is not batched.
+  seen = []
+
+  def f(n):
+    def body(c):
+      i, s = c
+      je.callback(lambda: seen.append("tick"), None)
+      return i + 1, s + i
+    return lax.while_loop(lambda c: c[0] < n, body, (n * 0, n * 0))
+
+  ns = jnp.array([1, 3, 0])
+  i, _ = je.jit(jax.vmap(f))(ns)
+  je.effects_barrier()
+  np.testing.assert_array_equal(i, ns)
+  assert seen == ["tick"] * 4
