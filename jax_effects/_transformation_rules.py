@@ -351,7 +351,9 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
       or any(_jax_refuses(e) for b in branches for e in b.effects)):
     return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
   size = axis_data.size
-  index, *ops = (batching.bdim_at_front(x, d, size) for x, d in zip(args, dims))
+  mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
+  index, *ops = (batching.bdim_at_front(x, d, size, mesh_axis=mesh_axis)
+                 for x, d in zip(args, dims))
   n_outs = len(branches[0].out_avals)
   branch_outs = []
   for i, branch in enumerate(branches):
