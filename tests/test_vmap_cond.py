@@ -215,3 +215,30 @@ def test_programs_without_our_effects_get_jaxs_rule_bit_for_bit(prog, transform,
   theirs = _with_jax_rules(lambda: jax.jit(transform(prog))(p, x))
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("how", ["vmap_grad", "vmap_jvp", "jacfwd_vmap",
+                                 "hessian_vmap"])
+def test_derivatives_around_a_vmapped_cond(how):
+  take()
+
+  def make(rec):
+    def f(p, x):
+      return lax.cond(p, lambda x: (rec("T", x), jnp.sin(x))[1],
+                      lambda x: (rec("F", x), jnp.cos(x))[1], x)
+    return f
+
+  p = jnp.array([True, False, True])
+  x = jnp.arange(3.0)
+  transforms = {
+      "vmap_grad": lambda f: lambda x: jax.vmap(jax.grad(f, argnums=1))(p, x),
+      "vmap_jvp": lambda f: lambda x: jax.vmap(
+          lambda p, x: jax.jvp(lambda x: f(p, x), (x,), (1.0,)))(p, x),
+      "jacfwd_vmap": lambda f: jax.jacfwd(lambda x: jax.vmap(f)(p, x)),
+      "hessian_vmap": lambda f: jax.hessian(lambda x: jax.vmap(f)(p, x).sum()),
+  }
+  out = je.jit(transforms[how](make(rec)))(x)
+  assert take() == [("F", 1.0), ("T", 0.0), ("T", 2.0)]
+  want = transforms[how](make(lambda *a: None))(x)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
