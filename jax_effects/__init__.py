@@ -21,9 +21,11 @@ Layers, each importing only from the ones above it (``design/architecture.md``):
    ``_placement`` (where a callback runs), ``_errors`` (callback errors),
    ``_output`` (sinks, deterministic view), ``_runtime_tokens`` (per-thread
    runtime and output tokens, the barrier);
-3. primitives: ``_host`` (host functions, the primitives' parameter) and
-   ``_primitives`` (``effect_p``/``threaded_effect_p`` with all their rules);
-4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``);
+3. primitives: ``_host`` (host functions, the primitives' parameter),
+   ``_primitives`` (``effect_p``/``threaded_effect_p`` with all their rules)
+   and ``_control_flow_batching`` (JAX's vmap rules of cond/while, wrapped);
+4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``,
+   ``_adopted``: JAX's own callbacks converted);
 5. dispatch and switching: ``_jit``, ``_modes``;
 6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``;
 7. tools (``_tools``: demo, bench, multi-process launcher, pytest plugin).
@@ -37,6 +39,7 @@ from jax_effects._placement import Placement
 from jax_effects._placement import current as placement
 from jax_effects._printing import print  # noqa: A004
 from jax_effects._runtime_tokens import RuntimeTokens, effects_barrier, runtime_tokens
+from jax_effects import _control_flow_batching  # noqa: F401  (vmap of cond/while)
 from jax_effects import _shard_map_rule  # noqa: F401  (registers the shard_map rule)
 
 __version__ = "0.1.0"

@@ -187,3 +187,27 @@ def no_user_mesh():
   if not _trace_ctx.is_top_level():
     return contextlib.nullcontext()
   return jax.set_mesh(None)
+
+# ``batch_jaxpr(closed_jaxpr, axis_data, in_batched, instantiate)``: which
+# outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
+# jax_effects wraps (``_control_flow_batching``) call JAX's own rule unchanged
+# and use this, as that rule does, to find whether the predicate is batched
+# (JAX 0.8-0.10: same signature; no public route).
+from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
+
+# Higher-order primitives of JAX with no public handle, for the pass's rules
+# (``_token_pass``); JAX 0.8, 0.9 and 0.10 define them here.
+# ``custom_vmap_call`` (jax.custom_batching.custom_vmap), ``composite``
+# (jax.lax.composite) and ``linear_call`` (jax.custom_derivatives.linear_call)
+# are inlined by the pass, as their impls do.
+from jax._src.custom_batching import custom_vmap_p  # noqa: E402
+from jax._src.lax.lax import composite_p  # noqa: E402
+from jax._src.custom_derivatives import linear_call_p  # noqa: E402
+
+# The jaxprs held in an equation's params (sub-computations of higher-order
+# primitives): public as ``jax.extend.core.jaxprs_in_params`` from JAX 0.10,
+# only in ``jax._src.core`` before (0.8, 0.9).
+try:
+  from jax.extend.core import jaxprs_in_params  # noqa: E402
+except ImportError:  # JAX < 0.10
+  from jax._src.core import jaxprs_in_params  # noqa: E402

@@ -171,6 +171,23 @@ class BatchedHost:
 
 
 
+class MaskedHost:
+  """Host function of an effect in a ``cond`` branch that vmap batched the
+  predicate of: its first operand says whether this element took the branch.
+  Elements that did not take it run nothing; their results are zeros (the
+  ``select`` after the branches discards them)."""
+  __slots__ = ("inner", "result_avals")
+
+  def __init__(self, inner, result_avals: tuple):
+    self.inner = inner
+    self.result_avals = result_avals
+
+  def __call__(self, taken, *args):
+    if np.asarray(taken):
+      return self.inner(*args)
+    return tuple(np.zeros(a.shape, a.dtype) for a in self.result_avals)
+
+
 # --- liveness under vmap-of-while -------------------------------------------------------
 
 def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:

@@ -51,7 +51,9 @@ Both lower to one ``xla_ffi_python_*_callback`` custom call with
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -172,7 +174,39 @@ mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
 
 # --- vmap ------------------------------------------------------------------------
 
+class _BatchedControl(threading.local):
+  """Depth of the vmap rules of control flow whose predicate is batched.
+
+  While JAX's rule of such a ``while_loop`` batches the body and ``cond_fun``,
+  an effect there depends on the batch index through the predicate (it runs
+  for an element only while that element iterates) even if none of its
+  operands does: it is batched per element, so the pass can skip the
+  finished elements (``_host.masked``).
+  """
+  depth = 0
+
+
+#: Read by the vmap rule of ``effect_p`` (one run when nothing is batched).
+control_dependence = _BatchedControl()
+
+
+@contextlib.contextmanager
+def control_dependent():
+  control_dependence.depth += 1
+  try:
+    yield
+  finally:
+    control_dependence.depth -= 1
+
+
 def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
+  if all(d is None for d in dims) and not control_dependence.depth:
+    # No operand depends on the batch index (e.g. the primal values under
+    # jacfwd/hessian, whose tangents vmap batches): one run, as
+    # jax.debug.print does; its results are the same for every element.
+    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
+                         ordered=ordered)
+    return outs, [None] * len(outs)
   size = axis_data.size
   fn = host_callback.fn
   if isinstance(fn, _host.BatchedHost):
@@ -214,6 +248,32 @@ def _effect_jvp(primals, tangents, **params):
 
 
 ad.primitive_jvps[effect_p] = _effect_jvp
+
+
+def _effect_transpose(cts, *args, host_callback, effect, ordered):
+  """An effect whose operands are linear values (tangents), transposed.
+
+  Only code that passes tangents to an effect explicitly puts one in the
+  linear part of a derivative: a ``custom_jvp`` rule printing its tangent, or
+  a function given to ``linear_transpose``. The reverse pass computes
+  cotangents, never those tangents, so, as ``jax.debug.print`` does there,
+  the effect is dropped (forward mode, ``jvp``/``linearize``, runs it with
+  the tangents). A callback whose results the linear computation uses has no
+  transpose: that is an error naming it.
+  """
+  del effect, ordered
+  if any(type(ct) is not ad.Zero for ct in cts):
+    raise NotImplementedError(
+        f"{host_callback.description} takes tangents (it is in the linear "
+        f"part of a derivative, e.g. in a jax.custom_jvp rule) and its "
+        f"results are used there, so reverse-mode differentiation (grad, "
+        f"vjp, linear_transpose) would have to transpose the host function. "
+        f"Compute the callback from primal values, or give the function a "
+        f"jax.custom_vjp rule.")
+  return [None] * len(args)
+
+
+ad.primitive_transposes[effect_p] = _effect_transpose
 
 
 # --- vmap of cond with a batched predicate -------------------------------------

@@ -28,7 +28,10 @@ Higher-order primitives are handled by rules, registered with
 ``_shard_map_rule``). A rule gets the equation, its input values, the chains
 and the ordering mode, and returns the equation's outputs. A higher-order
 primitive with a marked effect inside and no rule is an error naming the
-primitive. Equations with no marker are bound unchanged.
+effect, the primitive and why (:data:`REFUSED`, or a generic reason);
+primitives that hide their sub-computations' effects from their equation are
+looked into (:data:`HIDES_EFFECTS`). Equations with no marker are bound
+unchanged.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
 from jax_effects import _adopted
+from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _host
 from jax_effects import _primitives
@@ -177,15 +181,12 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         host_callback, effect = adopted
         outs = _bind_threaded(_adopted.chain_key(effect, mode), host_callback,
                               invals, chains)
-      elif has_marker(eqn.effects) and (eqn.primitive in RULES or
-                                        _has_own_marker(eqn.effects)):
+      elif (has_marker(eqn.effects) and (eqn.primitive in RULES or
+                                         _has_own_marker(eqn.effects))) or (
+          eqn.primitive.name in HIDES_EFFECTS and _marker_inside(eqn)):
         rule = RULES.get(eqn.primitive)
         if rule is None:
-          raise NotImplementedError(
-              f"jax_effects cannot order side effects inside the higher-order "
-              f"primitive '{eqn.primitive.name}' (no token-threading rule for "
-              f"it). Move the effect out of it, or report this to "
-              f"jax_effects.")
+          raise refusal(eqn)
         outs = rule(eqn, invals, chains, mode)
       else:
         outs = eqn.primitive.bind(*invals,
@@ -385,8 +386,100 @@ for _prim, _param in ((jex_prims.jit_p, "jaxpr"), (jex_prims.remat_p, "jaxpr"),
                       (jex_prims.closed_call_p, "call_jaxpr"),
                       (jex_prims.call_p, "call_jaxpr"),
                       (jex_prims.custom_jvp_call_p, "call_jaxpr"),
-                      (jex_prims.custom_vjp_call_p, "call_jaxpr")):
+                      (jex_prims.custom_vjp_call_p, "call_jaxpr"),
+                      (_compat.custom_vmap_p, "call"),
+                      (_compat.composite_p, "jaxpr")):
   register_rule(_prim, functools.partial(_inline_rule, _param))
+
+
+def _linear_solve_rule(eqn, invals, chains: Chains, mode: str):
+  """``custom_linear_solve`` (e.g. ``jax.scipy.sparse.linalg.cg``): as its
+  impl, the ``solve`` jaxpr on its consts and the right-hand side.
+
+  The other jaxprs (``matvec``, ``vecmat``, ``transpose_solve``) are only for
+  differentiation, which has already happened: their effects are in the
+  equations JAX's jvp/transpose rules produced. So a print in the matvec of
+  ``cg`` runs where ``cg``'s solver loop calls the matvec, in order.
+  """
+  p = eqn.params
+  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
+  consts, start = {}, 0
+  for name, n in zip(jaxprs._fields, lengths):
+    consts[name] = invals[start:start + n]
+    start += n
+  solve = jaxprs.solve
+  return thread_jaxpr(solve.jaxpr, solve.consts,
+                      [*consts["solve"], *invals[start:]], chains, mode)
+
+
+register_rule(jex_prims.linear_solve_p, _linear_solve_rule)
+
+
+def _linear_call_rule(eqn, invals, chains: Chains, mode: str):
+  """``jax.custom_derivatives.linear_call``: the callee, as its impl (the
+  transpose rule has done its work when the pass runs)."""
+  callee = eqn.params["callee"]
+  return thread_jaxpr(callee.jaxpr, callee.consts, invals, chains, mode)
+
+
+register_rule(_compat.linear_call_p, _linear_call_rule)
+
+
+
+#: Names of higher-order primitives whose equation does not report the
+#: effects of its sub-computations (their abstract evaluation drops them): the
+#: pass looks inside. Without this, an effect in them would reach XLA unthreaded.
+HIDES_EFFECTS = frozenset({
+    "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
+
+_REDUCTION = (
+    "its sub-computation is the combiner of a reduction, which XLA calls as "
+    "often and in whatever order it likes, so the effect has no place in "
+    "program order")
+
+#: Primitive name -> why an effect inside it cannot be threaded (shown to the
+#: user). Keyed by name: ``pallas_call`` lives in a module jax_effects does
+#: not import. Any other higher-order primitive without a rule gets a generic
+#: reason (``refusal``).
+REFUSED: dict[str, str] = {
+    "reduce": _REDUCTION,
+    "reduce_window": _REDUCTION,
+    "pallas_call": "a Pallas kernel runs on the accelerator's cores and "
+                   "cannot call host functions",
+}
+
+
+def _effects_inside(eqn) -> list:
+  """The descriptions of the effects inside ``eqn``'s sub-computations."""
+  found = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive is _primitives.effect_p:
+        found.append(e.params["host_callback"].description)
+      for sub in _compat.jaxprs_in_params(e.params):
+        walk(sub)
+  for sub in _compat.jaxprs_in_params(eqn.params):
+    walk(sub)
+  return found
+
+
+def _marker_inside(eqn) -> bool:
+  return bool(_effects_inside(eqn))
+
+
+def refusal(eqn) -> NotImplementedError:
+  """The error for an effect inside a higher-order primitive with no rule."""
+  name = eqn.primitive.name
+  inside = _effects_inside(eqn)
+  what = inside[0] if inside else "a jax_effects side effect"
+  reason = REFUSED.get(
+      name, "jax_effects does not know in which order this primitive runs "
+            "its sub-computations")
+  return NotImplementedError(
+      f"{what} is inside JAX's higher-order primitive '{name}', where "
+      f"jax_effects cannot order it: {reason}. Move the effect out of it "
+      f"(compute the values there and print, log or call back after it).")
 
 
 # --- top level -----------------------------------------------------------------

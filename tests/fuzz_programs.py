@@ -17,7 +17,8 @@ Statements (``Stmt.kind``):
 * ``jit`` (inner ``jax.jit``), ``checkpoint``, ``grad`` (``jax.grad`` with
   ``has_aux``; the block's effects happen once, with primal values), ``vmap``
   (over ``B`` copies of ``x``, and of ``k`` when no cond/while is inside:
-  effects once per batch element, in batch order).
+  effects once per batch element of the vmaps batching their operands, in
+  batch order).
 
 :func:`build` turns a program into a JAX function; :func:`oracle` computes
 the ``(effect, tag, k)`` sequence by plain Python interpretation
@@ -134,9 +135,9 @@ class Generator:
                   (self.block(depth + 1, inner),))
     if kind == "vmap":
       body = self.block(depth + 1, inner)
-      # A batched predicate would make JAX run every branch for every element
-      # (jax_effects refuses effects there), so k is batched only when no
-      # cond/while is inside.
+      # k is batched only when no cond/while is inside: with a batched
+      # predicate, lanes take different paths, which this oracle does not
+      # model (tests/test_vmap_cond.py and the vmap-of-while tests do).
       batch_k = (not any(t.kind in ("cond", "while") for t in walk(body))
                  and rng.random() < 0.6)
       return Stmt("vmap", self.tag(), {"B": rng.randint(1, 3), "batch_k": batch_k},
@@ -300,10 +301,12 @@ def oracle(program, k: int, hoisted: dict | None = None) -> list:
   instead of once per iteration.
 
   Under ``vmap`` the program runs on *lanes* (one per batch element of every
-  enclosing vmap, outer-major). Every effect happens once per lane, in batch
-  order, whether or not its operands are batched (a print of an unbatched
-  ``k`` too). Control flow inside a vmap never depends on a batched ``k``
-  (the generator's rule), so it is the same on every lane.
+  enclosing vmap, outer-major). An effect happens once per element of the
+  vmaps that batch one of its operands, in batch order: a callback (it takes
+  ``sum(x)``, batched by every vmap) once per lane; a print (it takes only
+  ``k``) once per element of the vmaps that batch ``k`` (``klevels``), once
+  in all if none does. Control flow inside a vmap never depends on a batched
+  ``k`` (the generator's rule), so it is the same on every lane.
   """
   out = []
   hoisted = hoisted or {}
@@ -311,10 +314,18 @@ def oracle(program, k: int, hoisted: dict | None = None) -> list:
   loop_level = [0]   # loops around the statement being interpreted
 
   def eff(s, lanes, ks, klevels, at_entry=False):
-    del lanes, klevels
     if hoisted.get(s.tag, 0) and not at_entry:
       return   # ran where its outermost hoisted-out loop started
-    out.extend((effect_name(s.args["name"]), s.tag, k) for k in ks)
+    name = effect_name(s.args["name"])
+    if s.args["how"] != "print":
+      out.extend((name, s.tag, k) for k in ks)
+      return
+    seen = set()
+    for lane, k in zip(lanes, ks):
+      key = tuple(j for level, j in enumerate(lane) if level in klevels)
+      if key not in seen:
+        seen.add(key)
+        out.append((name, s.tag, k))
 
   def entry(s, lanes, ks, klevels):
     # The effects JAX hoists to the start of loop ``s`` (at loop_level + 1).

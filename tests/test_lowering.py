@@ -279,14 +279,15 @@ def test_effects_inside_loop_lower_with_token_per_iteration():
                    r"\(%\S+, ", text)
 
 
-def test_unknown_higher_order_primitive_is_a_clear_error():
+def test_refused_higher_order_primitive_is_a_clear_error():
+  # (tests/test_higher_order_primitives.py checks every one)
   def f(b):
-    def solve(_, v):
-      je.print("solve {}", v)
-      return v / 2
-    return lax.custom_linear_solve(lambda v: 2 * v, b, solve)
+    return lax.reduce(b, 0.0, lambda x, y: (je.print("add {}", x), x + y)[1],
+                      (0,))
 
-  with pytest.raises(NotImplementedError, match="custom_linear_solve"):
+  with pytest.raises(NotImplementedError,
+                     match=r"jax_effects.print\('add \{\}'\) is inside JAX's "
+                           r"higher-order primitive 'reduce'"):
     je.jit(f)(jnp.ones(2))
 
 
