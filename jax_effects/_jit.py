@@ -121,6 +121,41 @@ def _threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None) -> dict:
   return kwargs
 
 
+class _Threaded:
+  """A :class:`Function`'s threaded path in one ordering mode.
+
+  ``keys``: the ordered chains passed as runtime tokens, in order (learnt
+  while tracing, :class:`NeedsTokens`). ``per_device_sharding``: sharding of
+  the per-device token the function returned last (None: scalar tokens).
+  ``jitted``: the ``jax.jit`` objects of ``g(tokens, *args, **kwargs)``, by
+  number of dynamic arguments (None unless one ``in_shardings`` is given for
+  every argument).
+  """
+  __slots__ = ("keys", "per_device_sharding", "jitted")
+
+  def __init__(self):
+    self.keys: tuple = ()
+    self.per_device_sharding = None
+    self.jitted: dict[int | None, Any] = {}
+
+
+def _dispatch(state, keys: tuple, per_device_sharding, call, args, kwargs):
+  """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
+
+  Passes the thread's runtime tokens of ``keys`` to ``call(tokens, *args,
+  **kwargs)``, raises the user's exception behind an execution error (once;
+  the thread's tokens are reset), stores the returned token. Returns
+  ``(outputs, token)``. :class:`NeedsTokens` propagates unchanged.
+  """
+  tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
+  try:
+    out, token = call(tokens, *args, **kwargs)
+  except Exception as err:  # noqa: BLE001 - an execution error or not
+    _errors.reraise(err, state.reset)
+  _runtime_tokens.update(state, keys, token)
+  return out, token
+
+
 class Function:
   """A jitted function whose side effects are token-threaded.
 
@@ -146,12 +181,20 @@ class Function:
     self._dispatch = self._first_call
     self._traces: dict = {}  # see _trace
     self._traces_lock = threading.Lock()
-    #: mode -> sharding of the per-device token this function returned last
-    self._per_device_sharding: dict[str, Any] = {}
-    #: ordering mode -> tuple of ordered chain keys passed as runtime tokens
-    self.keys: dict[str, tuple] = {}
-    self._threaded: dict[str, Any] = {}
+    #: ordering mode -> the threaded path in that mode
+    self._modes: dict[str, _Threaded] = {}
     self._pure = jax.jit(self._wrap(self._trace_pure, False), **jit_kwargs)
+
+  @property
+  def keys(self) -> dict[str, tuple]:
+    """Ordering mode -> the ordered chains passed as runtime tokens."""
+    return {mode: t.keys for mode, t in self._modes.items()}
+
+  def _threaded(self, mode: str) -> _Threaded:
+    t = self._modes.get(mode)
+    if t is None:
+      t = self._modes.setdefault(mode, _Threaded())
+    return t
 
   def __repr__(self):
     return f"<jax_effects.jit of {getattr(self._fun, '__qualname__', self._fun)}>"
@@ -238,7 +281,7 @@ class Function:
   def _trace_threaded(self, mode, args, kwargs):
     runtime, *args = args
     closed, dyn, out_tree = self._trace(tuple(args), kwargs)
-    known = self.keys.get(mode, ())
+    known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
                     if k is not _effects.UNORDERED and k not in known)
     if missing or len(runtime) != len(known):
@@ -251,7 +294,6 @@ class Function:
 
   def _threaded_jit(self, mode: str, args: tuple = ()):
     """The ``jax.jit`` of ``g(tokens, *args, **kwargs)`` for ``mode``."""
-    key = mode
     n_dynamic = None
     s = self._jit_kwargs.get("in_shardings")
     if s is not None and not isinstance(s, (tuple, list)):
@@ -259,18 +301,19 @@ class Function:
       n = len(args)
       static = {i % n for i in _argnums(self._jit_kwargs.get("static_argnums"))
                 if -n <= i < n}
-      key = (mode, n_dynamic := n - len(static))
-    jitted = self._threaded.get(key)
+      n_dynamic = n - len(static)
+    threaded = self._threaded(mode)
+    jitted = threaded.jitted.get(n_dynamic)
     if jitted is None:
       traced = functools.partial(self._trace_threaded, mode)
       jitted = jax.jit(self._wrap(traced, True),
                        **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic))
-      self._threaded[key] = jitted
+      threaded.jitted[n_dynamic] = jitted
     return jitted
 
   def _learn(self, mode: str, err: NeedsTokens) -> None:
-    known = self.keys.get(mode, ())
-    self.keys[mode] = known + tuple(k for k in err.keys if k not in known)
+    threaded = self._threaded(mode)
+    threaded.keys += tuple(k for k in err.keys if k not in threaded.keys)
     self._effectful = True
     self._dispatch = self._call_threaded
 
@@ -311,21 +354,18 @@ class Function:
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
       _runtime_tokens.effects_barrier()
+    threaded = self._threaded(mode)
     while True:
-      keys = self.keys.get(mode, ())
-      tokens = _runtime_tokens.tokens_for(
-          state, keys, self._per_device_sharding.get(mode))
-      jitted = self._threaded.get(mode) or self._threaded_jit(mode, args)
+      jitted = threaded.jitted.get(None) or self._threaded_jit(mode, args)
       try:
-        out, token = jitted(tokens, *args, **kwargs)
+        out, token = _dispatch(state, threaded.keys,
+                               threaded.per_device_sharding, jitted, args,
+                               kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      except Exception as err:  # noqa: BLE001 - an execution error or not
-        _errors.reraise(err, state.reset)
       if token.ndim:
-        self._per_device_sharding[mode] = token.sharding
-      _runtime_tokens.update(state, keys, token)
+        threaded.per_device_sharding = token.sharding
       return out
 
   # --- the jax.jit API -----------------------------------------------------
@@ -347,7 +387,7 @@ class Function:
         _strict.on = previous
     mode = _effects.get_ordering()
     while True:
-      keys = self.keys.get(mode, ())
+      keys = self._threaded(mode).keys
       tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
                      for _ in keys)
       try:
@@ -370,13 +410,15 @@ class Function:
     with self._traces_lock:
       self._traces.clear()
     self._pure.clear_cache()
-    for jitted in list(self._threaded.values()):
-      jitted.clear_cache()
+    for threaded in list(self._modes.values()):
+      for jitted in list(threaded.jitted.values()):
+        jitted.clear_cache()
 
   def _cache_size(self) -> int:
     """Executables in this function's ``jax.jit`` caches (as ``jax.jit``'s)."""
     return self._pure._cache_size() + sum(
-        j._cache_size() for j in list(self._threaded.values()))
+        j._cache_size() for t in list(self._modes.values())
+        for j in list(t.jitted.values()))
 
   def __copy__(self) -> "Function":
     return Function(self._fun, **self._jit_kwargs)
@@ -562,14 +604,9 @@ class Compiled(_Stage):
   def __call__(self, *args, **kwargs):
     if self._mode is None:
       return self._inner(*args, **kwargs)
-    state = _runtime_tokens.thread_state()
     # compiled for scalar tokens (see Function.lower): no per-device sharding
-    tokens = _runtime_tokens.tokens_for(state, self._keys, None)
-    try:
-      out, token = self._inner(tokens, *args, **kwargs)
-    except Exception as err:  # noqa: BLE001 - an execution error or not
-      _errors.reraise(err, state.reset)
-    _runtime_tokens.update(state, self._keys, token)
+    out, _ = _dispatch(_runtime_tokens.thread_state(), self._keys, None,
+                       self._inner, args, kwargs)
     return out
 
 
