@@ -1,18 +1,53 @@
-"""The only module that imports ``jax._src``: JAX internals with no public route.
+"""The only module that imports ``jax._src``, and the only one that knows JAX versions.
 
-Everything here is pinned to the JAX range in ``setup.cfg`` (0.10.x). Each
-name says why it is needed; if a future JAX exposes a public route, replace the
-import here and nothing else changes.
+Supported: the JAX range in ``setup.cfg`` (0.8.3 <= jax < 0.11, i.e. the 0.8,
+0.9 and 0.10 lines). Two kinds of names live here:
+
+* JAX internals with no public route (``jax._src``), each with its reason and
+  the versions it applies to; if a future JAX exposes a public route, replace
+  the import here and nothing else changes.
+* One named shim per difference between the supported JAX lines, each saying
+  which versions need it. No other module compares JAX versions: they use
+  these names, and a feature that a line cannot support raises
+  :class:`UnsupportedFeature` (``require``) with the reason given by
+  ``unsupported_reason``, which the tests also use to skip.
 """
 from __future__ import annotations
 
 import operator
+
+import jax
+
+# (major, minor, patch) of the installed JAX; compared only in this module.
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
+                    if p.isdigit())
 
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import callback as _callback
 from jax._src.array import ArrayImpl as _ArrayImpl
+
+# Base class of JAX effect types. Public as ``jax.extend.core.Effect`` from
+# JAX 0.10; on 0.8 and 0.9 only ``jax._src.effects.Effect`` (the same class).
+Effect = _effects.Effect
+
+# A jaxpr binder whose value is unused (``_``). Public as
+# ``jax.extend.core.DropVar`` from JAX 0.10; on 0.8 and 0.9 only
+# ``jax._src.core.DropVar`` (the same class).
+DropVar = _core.DropVar
+
+
+def varying_axes(aval) -> frozenset:
+  """The manual mesh axes over which a value inside ``shard_map`` varies.
+
+  JAX 0.10 keeps them in ``aval.manual_axis_type.varying``; 0.8 and 0.9 in
+  ``aval.vma`` (a frozenset of axis names).
+  """
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(aval.vma)
 
 # Effect-type registries. Our trace-time marker effect must be allowed inside
 # control flow, custom derivatives and remat, must survive partial evaluation
@@ -37,8 +72,20 @@ callback_op_sharding = _callback._callback_op_sharding
 # ``mlir.emit_python_callback`` does but without its per-call result wrapper:
 # the token operand gets its own sharding entry (``SdyArray``) next to the
 # callback's annotation, which ``set_sharding`` attaches to the op.
-from jax._src.interpreters.mlir import set_sharding  # noqa: E402
+from jax._src.interpreters import mlir as _mlir  # noqa: E402
 from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
+
+
+def set_sharding(module_context, op, sharding) -> None:
+  """Attaches ``sharding`` (OpSharding or SdyArray[List]) to the MLIR ``op``.
+
+  JAX 0.10's ``mlir.set_sharding`` takes the module context first (it caches
+  built attributes there); 0.8 and 0.9 take only ``(op, sharding)``.
+  """
+  if JAX_VERSION >= (0, 10):
+    _mlir.set_sharding(module_context, op, sharding)
+  else:
+    _mlir.set_sharding(op, sharding)
 
 # The jax_disable_jit flag's state object: ``.value`` reads it without the
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
@@ -47,6 +94,18 @@ from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 # shard_map's primitive (and pmap's: JAX 0.10 stages jax.pmap as jit(shard_map)).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
+
+
+def shard_map_manual_axes(params) -> frozenset:
+  """The mesh axes a ``shard_map`` equation makes manual (from its params).
+
+  JAX 0.10 names the param ``newly_manual_axes`` (axes already manual in an
+  enclosing ``shard_map`` left out); 0.8 and 0.9 name it ``manual_axes`` (the
+  ``axis_names`` given to ``jax.shard_map``).
+  """
+  if "newly_manual_axes" in params:
+    return frozenset(params["newly_manual_axes"])
+  return frozenset(params["manual_axes"])
 
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by

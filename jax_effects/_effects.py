@@ -24,7 +24,6 @@ import functools
 import threading
 from typing import Iterator
 
-import jax.extend.core as jex_core
 
 from jax_effects import _compat
 
@@ -195,7 +194,7 @@ def ordering(mode: str) -> Iterator[None]:
 # --- trace-time marker --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TraceEffect(jex_core.Effect):
+class TraceEffect(_compat.Effect):
   """JAX-level marker on a side-effect equation before token threading.
 
   ``effect`` is the user's :class:`Effect` for an ordered side effect, or None
@@ -208,7 +207,7 @@ class TraceEffect(jex_core.Effect):
 
 
 @dataclasses.dataclass(frozen=True)
-class PlainJitOrder(jex_core.Effect):
+class PlainJitOrder(_compat.Effect):
   """A JAX *ordered* effect carried by every ordered side effect (one value).
 
   Only for code that ends up under plain ``jax.jit`` (or JAX's eager dispatch

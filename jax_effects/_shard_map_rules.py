@@ -45,7 +45,7 @@ from jax_effects import _thread_tokens
 
 def _to_varying(x, axes: tuple):
   """Casts ``x`` to varying over ``axes`` (where it is not already)."""
-  varying = jax.typeof(x).manual_axis_type.varying
+  varying = _compat.varying_axes(jax.typeof(x))
   missing = tuple(a for a in axes if a not in varying)
   return lax.pcast(x, missing, to="varying") if missing else x
 
@@ -53,7 +53,7 @@ def _to_varying(x, axes: tuple):
 def _shard_map_rule(eqn, invals, chains: _thread_tokens.Chains, mode: str):
   p = eqn.params
   mesh = p["mesh"]
-  manual = p["newly_manual_axes"]
+  manual = _compat.shard_map_manual_axes(p)
   axes = tuple(a for a in mesh.axis_names if a in manual)
   n = 1
   for a in axes:

@@ -43,6 +43,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
+from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
@@ -151,7 +152,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, jex_core.DropVar):
+      if not isinstance(v, _compat.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 
