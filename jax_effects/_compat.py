@@ -38,6 +38,20 @@ Effect = _effects.Effect
 DropVar = _core.DropVar
 
 
+def bind_equation(eqn, invals):
+  """Binds ``eqn``'s primitive to ``invals`` with its params (re-emits it).
+
+  From JAX 0.9 ``Primitive.get_bind_params`` returns the bind params; on 0.8
+  it returns ``(subfuns, params)`` and the subfunctions (call primitives'
+  bodies) come first in ``bind``'s arguments.
+  """
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bind_params, tuple):   # JAX 0.8
+    subfuns, bind_params = bind_params
+    return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return eqn.primitive.bind(*invals, **bind_params)
+
+
 def varying_axes(aval) -> frozenset:
   """The manual mesh axes over which a value inside ``shard_map`` varies.
 

@@ -147,8 +147,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
               f"it, or add a rule.")
         outs = rule(eqn, invals, chains, mode)
       else:
-        outs = eqn.primitive.bind(*invals,
-                                  **eqn.primitive.get_bind_params(eqn.params))
+        outs = _compat.bind_equation(eqn, invals)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):
