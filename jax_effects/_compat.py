@@ -105,7 +105,8 @@ def set_sharding(module_context, op, sharding) -> None:
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 
-# shard_map's primitive (and pmap's: JAX 0.10 stages jax.pmap as jit(shard_map)).
+# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map): always
+# on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
 
@@ -203,3 +204,67 @@ def jax_runtime_token(effect):
   for our effects; eager effects wait for it to keep program order.
   """
   return _dispatch.runtime_tokens.current_tokens.get(effect)
+
+
+# --- features that not every supported JAX line has ---------------------------
+
+class UnsupportedFeature(NotImplementedError):
+  """A jax_effects feature the installed JAX version cannot support.
+
+  The message names the feature, the installed JAX version, the JAX version
+  (or setting) that supports it, and a fix.
+  """
+
+
+def _pmap_shmap_merge_off() -> bool:
+  # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only (default True:
+  # pmap staged as jit(shard_map)); JAX 0.10 removed it (always so).
+  return not getattr(jax.config, "jax_pmap_shmap_merge", True)
+
+
+def _simplified_constants_on() -> bool:
+  return bool(getattr(jax.config, "jax_use_simplified_jaxpr_constants", False))
+
+
+# name -> (is the feature unavailable with the installed JAX and its settings?,
+#          why, and what fixes it). One entry per limit of a supported line;
+# ``unsupported_reason`` reads them, ``require`` raises them, and the tests
+# skip with the same text (tests/conftest.py, marker ``jax_feature``).
+FEATURES = {
+    # JAX 0.8 and 0.9 with jax_pmap_shmap_merge=False stage jax.pmap as the
+    # legacy xla_pmap primitive, which has no route for our side effects (JAX
+    # refuses ordered effects in it). Not an issue on JAX 0.10.
+    "effects in jax.pmap": (
+        _pmap_shmap_merge_off,
+        "side effects inside jax.pmap need jax.pmap staged as shard_map: "
+        "jax_pmap_shmap_merge=False (an option of JAX 0.8 and 0.9) is set. "
+        "Fix: jax.config.update('jax_pmap_shmap_merge', True) (the default), "
+        "or upgrade to JAX >= 0.10, where pmap is always staged so"),
+    # JAX 0.8 and 0.9 with JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 fail to lower
+    # a function closing over NumPy constants under plain jax.jit too
+    # ("'TypedNdArray' object has no attribute 'sharding'"); fixed in 0.10.
+    "simplified jaxpr constants": (
+        lambda: JAX_VERSION < (0, 10),
+        "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 with closed-over NumPy "
+        "constants needs JAX >= 0.10 (JAX 0.8 and 0.9 fail to lower them, "
+        "under plain jax.jit too). Fix: upgrade to JAX >= 0.10, or close "
+        "over jax.Arrays (jnp.asarray) instead of NumPy arrays"),
+}
+
+
+def unsupported_reason(feature: str) -> str | None:
+  """Why ``feature`` (a key of ``FEATURES``) is unavailable now, or None."""
+  unavailable, reason = FEATURES[feature]
+  if not unavailable():
+    return None
+  return f"{reason} (installed: JAX {jax.__version__})"
+
+
+def require(feature: str, call: str = "jax_effects") -> None:
+  """Raises :class:`UnsupportedFeature` when ``feature`` is unavailable.
+
+  ``call`` names the user's call that needs the feature (message prefix).
+  """
+  reason = unsupported_reason(feature)
+  if reason is not None:
+    raise UnsupportedFeature(f"{call}: {reason}")

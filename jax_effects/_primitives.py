@@ -321,6 +321,8 @@ def bind_effect(host_callback: HostCallback, flat_args: Sequence[Any], *,
         f"the effect's setting), got {ordered!r}")
   host_callback.result_avals = tuple(result_avals)
   staging = _compat.enclosing_staging()
+  if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
+    _compat.require("effects in jax.pmap", host_callback.description)
   host_callback.traced_in_branch = staging in ("cond", "switch")
   host_callback.traced_in_while_cond = staging == "while_cond"
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,

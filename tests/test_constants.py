@@ -85,7 +85,10 @@ def _run(simplified: bool) -> dict:
   return json.loads(report[len("REPORT "):])
 
 
-@pytest.fixture(scope="module", params=[False, True],
+@pytest.fixture(scope="module", params=[
+    False,
+    pytest.param(True, marks=pytest.mark.jax_feature(
+        "simplified jaxpr constants"))],
                 ids=["old-constants", "simplified-constants"])
 def report(request):
   return _run(request.param)
