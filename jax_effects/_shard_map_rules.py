@@ -29,8 +29,9 @@ the carriers of the chains used inside as extra operands and results::
   runs once, on one device, or the carry of a loop or branch), the vector is
   reduced with ``max``: there the order across devices needs that collective.
 
-``jax.pmap`` is staged by JAX 0.10 as ``jit(shard_map)`` over the mapped
-axis, so it is covered by the same rule.
+``jax.pmap`` is staged by JAX as ``jit(shard_map)`` over the mapped axis
+(always on 0.10; on 0.8 and 0.9 by default, see ``_compat.FEATURES``), so it
+is covered by the same rule.
 """
 from __future__ import annotations
 
