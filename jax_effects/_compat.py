@@ -22,10 +22,18 @@ import jax
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
                     if p.isdigit())
 
+# Unless a comment says otherwise, every ``jax._src`` name below exists with
+# the same meaning on all supported lines (JAX 0.8.3 to 0.10.x).
+
+# trace_ctx (is a trace active; the innermost jaxpr being built), DropVar.
 from jax._src import core as _core
+# runtime_tokens (JAX's per-device tokens), prim_requires_devices_during_lowering.
 from jax._src import dispatch as _dispatch
+# The effect-type registries and the Effect base class.
 from jax._src import effects as _effects
+# _callback_op_sharding: the sharding JAX gives its own host callbacks.
 from jax._src import callback as _callback
+# ArrayImpl: building an uncommitted single-shard array (``uncommitted``).
 from jax._src.array import ArrayImpl as _ArrayImpl
 
 # Base class of JAX effect types. Public as ``jax.extend.core.Effect`` from
@@ -85,7 +93,9 @@ callback_op_sharding = _callback._callback_op_sharding
 # Emitting a host-callback custom call directly (``_primitives``), as
 # ``mlir.emit_python_callback`` does but without its per-call result wrapper:
 # the token operand gets its own sharding entry (``SdyArray``) next to the
-# callback's annotation, which ``set_sharding`` attaches to the op.
+# callback's annotation, which ``set_sharding`` attaches to the op. SdyArray's
+# fields used here (mesh_shape, dim_shardings, logical_device_ids) are the
+# same on JAX 0.8-0.10; ``mlir.set_sharding`` differs (shim below).
 from jax._src.interpreters import mlir as _mlir  # noqa: E402
 from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
 
