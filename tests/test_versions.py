@@ -42,7 +42,8 @@ def test_installed_jax_is_in_the_range_setup_cfg_states():
   assert str(reqs["jax"].specifier) == str(reqs["jaxlib"].specifier)
   assert reqs["jax"].specifier.contains(jax.__version__), jax.__version__
   assert reqs["jaxlib"].specifier.contains(jaxlib.__version__)
-  assert _compat.JAX_VERSION[:2] == tuple(map(int, jax.__version__.split(".")[:2]))
+  major_minor = tuple(map(int, jax.__version__.split(".")[:2]))
+  assert _compat.JAX_VERSION[:2] == major_minor
 
 
 _LEGACY_PMAP = """
