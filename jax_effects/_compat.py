@@ -1,4 +1,6 @@
-"""The only module that imports ``jax._src``, and the only one that knows JAX versions.
+"""JAX internals and JAX version differences: the only module that knows them.
+
+This is the only module that imports ``jax._src`` or compares JAX versions.
 
 Supported: the JAX range in ``setup.cfg`` (0.8.3 <= jax < 0.11, i.e. the 0.8,
 0.9 and 0.10 lines). Two kinds of names live here:
@@ -11,6 +13,10 @@ Supported: the JAX range in ``setup.cfg`` (0.8.3 <= jax < 0.11, i.e. the 0.8,
   these names, and a feature that a line cannot support raises
   :class:`UnsupportedFeature` (``require``) with the reason given by
   ``unsupported_reason``, which the tests also use to skip.
+
+Part in the token calling convention: none of its own; it hands the other
+layers the JAX pieces the convention is built from (effect registries, JAX's
+runtime tokens, lowering helpers), the same on every supported line.
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
 
 # trace_ctx (is a trace active; the innermost jaxpr being built), DropVar.
 from jax._src import core as _core
-# runtime_tokens (JAX's per-device tokens), prim_requires_devices_during_lowering.
+# runtime_tokens (JAX's per-device tokens),
+# prim_requires_devices_during_lowering.
 from jax._src import dispatch as _dispatch
 # The effect-type registries and the Effect base class.
 from jax._src import effects as _effects
@@ -115,8 +122,8 @@ def set_sharding(module_context, op, sharding) -> None:
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 
-# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map): always
-# on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
+# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map),
+# always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
 
