@@ -24,7 +24,6 @@ import functools
 import threading
 from typing import Iterator
 
-
 from jax_effects import _compat
 
 __all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "ordering",
