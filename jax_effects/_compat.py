@@ -1,8 +1,22 @@
-"""The only module that imports ``jax._src``: JAX internals with no public route.
+"""JAX internals and JAX version differences: the only module that knows them.
 
-Everything here is pinned to the JAX range in ``setup.cfg`` (0.10.x). Each
-name says why it is needed; if a future JAX exposes a public route, replace the
-import here and nothing else changes.
+This is the only module that imports ``jax._src`` or compares JAX versions.
+
+Supported: the JAX range in ``setup.cfg`` (0.8.3 <= jax < 0.11, i.e. the 0.8,
+0.9 and 0.10 lines). Two kinds of names live here:
+
+* JAX internals with no public route (``jax._src``), each with its reason and
+  the versions it applies to; if a future JAX exposes a public route, replace
+  the import here and nothing else changes.
+* One named shim per difference between the supported JAX lines, each saying
+  which versions need it. No other module compares JAX versions: they use
+  these names, and a feature that a line cannot support raises
+  :class:`UnsupportedFeature` (``require``) with the reason given by
+  ``unsupported_reason``, which the tests also use to skip.
+
+Part in the token calling convention: none of its own; it hands the other
+layers the JAX pieces the convention is built from (effect registries, JAX's
+runtime tokens, lowering helpers), the same on every supported line.
 """
 from __future__ import annotations
 
@@ -11,11 +25,59 @@ import operator
 
 import jax
 
+# (major, minor, patch) of the installed JAX; compared only in this module.
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
+                    if p.isdigit())
+
+# Unless a comment says otherwise, every ``jax._src`` name below exists with
+# the same meaning on all supported lines (JAX 0.8.3 to 0.10.x).
+
+# trace_ctx (is a trace active; the innermost jaxpr being built), DropVar.
 from jax._src import core as _core
+# runtime_tokens (JAX's per-device tokens),
+# prim_requires_devices_during_lowering.
 from jax._src import dispatch as _dispatch
+# The effect-type registries and the Effect base class.
 from jax._src import effects as _effects
+# _callback_op_sharding: the sharding JAX gives its own host callbacks.
 from jax._src import callback as _callback
+# ArrayImpl: building an uncommitted single-shard array (``uncommitted``).
 from jax._src.array import ArrayImpl as _ArrayImpl
+
+# Base class of JAX effect types. Public as ``jax.extend.core.Effect`` from
+# JAX 0.10; on 0.8 and 0.9 only ``jax._src.effects.Effect`` (the same class).
+Effect = _effects.Effect
+
+# A jaxpr binder whose value is unused (``_``). Public as
+# ``jax.extend.core.DropVar`` from JAX 0.10; on 0.8 and 0.9 only
+# ``jax._src.core.DropVar`` (the same class).
+DropVar = _core.DropVar
+
+
+def bind_equation(eqn, invals):
+  """Binds ``eqn``'s primitive to ``invals`` with its params (re-emits it).
+
+  From JAX 0.9 ``Primitive.get_bind_params`` returns the bind params; on 0.8
+  it returns ``(subfuns, params)`` and the subfunctions (call primitives'
+  bodies) come first in ``bind``'s arguments.
+  """
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bind_params, tuple):   # JAX 0.8
+    subfuns, bind_params = bind_params
+    return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return eqn.primitive.bind(*invals, **bind_params)
+
+
+def varying_axes(aval) -> frozenset:
+  """The manual mesh axes over which a value inside ``shard_map`` varies.
+
+  JAX 0.10 keeps them in ``aval.manual_axis_type.varying``; 0.8 and 0.9 in
+  ``aval.vma`` (a frozenset of axis names).
+  """
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(aval.vma)
 
 # Effect-type registries. Our trace-time marker effect must be allowed inside
 # control flow, custom derivatives and remat, must survive partial evaluation
@@ -39,8 +101,10 @@ callback_op_sharding = _callback._callback_op_sharding
 # Emitting a host-callback custom call directly (``_primitives``), as
 # ``mlir.emit_python_callback`` does but without its per-call result wrapper:
 # the token operand gets its own sharding entry (``SdyArray``) next to the
-# callback's annotation, which ``set_sharding`` attaches to the op.
-from jax._src.interpreters.mlir import set_sharding  # noqa: E402
+# callback's annotation, which ``set_sharding`` attaches to the op. SdyArray's
+# fields used here (mesh_shape, dim_shardings, logical_device_ids) are the
+# same on JAX 0.8-0.10; ``mlir.set_sharding`` differs (shim below).
+from jax._src.interpreters import mlir as _mlir  # noqa: E402
 from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
 
 # A replicated sharding annotation (``Sharding`` custom call or
@@ -67,11 +131,23 @@ def replicated(ctx, value, aval):
   return wrap_with_sharding_op(ctx, value, aval, sharding)
 
 
+def set_sharding(module_context, op, sharding) -> None:
+  """Attaches ``sharding`` (OpSharding or SdyArray[List]) to the MLIR ``op``.
+
+  JAX 0.10's ``mlir.set_sharding`` takes the module context first (it caches
+  built attributes there); 0.8 and 0.9 take only ``(op, sharding)``.
+  """
+  if JAX_VERSION >= (0, 10):
+    _mlir.set_sharding(module_context, op, sharding)
+  else:
+    _mlir.set_sharding(op, sharding)
+
 # The jax_disable_jit flag's state object: ``.value`` reads it without the
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 
-# shard_map's primitive (and pmap's: JAX 0.10 stages jax.pmap as jit(shard_map)).
+# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map),
+# always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
 
@@ -86,6 +162,17 @@ from jax._src.debugging import debug_callback_p, debug_print_p  # noqa: E402
 from jax._src.debugging import DebugEffect, OrderedDebugEffect  # noqa: E402
 from jax._src.callback import io_callback_p, io_callback_impl  # noqa: E402
 from jax._src.callback import IOEffect, OrderedIOEffect  # noqa: E402
+
+def shard_map_manual_axes(params) -> frozenset:
+  """The mesh axes a ``shard_map`` equation makes manual (from its params).
+
+  JAX 0.10 names the param ``newly_manual_axes`` (axes already manual in an
+  enclosing ``shard_map`` left out); 0.8 and 0.9 name it ``manual_axes`` (the
+  ``axis_names`` given to ``jax.shard_map``).
+  """
+  if "newly_manual_axes" in params:
+    return frozenset(params["newly_manual_axes"])
+  return frozenset(params["manual_axes"])
 
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by
@@ -179,14 +266,19 @@ def no_user_mesh():
   initial token) run on the devices of their operands; a mesh the user set
   with ``jax.set_mesh`` (context or global setter) would make ``jax.jit``
   check them against that mesh ("Received incompatible devices").
-  ``jax.set_mesh(None)`` is public and clears this thread's concrete and
-  abstract mesh for the block (JAX 0.8-0.10). JAX allows it only outside
-  any trace; under one (our helpers are called at the top level, so only if
-  a user reads ``runtime_tokens()`` while tracing) nothing is changed.
+  ``jax.set_mesh`` clears this thread's concrete and abstract mesh for the
+  block: given None on JAX 0.10; JAX 0.8 and 0.9 refuse None and take JAX's
+  empty mesh (``jax._src.mesh.empty_concrete_mesh``, the value "no mesh"
+  there). JAX allows it only outside any trace; under one (our helpers are
+  called at the top level, so only if a user reads ``runtime_tokens()``
+  while tracing) nothing is changed.
   """
   if not _trace_ctx.is_top_level():
     return contextlib.nullcontext()
-  return jax.set_mesh(None)
+  if JAX_VERSION >= (0, 10):
+    return jax.set_mesh(None)
+  from jax._src.mesh import empty_concrete_mesh  # JAX 0.8, 0.9
+  return jax.set_mesh(empty_concrete_mesh)
 
 # ``batch_jaxpr(closed_jaxpr, axis_data, in_batched, instantiate)``: which
 # outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
@@ -211,3 +303,82 @@ try:
   from jax.extend.core import jaxprs_in_params  # noqa: E402
 except ImportError:  # JAX < 0.10
   from jax._src.core import jaxprs_in_params  # noqa: E402
+# --- features that not every supported JAX line has ---------------------------
+
+class UnsupportedFeature(NotImplementedError):
+  """A jax_effects feature the installed JAX version cannot support.
+
+  The message names the feature, the installed JAX version, the JAX version
+  (or setting) that supports it, and a fix.
+  """
+
+
+def _pmap_shmap_merge_off() -> bool:
+  # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only (default True:
+  # pmap staged as jit(shard_map)); JAX 0.10 removed it (always so).
+  return not getattr(jax.config, "jax_pmap_shmap_merge", True)
+
+
+def _simplified_constants_on() -> bool:
+  return bool(getattr(jax.config, "jax_use_simplified_jaxpr_constants", False))
+
+
+# name -> (is the feature unavailable with the installed JAX and its settings?,
+#          why, and what fixes it). One entry per limit of a supported line;
+# ``unsupported_reason`` reads them, ``require`` raises them, and the tests
+# skip with the same text (tests/conftest.py, marker ``jax_feature``).
+FEATURES = {
+    # JAX 0.8 and 0.9 with jax_pmap_shmap_merge=False stage jax.pmap as the
+    # legacy xla_pmap primitive, which has no route for our side effects (JAX
+    # refuses ordered effects in it). Not an issue on JAX 0.10.
+    "effects in jax.pmap": (
+        _pmap_shmap_merge_off,
+        "side effects inside jax.pmap need jax.pmap staged as shard_map: "
+        "jax_pmap_shmap_merge=False (an option of JAX 0.8 and 0.9) is set. "
+        "Fix: jax.config.update('jax_pmap_shmap_merge', True) (the default), "
+        "or upgrade to JAX >= 0.10, where pmap is always staged so"),
+    # JAX 0.8 and 0.9 with JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 fail to lower
+    # a function closing over NumPy constants under plain jax.jit too
+    # ("'TypedNdArray' object has no attribute 'sharding'"); fixed in 0.10.
+    "simplified jaxpr constants": (
+        lambda: JAX_VERSION < (0, 10),
+        "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 with closed-over NumPy "
+        "constants needs JAX >= 0.10 (JAX 0.8 and 0.9 fail to lower them, "
+        "under plain jax.jit too). Fix: upgrade to JAX >= 0.10, or close "
+        "over jax.Arrays (jnp.asarray) instead of NumPy arrays"),
+    # JAX 0.8 and 0.9 hand 4-bit integer arrays to host callbacks with wrong
+    # values (a packed buffer read as unpacked: [1, 2, -3] arrives as
+    # [1, 2, 7] or prints as [1 2 4]; jax.debug.print and io_callback too).
+    # Fixed in 0.10.
+    "4-bit integer operands": (
+        lambda: JAX_VERSION < (0, 10),
+        "int4/uint4 arrays passed to a host callback need JAX >= 0.10 (JAX "
+        "0.8 and 0.9 hand them to the host with wrong values, in "
+        "jax.debug.print and io_callback too). Fix: upgrade to JAX >= 0.10, "
+        "or pass x.astype(jnp.int8)"),
+}
+
+
+def has_4bit_integers(avals) -> bool:
+  """Whether any of ``avals`` (or values with ``.dtype``) is int4/uint4."""
+  import jax.numpy as jnp
+  return any(getattr(a, "dtype", None) in (jnp.int4, jnp.uint4)
+             for a in avals)
+
+
+def unsupported_reason(feature: str) -> str | None:
+  """Why ``feature`` (a key of ``FEATURES``) is unavailable now, or None."""
+  unavailable, reason = FEATURES[feature]
+  if not unavailable():
+    return None
+  return f"{reason} (installed: JAX {jax.__version__})"
+
+
+def require(feature: str, call: str = "jax_effects") -> None:
+  """Raises :class:`UnsupportedFeature` when ``feature`` is unavailable.
+
+  ``call`` names the user's call that needs the feature (message prefix).
+  """
+  reason = unsupported_reason(feature)
+  if reason is not None:
+    raise UnsupportedFeature(f"{call}: {reason}")

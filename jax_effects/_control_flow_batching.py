@@ -109,16 +109,16 @@ def _eval_masked(jaxpr, consts, mask, args):
     invals = [read(v) for v in eqn.invars]
     if eqn.primitive is effect_p:
       outs = _masked_effect(eqn, mask, invals)
-    elif _has_marker([eqn]) or (eqn.primitive.name in _HIDES_EFFECTS
-                                and _has_marker(_compat.jaxprs_in_params(eqn.params))):
+    elif _has_marker([eqn]) or (
+        eqn.primitive.name in _HIDES_EFFECTS
+        and _has_marker(_compat.jaxprs_in_params(eqn.params))):
       outs = _masked_higher_order(eqn, mask, invals)
     else:
-      outs = eqn.primitive.bind(*invals,
-                                **eqn.primitive.get_bind_params(eqn.params))
+      outs = _compat.bind_equation(eqn, invals)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, jex_core.DropVar):
+      if not isinstance(v, _compat.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import jax.extend.core as jex_core
+
 import numpy as np
 
 from jax_effects import _compat
@@ -192,7 +192,7 @@ def resolve(what: str, effect, ordered) -> tuple[Effect, bool]:
 # --- trace-time marker --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TraceEffect(jex_core.Effect):
+class TraceEffect(_compat.Effect):
   """JAX-level marker on a side-effect equation before token threading.
 
   ``effect`` is the user's :class:`Effect` for an ordered side effect, or None
@@ -205,7 +205,7 @@ class TraceEffect(jex_core.Effect):
 
 
 @dataclasses.dataclass(frozen=True)
-class PlainJitOrder(jex_core.Effect):
+class PlainJitOrder(_compat.Effect):
   """A JAX *ordered* effect carried by every ordered side effect (one value).
 
   Only for code that ends up under plain ``jax.jit`` (or JAX's eager dispatch

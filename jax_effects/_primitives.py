@@ -384,6 +384,10 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   built here, complete).
   """
   staging = _compat.enclosing_staging()
+  if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
+    _compat.require("effects in jax.pmap", description)
+  if _compat.has_4bit_integers(flat_args):
+    _compat.require("4-bit integer operands", description)
   host_callback = _host.HostCallback(
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),

@@ -29,8 +29,9 @@ the carriers of the chains used inside as extra operands and results::
   runs once, on one device, or the carry of a loop or branch), the vector is
   reduced with ``max``: there the order across devices needs that collective.
 
-``jax.pmap`` is staged by JAX 0.10 as ``jit(shard_map)`` over the mapped
-axis, so it is covered by the same rule.
+``jax.pmap`` is staged by JAX as ``jit(shard_map)`` over the mapped axis
+(always on 0.10; on 0.8 and 0.9 by default, see ``_compat.FEATURES``), so it
+is covered by the same rule.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from jax_effects import _token_pass
 
 def _to_varying(x, axes: tuple):
   """Casts ``x`` to varying over ``axes`` (where it is not already)."""
-  varying = jax.typeof(x).manual_axis_type.varying
+  varying = _compat.varying_axes(jax.typeof(x))
   missing = tuple(a for a in axes if a not in varying)
   return lax.pcast(x, missing, to="varying") if missing else x
 
@@ -53,7 +54,7 @@ def _to_varying(x, axes: tuple):
 def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   p = eqn.params
   mesh = p["mesh"]
-  manual = p["newly_manual_axes"]
+  manual = _compat.shard_map_manual_axes(p)
   axes = tuple(a for a in mesh.axis_names if a in manual)
   n = 1
   for a in axes:

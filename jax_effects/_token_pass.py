@@ -189,12 +189,11 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
           raise refusal(eqn)
         outs = rule(eqn, invals, chains, mode)
       else:
-        outs = eqn.primitive.bind(*invals,
-                                  **eqn.primitive.get_bind_params(eqn.params))
+        outs = _compat.bind_equation(eqn, invals)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, jex_core.DropVar):
+      if not isinstance(v, _compat.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 

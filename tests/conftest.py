@@ -27,6 +27,21 @@ def pytest_configure(config):
   # Read before the test modules are imported: sizes are chosen at collection.
   helpers.RUN_SLOW = bool(config.getoption("--run-slow")
                           or os.environ.get("JAX_EFFECTS_RUN_SLOW") == "1")
+  config.addinivalue_line(
+      "markers", "jax_feature(name): needs the feature `name` (a key of "
+      "jax_effects._compat.FEATURES); skipped, with _compat's reason, where "
+      "the installed JAX cannot support it")
+
+
+def pytest_collection_modifyitems(config, items):
+  # The one skip helper for JAX-version limits: the reason is the text of the
+  # error jax_effects raises for the feature (jax_effects._compat).
+  from jax_effects import _compat  # imports jax; starts no backend
+  for item in items:
+    for mark in item.iter_markers("jax_feature"):
+      reason = _compat.unsupported_reason(*mark.args)
+      if reason is not None:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,10 @@ def _run(simplified: bool) -> dict:
   return out
 
 
-@pytest.fixture(scope="module", params=[False, True],
+@pytest.fixture(scope="module", params=[
+    False,
+    pytest.param(True, marks=pytest.mark.jax_feature(
+        "simplified jaxpr constants"))],
                 ids=["old-constants", "simplified-constants"])
 def report(request):
   return _run(request.param)
@@ -115,6 +118,7 @@ def test_constants_lowered_as_plain_jax_jit_does(report):
   assert report["ours_len"] - report["plain_len"] < 4000
 
 
+@pytest.mark.jax_feature("simplified jaxpr constants")
 def test_simplified_constants_are_hoisted_not_inlined():
   # (with old constants JAX inlines them, as plain jax.jit shows)
   report = _run(True)

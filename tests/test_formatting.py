@@ -108,6 +108,8 @@ CASES = [
     ("formatter", "{}", (jnp.array([1.5, 2.0]),), {},
      {"formatter": {"float": lambda v: f"<{v:.1f}>"}}),
 ]
+_4BIT = (jnp.int4, jnp.uint4)
+
 for _dtype in DTYPES:
   _name = np.dtype(_dtype).name
   CASES.append((f"dtype_{_name}", "{} {!r} {}",
@@ -138,8 +140,14 @@ def _run(printer, jit, barrier, mode, fmt, args, kwargs):
   barrier()
 
 
+def _case_param(case):
+  four_bit = any(getattr(x, "dtype", None) in _4BIT for x in case[2])
+  marks = [pytest.mark.jax_feature("4-bit integer operands")] if four_bit else []
+  return pytest.param(case, id=case[0], marks=marks)
+
+
 @pytest.mark.parametrize("mode", ["eager", "jit", "jit_const"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", [_case_param(c) for c in CASES])
 def test_print_lines_match_jax_debug_print(case, mode, capsys):
   _, fmt, args, kwargs, options = case
   outputs = []
@@ -148,7 +156,14 @@ def test_print_lines_match_jax_debug_print(case, mode, capsys):
       (je.print, je.jit, je.effects_barrier)):
     capsys.readouterr()
     with (np.printoptions(**options) if options else contextlib.nullcontext()):
-      _run(printer, jit, barrier, mode, fmt, args, kwargs)
+      try:
+        _run(printer, jit, barrier, mode, fmt, args, kwargs)
+      except TypeError as err:
+        if printer is jax.debug.print and "not hashable" in str(err):
+          # JAX 0.8's jax.debug.print refuses np.printoptions(formatter=...)
+          # under jit (an unhashable parameter): no reference to compare with.
+          pytest.skip(f"the reference jax.debug.print fails: {err}")
+        raise
     outputs.append(capsys.readouterr().out.splitlines())
   theirs, ours = outputs
   assert theirs, "the reference printed nothing"
