@@ -148,14 +148,29 @@ def _wait_for_switch(all_threads: bool) -> None:
   _runtime_tokens.effects_barrier(all_threads=all_threads)
 
 
+def _check_switch_allowed(call: str, switching: bool) -> None:
+  """A mode switch inside a trace or a host callback is refused (errors.md)."""
+  from jax_effects import _runtime_tokens
+  if not _compat.at_top_level():
+    raise RuntimeError(
+        f"jax_effects: {call} was called while a function is being traced "
+        "(under jit, vmap, grad, ...); the ordering mode of a computation is "
+        "the one in effect when it is dispatched, so this switch would be "
+        "ignored. Enter it around the call of the jitted function instead.")
+  if switching:   # (it waits for dispatched effects: not from a callback)
+    _runtime_tokens.check_not_in_callback(call)
+
+
 def set_ordering(mode: str) -> None:
   """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``).
 
   Threads inside an :func:`ordering` context keep their own mode. Changing
-  the mode first waits for every thread's dispatched effects.
+  the mode first waits for every thread's dispatched effects. Refused
+  (``RuntimeError``) inside a traced function or a host callback.
   """
   global _process_mode
   _check_mode(mode)
+  _check_switch_allowed(f"set_ordering({mode!r})", mode != _process_mode)
   if mode != _process_mode:
     _wait_for_switch(all_threads=True)
   _process_mode = mode
@@ -174,10 +189,12 @@ def ordering(mode: str) -> Iterator[None]:
   ``"per_effect"``: one runtime token per :class:`Effect`. ``"global"``: all
   ordered effects share one token (:data:`GLOBAL`), giving one total order.
   Entering or leaving a context that changes the mode waits for this
-  thread's dispatched effects, so order holds across the switch.
+  thread's dispatched effects, so order holds across the switch. Refused
+  (``RuntimeError``) inside a traced function or a host callback.
   """
   _check_mode(mode)
   outer = get_ordering()
+  _check_switch_allowed(f"ordering({mode!r})", mode != outer)
   if mode != outer:
     _wait_for_switch(all_threads=False)
   stack = _local.stack

@@ -199,7 +199,9 @@ class Function:
     mode = _effects.get_ordering()
     keys = _thread_tokens.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
-      err = NeedsTokens(tuple(k for k in keys if k is not _effects.UNORDERED))
+      # (unordered effects get a token too: the thread's initial token, never
+      # stored back, so their carrier holds the thread's slot for errors)
+      err = NeedsTokens(keys)
       if getattr(_strict, "on", False):
         raise err
       # A new signature of a function that was pure so far, called straight
@@ -220,7 +222,7 @@ class Function:
     closed, dyn, out_tree = self._trace(tuple(args), kwargs)
     known = self.keys.get(mode, ())
     missing = tuple(k for k in _thread_tokens.chain_keys(closed.effects, mode)
-                    if k is not _effects.UNORDERED and k not in known)
+                    if k not in known)
     if missing or len(runtime) != len(known):
       raise NeedsTokens(missing)
     outs, token = _thread_tokens.thread_tokens(
@@ -265,6 +267,8 @@ class Function:
     """Until a call finds the function pure: a pure call that may learn."""
     if self._effectful:
       return self._call_threaded(*args, **kwargs)
+    if _runtime_tokens._deferred and _compat.at_top_level():
+      _runtime_tokens.raise_deferred(_runtime_tokens.thread_tokens())
     previous = getattr(_strict, "on", False)
     _strict.on = True
     try:
@@ -283,6 +287,8 @@ class Function:
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_tokens()
+    if _runtime_tokens._deferred:   # an earlier call's callback failed
+      _runtime_tokens.raise_deferred(state)   # before dispatching anything
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
       _runtime_tokens.effects_barrier()
@@ -363,6 +369,8 @@ class Compiled:
     if self._mode is None:
       return self._compiled(*args, **kwargs)
     state = _runtime_tokens.thread_tokens()
+    if _runtime_tokens._deferred:   # an earlier call's callback failed
+      _runtime_tokens.raise_deferred(state)   # before dispatching anything
     # compiled for scalar tokens (see Function.lower): no per-device sharding
     tokens = _runtime_tokens.tokens_for(state, self._keys, None)
     try:

@@ -152,14 +152,26 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
       device = axis_ctx.device_assignment[0]
   placement = (_device_placement(device) if device is not None
                else Placement(None, None, jax.process_index()))
+  # Plain jax.jit (threaded=False) has no hook to raise the error from: it is
+  # deferred as well, to the thread's next jax_effects call or barrier.
   return operands, avals_in, _wrapper(lambda args: placement, 0, threaded,
                                       avals_out, passthrough,
-                                      defer=n_devices > 1)
+                                      defer=n_devices > 1 or not threaded)
 
 
 def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
              passthrough: int, *, defer: bool):
   from jax_effects import _runtime_tokens
+  FAILED = _runtime_tokens.FAILED
+  SLOT_MASK = _runtime_tokens.SLOT_MASK
+  carrier_at = passthrough - 1 if threaded and passthrough else None
+
+  def zeros(args, carrier):
+    out = [*args[:passthrough],
+           *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:])]
+    if carrier_at is not None:
+      out[carrier_at] = carrier
+    return tuple(out)
 
   def wrap(host):
     def attributed(*args):
@@ -168,14 +180,26 @@ def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
         args = args[:-n_extra]
       if not defer:
         return _run_at(placement, threaded, host, args)
+      if carrier_at is not None:
+        # The carrier holds the dispatching thread's slot (_runtime_tokens),
+        # and FAILED once an earlier effect of its chain failed: as after a
+        # raise in Python, the later effects of the chain do not run.
+        carrier = args[carrier_at]
+        value = int(np.max(carrier))   # (a loop may carry a vector)
+        if value & FAILED:
+          return zeros(args, carrier)
+        slot = int(value & SLOT_MASK)
+      else:   # plain jax.jit: run on the dispatching thread if on one device
+        slot = (0 if placement.per_device
+                else _runtime_tokens.thread_tokens().slot)
+        if _runtime_tokens.has_deferred(slot) and slot:
+          return zeros(args, None)   # after an unreported failure: skipped
       try:
         return _run_at(placement, threaded, host, args)
-      except _runtime_tokens.CallbackFailed as failed:
-        # The carrier holds the dispatching thread's slot (_runtime_tokens).
-        slot = int(args[passthrough - 1]) if threaded and passthrough else 0
-        _runtime_tokens.defer_error(failed, slot)
-        return (*args[:passthrough],
-                *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:]))
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        _runtime_tokens.defer_error(_runtime_tokens.user_error(exc), slot)
+        return zeros(args, None if carrier_at is None else
+                     np.bitwise_or(carrier, FAILED))
     return attributed
   return wrap
 

@@ -112,6 +112,8 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
     from jax_effects import _transformation_rules
     raise _transformation_rules.branch_vmapped_error(host_callback)
+  if _runtime_tokens._deferred:   # a dispatched callback failed: raise first
+    _runtime_tokens.raise_deferred(_runtime_tokens.thread_tokens())
   if ordered:
     state = _runtime_tokens.thread_tokens()
     marker = _effects.marker(effect, True)

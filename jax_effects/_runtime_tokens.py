@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _effects
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -98,7 +99,8 @@ class ThreadTokens:
 
 _local = threading.local()
 _all_lock = threading.Lock()
-_all_states: list[ThreadTokens] = []
+# every live thread's state (weakly: a thread's state goes with the thread)
+_all_states: "weakref.WeakSet[ThreadTokens]" = weakref.WeakSet()
 
 
 def thread_tokens() -> ThreadTokens:
@@ -107,8 +109,7 @@ def thread_tokens() -> ThreadTokens:
     return _local.state
   except AttributeError:
     state = _local.state = ThreadTokens(threading.current_thread())
-    with _all_lock:
-      _all_states.append(state)
+    _register(state)
     return state
 
 
@@ -126,8 +127,9 @@ def initial_token(state: ThreadTokens) -> jax.Array:
 def update(state: ThreadTokens, keys, token: jax.Array) -> None:
   """Records ``token`` (returned by one executable) for ``keys`` and devices.
 
-  Then raises an error a multi-device callback of this thread deferred
-  (:func:`defer_error`), if any.
+  Raises nothing: an error a callback deferred is raised by the thread's next
+  call before it dispatches, or its barrier (the result of this call is
+  returned either way).
   """
   output = state.output
   sharding = token.sharding
@@ -153,9 +155,8 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     else:
       runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
-      state.runtime[key] = runtime
-  if _deferred:   # a multi-device callback of this thread failed
-    raise_deferred(state)
+      if key is not _effects.UNORDERED:
+        state.runtime[key] = runtime
 
 
 def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
@@ -216,6 +217,24 @@ def runtime_tokens() -> RuntimeTokens:
 
 
 # --- callback errors -----------------------------------------------------------
+# The contract is design/errors.md. Two paths:
+#
+# * A single-device jax_effects.jit computation fails: the host function
+#   records the user's exception (record_error) and raises a marker into XLA;
+#   the dispatch hook catches XLA's error and raises the original (reraise).
+# * Every other compiled computation (multi-device, or plain jax.jit) cannot be
+#   failed safely: the host function files the exception for the dispatching
+#   thread (defer_error, keyed by its slot) and returns zeros; the thread's next
+#   jax_effects call raises it before dispatching anything, or its barrier.
+
+#: Carrier bit: an earlier effect of this chain in this execution failed, so the
+#: later ones are skipped (set by the host function that failed; masked off
+#: before the computation returns its token, see _thread_tokens).
+FAILED = np.int32(1 << 30)
+SLOT_MASK = np.int32((1 << 30) - 1)
+#: At most this many deferred errors are kept per thread between two reports;
+#: later ones are counted, and the count is reported with them.
+MAX_KEPT_ERRORS = 64
 
 _error_ids = itertools.count(1)
 _errors_lock = threading.Lock()
@@ -227,13 +246,41 @@ _MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
 class CallbackFailed(Exception):
   """Raised into XLA in place of a user's exception; carries its id."""
 
+  def __init__(self, message: str, error_id: int):
+    super().__init__(message)
+    self.error_id = error_id
+
+
+def describe(exc: BaseException) -> str:
+  """``"Type: message"`` for ``exc``, even when its ``__str__`` raises."""
+  try:
+    name = type(exc).__qualname__
+  except BaseException:  # noqa: BLE001 - a hostile metaclass
+    name = "<exception>"
+  try:
+    text = str(exc)
+  except BaseException:  # noqa: BLE001 - a user's __str__ that raises
+    text = "<str() of the exception raised>"
+  return f"{name}: {text}" if text else name
+
 
 def record_error(exc: BaseException) -> CallbackFailed:
   """Stores a user callback's exception; returns the marker to raise to XLA."""
   n = next(_error_ids)
   with _errors_lock:
     _errors[n] = exc
-  return CallbackFailed(f"{_MARK}{n}: {type(exc).__name__}: {exc}")
+  return CallbackFailed(f"{_MARK}{n}: {describe(exc)}", n)
+
+
+def user_error(exc: BaseException) -> BaseException:
+  """The user's exception behind ``exc`` (a :class:`CallbackFailed` marker
+  whose record is removed here), or ``exc`` itself."""
+  if isinstance(exc, CallbackFailed):
+    with _errors_lock:
+      orig = _errors.pop(exc.error_id, None)
+    if orig is not None:
+      return orig
+  return exc
 
 
 def original_error(err: BaseException) -> BaseException | None:
@@ -249,55 +296,84 @@ def original_error(err: BaseException) -> BaseException | None:
   return found
 
 
-# Errors of callbacks in multi-device computations. Raising into XLA there
-# would leave the other devices waiting forever in the next collective (XLA's
-# CPU runtime then aborts the process), so the host function returns normally
-# and the error waits here, under the slot of the thread that dispatched the
-# computation (read from the carrier the callback received; 0 if unknown, as
-# for a chain that did not start from a runtime token). The dispatching
-# thread raises it when its call returns (raise_deferred), or its next
-# effects_barrier does.
-_deferred: dict[int, list[int]] = {}
+# Deferred errors: slot of the dispatching thread -> its unreported errors,
+# oldest first (at most MAX_KEPT_ERRORS; _dropped counts the others). Slot 0:
+# the dispatching thread is unknown (a callback under plain jax.jit that ran on
+# one of XLA's threads).
+_deferred: dict[int, list[BaseException]] = {}
+_dropped: dict[int, int] = {}
 
 
-def defer_error(failed: CallbackFailed, slot: int = 0) -> None:
-  """Keeps the error behind ``failed`` for thread ``slot`` to raise."""
+def defer_error(exc: BaseException, slot: int = 0) -> None:
+  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise."""
   with _errors_lock:
-    _deferred.setdefault(slot, []).extend(
-        int(n) for n in _MARK_RE.findall(str(failed)))
+    kept = _deferred.setdefault(slot, [])
+    if len(kept) < MAX_KEPT_ERRORS:
+      kept.append(exc)
+    else:
+      _dropped[slot] = _dropped.get(slot, 0) + 1
+
+
+def current_slot() -> int:
+  """The slot of the calling thread (0 if it never used jax_effects)."""
+  state = getattr(_local, "state", None)
+  return 0 if state is None else state.slot
+
+
+def has_deferred(slot: int) -> bool:
+  return slot in _deferred
 
 
 def pop_deferred(slots=None) -> BaseException | None:
-  """Removes and returns the oldest deferred error of ``slots`` (all if None).
-
-  One error per call: each reaches the user once, as itself. If more are
-  pending for those slots, a note on the returned one says so (the next call
-  or barrier raises the next one).
+  """Removes every deferred error of ``slots`` (all if None); returns the
+  report: the one error itself, or all of them together (:func:`group`).
+  Each error is reported once: a later call finds nothing.
   """
   if not _deferred:
     return None
-  exc = None
   with _errors_lock:
     slots = list(_deferred) if slots is None else slots
+    errors: list[BaseException] = []
+    dropped = 0
     for slot in slots:
-      ids = _deferred.get(slot, [])
-      while ids and exc is None:
-        exc = _errors.pop(ids.pop(0), None)
-      if not ids:
-        _deferred.pop(slot, None)
-      if exc is not None:
-        break
-    left = sum(len(_deferred.get(s, ())) for s in slots)
-  if exc is not None and left and hasattr(exc, "add_note"):
-    exc.add_note(
-        f"jax_effects: {left} more callback error(s) of multi-device "
-        "computations are pending; the next effects_barrier() (or call) "
-        "raises the next one")
-  return exc
+      errors.extend(_deferred.pop(slot, ()))
+      dropped += _dropped.pop(slot, 0)
+  if not errors:
+    return None
+  if len(errors) == 1 and not dropped:
+    return errors[0]
+  return group(errors, dropped)
+
+
+def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
+  """Several callback errors reported together.
+
+  A ``BaseExceptionGroup`` (an ``ExceptionGroup`` when all are ``Exception`` s)
+  on Python >= 3.11; before, the first error, with the others in its
+  ``jax_effects_errors`` attribute (all of them, the first included).
+  ``dropped``: errors beyond :data:`MAX_KEPT_ERRORS` that were only counted.
+  """
+  more = f" (and {dropped} more, not kept)" if dropped else ""
+  message = (f"jax_effects: {len(errors)} host callbacks failed{more}; "
+             "each is one of the exceptions below")
+  try:
+    report = BaseExceptionGroup(message, errors)  # noqa: F821 - Python >= 3.11
+  except NameError:
+    report = errors[0]
+  report.jax_effects_errors = tuple(errors)
+  report.jax_effects_dropped = dropped
+  return report
 
 
 def raise_deferred(state: ThreadTokens) -> None:
-  """Raises an error deferred by a computation this thread dispatched."""
+  """Raises the errors deferred by computations this thread dispatched.
+
+  Waits first for the thread's dispatched computations (only when an error is
+  pending), so the errors of a failed execution are all reported together.
+  """
+  if state.slot not in _deferred:
+    return
+  _wait_quietly(state)
   exc = pop_deferred((state.slot,))
   if exc is not None:
     raise exc.with_traceback(exc.__traceback__)
@@ -310,7 +386,12 @@ def is_execution_error(err: BaseException) -> bool:
   the CPU client runs a computation inline, a failed host callback reaches the
   caller as ``ValueError("INTERNAL: CpuCallback error ...")``.
   """
-  return isinstance(err, jax.errors.JaxRuntimeError) or _MARK in str(err)
+  if isinstance(err, jax.errors.JaxRuntimeError):
+    return True
+  try:
+    return _MARK in str(err)
+  except Exception:  # noqa: BLE001 - not one of ours
+    return False
 
 
 def reraise(err: BaseException, state: ThreadTokens | None) -> None:
@@ -333,14 +414,37 @@ def reraise(err: BaseException, state: ThreadTokens | None) -> None:
 
 # --- barrier -------------------------------------------------------------------
 
+def in_host_callback() -> bool:
+  """True while a compiled computation's host callback runs on this thread."""
+  from jax_effects import _placement
+  return _placement.current() is not None
+
+
+def check_not_in_callback(call: str) -> None:
+  """Refuses ``call`` (a barrier or mode switch) inside a host callback.
+
+  It would wait for the computation that is running the callback (and, in a
+  multi-device computation, for the other devices' callbacks): a deadlock.
+  """
+  if in_host_callback():
+    raise RuntimeError(
+        f"jax_effects: {call} was called from a host callback of a running "
+        "computation; it would wait for that computation (a deadlock). Call it "
+        "after the jitted call returns, outside the callback.")
+
+
+def _wait_quietly(state: ThreadTokens) -> None:
+  for token in state.pending():
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - reported by the call or barrier
+      pass
+
+
 def wait_for_thread() -> None:
   """Blocks until this thread's dispatched effects have run (raises nothing:
   a failure is reported by the next call or barrier)."""
-  for token in thread_tokens().pending():
-    try:
-      token.block_until_ready()
-    except Exception:  # noqa: BLE001 - reported by effects_barrier
-      pass
+  _wait_quietly(thread_tokens())
 
 
 def effects_barrier(all_threads: bool = False) -> None:
@@ -348,18 +452,22 @@ def effects_barrier(all_threads: bool = False) -> None:
 
   With ``all_threads=False`` waits for the effects dispatched by the calling
   thread; with ``all_threads=True`` for those of every thread (including
-  threads that have exited). Re-raises a callback's exception that has not been
-  reported yet, once (including an exception of a callback in a multi-device
-  computation, which cannot fail that computation: it is raised by the
-  dispatching call when it returns, or else here).
+  threads that have exited). Then raises the callback errors not reported yet
+  (see ``design/errors.md``): this thread's (every thread's with
+  ``all_threads=True``) and those whose dispatching thread is unknown; one
+  error as itself, several together (an ``ExceptionGroup``), each once.
+
+  Refused (``RuntimeError``) inside a host callback of a running computation,
+  which it would wait for.
   """
+  check_not_in_callback(f"effects_barrier(all_threads={all_threads})")
   if all_threads:
     with _all_lock:
       states = list(_all_states)
-    # Dead before the wait: dispatches nothing after it, so it can be dropped.
-    dead = [s for s in states if not s.alive()]
+      orphans = list(_orphans)
   else:
     states = [thread_tokens()]
+    orphans = []
   first_error = None
   for state in states:
     try:
@@ -368,35 +476,87 @@ def effects_barrier(all_threads: bool = False) -> None:
     except Exception as err:  # a failed computation: report it, reset tokens
       state.reset()
       first_error = first_error or err
+  for token in orphans:
+    try:
+      token.block_until_ready()
+    except Exception as err:  # noqa: BLE001
+      first_error = first_error or err
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     jax.effects_barrier()
   except Exception as err:
     _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
     first_error = first_error or err
-  if all_threads:
-    _forget_dead_threads(dead)
+  if orphans:
+    done = {id(t) for t in orphans}
+    with _all_lock:
+      _orphans[:] = [t for t in _orphans if id(t) not in done]
   if first_error is not None:
     reraise(first_error, None)
-  # multi-device callbacks' errors: this thread's and those of unknown origin
-  # (every thread's with all_threads=True)
+  # deferred errors: this thread's and those of unknown origin (every
+  # thread's with all_threads=True)
   deferred = pop_deferred(None if all_threads else (states[0].slot, 0))
   if deferred is not None:
     raise deferred.with_traceback(deferred.__traceback__)
 
 
-def _forget_dead_threads(dead: list[ThreadTokens]) -> None:
-  # Called right after waiting on every state: the tokens of a thread that was
-  # already dead before the wait are complete and it can dispatch nothing new.
-  # (A thread that dies during the wait may have dispatched after its tokens
-  # were read; it is dropped by a later barrier.)
-  dead_ids = {id(s) for s in dead}
+# --- thread lifetime -------------------------------------------------------------
+# A ThreadTokens is referenced strongly only by its thread's threading.local, so
+# it goes away with its thread: _thread_exited then keeps only the tokens of
+# that thread that are still pending (an all-threads barrier and interpreter
+# exit wait for them), and drops those that are already complete.
+
+_orphans: list[jax.Array] = []
+
+
+def _register(state: ThreadTokens) -> None:
   with _all_lock:
-    _all_states[:] = [s for s in _all_states if id(s) not in dead_ids]
+    _all_states.add(state)
+  weakref.finalize(state, _thread_exited, state.output, state.runtime)
+
+
+def _thread_exited(output: dict, runtime: dict) -> None:
+  pending = [t for t in (*output.values(), *runtime.values())
+             if not _is_ready(t)]
+  output.clear()
+  runtime.clear()
+  with _all_lock:
+    _orphans[:] = [t for t in _orphans if not _is_ready(t)]
+    _orphans.extend(pending)
+
+
+def _is_ready(token) -> bool:
+  try:
+    return token.is_ready()
+  except Exception:  # noqa: BLE001 - a failed or deleted array is done
+    return True
+
+
+def live_thread_states() -> int:
+  """How many threads hold token state (for tests: threads that exited do not)."""
+  with _all_lock:
+    return len(_all_states)
 
 
 @atexit.register
 def _wait_at_exit() -> None:
+  """Interpreter exit: waits for every thread's effects; an error not reported
+  yet is printed to stderr with its traceback and the exit status becomes 1,
+  as for an uncaught exception."""
   try:
     effects_barrier(all_threads=True)
-  except Exception:  # nothing left to report to at interpreter exit
-    pass
+  except BaseException as exc:  # noqa: BLE001 - reported here, as uncaught
+    import os
+    import sys
+    import traceback
+    try:
+      sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a broken stdout
+      pass
+    try:
+      sys.stderr.write("jax_effects: a host callback failed and its error was "
+                       "not reported before interpreter exit:\n")
+      traceback.print_exception(exc, file=sys.stderr)
+      sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a broken stderr, or a hostile __str__
+      pass
+    os._exit(1)

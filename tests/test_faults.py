@@ -64,22 +64,39 @@ class FailingRecorder:
       raise exc
 
 
-def worker(call, tid, n, caught):
-  """Dispatches ``n`` calls; collects every Boom this thread receives."""
+def _booms(exc):
+  """The Boom errors of one report (an error itself, or a group of them)."""
+  if isinstance(exc, BaseExceptionGroup):
+    assert all(isinstance(e, Boom) for e in exc.exceptions), exc.exceptions
+    return list(exc.exceptions)
+  return [exc]
+
+
+def worker(call, tid, n, caught, retry_deferred=False):
+  """Dispatches ``n`` calls; collects every Boom this thread receives.
+
+  ``retry_deferred``: the calls' errors are all deferred (multi-device), so a
+  call that raises raised an earlier call's errors before dispatching
+  anything (design/errors.md): it is retried, and its effects run once.
+  """
 
   def run():
     got = caught[tid] = []
     for i in range(n):
-      try:
-        call(i, np.int32(tid), np.int32(i))
-      except Boom as exc:
-        got.append(exc)
-    while True:   # one pending error per barrier: until none is left
+      while True:
+        try:
+          call(i, np.int32(tid), np.int32(i))
+        except (Boom, BaseExceptionGroup) as exc:
+          got.extend(_booms(exc))
+          if retry_deferred:
+            continue
+        break
+    while True:   # until a barrier has nothing left to report
       try:
         je.effects_barrier()
         break
-      except Boom as exc:
-        got.append(exc)
+      except (Boom, BaseExceptionGroup) as exc:
+        got.extend(_booms(exc))
   return run
 
 
@@ -259,13 +276,17 @@ def _faults_shard_map(n, *, barrier_each_call, n_threads=1):
   x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
 
   def call(i, tid, seq):
-    out = f(tid, seq, x)
-    if barrier_each_call:
-      je.effects_barrier()
+    out = f(tid, seq, x)   # raises only earlier calls' errors, undispatched
+    if barrier_each_call:   # this call's errors: not a reason to retry it
+      try:
+        je.effects_barrier()
+      except (Boom, BaseExceptionGroup) as exc:
+        caught[int(tid)].extend(_booms(exc))
     return out
 
   caught = {}
-  run_threads([worker(call, t, n, caught) for t in range(n_threads)])
+  run_threads([worker(call, t, n, caught, retry_deferred=True)
+                for t in range(n_threads)])
   keys = [(t, i, d) for t in range(n_threads) for i in range(n)
           for d in range(8)]
   check(rec, caught, keys, tid_of=lambda key: key[0])
