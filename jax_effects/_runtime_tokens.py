@@ -465,6 +465,9 @@ def effects_barrier(all_threads: bool = False) -> None:
     with _all_lock:
       states = list(_all_states)
       orphans = list(_orphans)
+    # Dead before the wait: dispatches nothing after it, so it can be dropped
+    # (its thread-local may outlive the thread a little).
+    dead = [s for s in states if not s.alive()]
   else:
     states = [thread_tokens()]
     orphans = []
@@ -486,10 +489,12 @@ def effects_barrier(all_threads: bool = False) -> None:
   except Exception as err:
     _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
     first_error = first_error or err
-  if orphans:
+  if all_threads:
     done = {id(t) for t in orphans}
     with _all_lock:
       _orphans[:] = [t for t in _orphans if id(t) not in done]
+      for state in dead:
+        _all_states.discard(state)
   if first_error is not None:
     reraise(first_error, None)
   # deferred errors: this thread's and those of unknown origin (every

@@ -366,10 +366,12 @@ def test_exited_threads_release_their_token_state_and_arrays():
   je.effects_barrier(all_threads=True)
   gc.collect()
   arrays_before = len(jax.live_arrays())
-  states_before = _runtime_tokens.live_thread_states()
+  states_before = len(_runtime_tokens._all_states)
 
   def short_lived(i):
     f(jnp.int32(i))
+    if i % 2:   # half wait for their effects, half exit with them pending
+      je.effects_barrier()
 
   for start in range(0, 200, 20):
     threads = [threading.Thread(target=short_lived, args=(i,))
@@ -378,11 +380,16 @@ def test_exited_threads_release_their_token_state_and_arrays():
       t.start()
     for t in threads:
       t.join()
-  je.effects_barrier(all_threads=True)
+  # No all-threads barrier: exiting is enough to release a thread's state.
+  # (Tokens of exited threads still pending are kept until complete; the
+  # effects here are tiny, so wait for them without a barrier.)
+  for t in list(getattr(_runtime_tokens, "_orphans", [])):
+    t.block_until_ready()
   gc.collect()
-  assert _runtime_tokens.live_thread_states() <= states_before
+  assert len(_runtime_tokens._all_states) <= states_before
   # 200 threads x (initial token + token) were held before the fix
   assert len(jax.live_arrays()) <= arrays_before + 10
+  je.effects_barrier(all_threads=True)   # and the others' lines are all out
 
 
 # --- 2. barriers and mode switches inside a callback ------------------------------
