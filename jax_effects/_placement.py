@@ -26,8 +26,10 @@ on different threads). ``print`` prefixes per-device lines with
 its device's part of the program (the other devices would wait forever in the
 next collective and XLA's CPU runtime aborts the process): the error is
 recorded under the slot of the dispatching thread (the value of the carrier,
-see ``_runtime_tokens``), the callback returns zeros, and that thread's call
-(or its next call or barrier) raises it.
+see ``_runtime_tokens``), the callback returns zeros and the carrier with the
+``FAILED`` bit (the later effects of its chain are skipped), and that thread's
+next call (before it dispatches) or barrier raises it. Under plain
+``jax.jit`` errors are deferred the same way. See ``design/errors.md``.
 
 **Deterministic view.** Per-device effects are ordered on each device
 (program order, by that device's compiler-token chain), but devices run
@@ -130,12 +132,13 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
   the host function into one that takes those operands and runs the original
   with :func:`current` set.
 
-  In a multi-device computation the wrapped function does not fail: a user
+  In a multi-device computation (and under plain ``jax.jit``, where no hook
+  of ours can catch XLA's error) the wrapped function does not fail: a user
   error is recorded for the dispatching thread
   (``_runtime_tokens.defer_error``) and the results are zeros (the
-  ``passthrough`` ones are returned as received), because a device failing
-  its part of an SPMD program leaves the others waiting forever in the next
-  collective.
+  ``passthrough`` ones are returned as received, the carrier with the
+  ``FAILED`` bit), because a device failing its part of an SPMD program
+  leaves the others waiting forever in the next collective.
   """
   axis_ctx = ctx.module_context.axis_context
   if isinstance(axis_ctx, _compat.SPMDAxisContext):

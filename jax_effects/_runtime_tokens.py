@@ -22,7 +22,12 @@ a threaded executable returns one token array that serves as the new runtime
 token of every ordered effect it takes and as the output token of its devices.
 
 Errors raised by a user's callback are recorded here (:func:`record_error`)
-and replace the opaque XLA error that reaches the caller (:func:`reraise`).
+and replace the opaque XLA error that reaches the caller (:func:`reraise`), or
+are deferred to the dispatching thread's next call or barrier
+(:func:`defer_error`; the ``FAILED`` carrier bit and :data:`SLOT_MASK` are part
+of the token convention). A thread's state is released when the thread exits;
+interpreter exit waits for every thread and reports what is left. The
+contract: ``design/errors.md``.
 """
 from __future__ import annotations
 
