@@ -142,10 +142,15 @@ def _wait_for_switch(all_threads: bool) -> None:
 
   The two modes use different runtime-token streams, so nothing would order
   an effect dispatched after a switch behind one dispatched before it.
-  Switches are rare: blocking here keeps one program order across them.
+  Switches are rare: blocking here keeps one program order across them. It
+  reports no error (each stays for the thread that dispatched it). A dispatch
+  in flight in another thread while ``set_ordering`` runs is not waited for
+  here: that thread's next dispatch in the new mode first waits for its own
+  earlier ones (``_runtime_tokens.switch_mode``), so every thread's order
+  holds across the switch.
   """
   from jax_effects import _runtime_tokens  # (imports jax arrays lazily)
-  _runtime_tokens.effects_barrier(all_threads=all_threads)
+  _runtime_tokens.wait_quietly(all_threads)
 
 
 def _check_switch_allowed(call: str, switching: bool) -> None:

@@ -289,6 +289,8 @@ class Function:
     state = _runtime_tokens.thread_tokens()
     if _runtime_tokens._deferred:   # an earlier call's callback failed
       _runtime_tokens.raise_deferred(state)   # before dispatching anything
+    if state.mode != mode:   # after a mode switch: follow earlier dispatches
+      _runtime_tokens.switch_mode(state, mode)
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
       _runtime_tokens.effects_barrier()
@@ -307,6 +309,8 @@ class Function:
       if token.ndim:
         self._per_device_sharding[mode] = token.sharding
       _runtime_tokens.update(state, keys, token)
+      if state.own_errors:   # a callback of this call failed (ran inline)
+        _runtime_tokens.raise_own(state, token)
       return out
 
   def lower(self, *args, **kwargs) -> "Lowered":
@@ -371,6 +375,8 @@ class Compiled:
     state = _runtime_tokens.thread_tokens()
     if _runtime_tokens._deferred:   # an earlier call's callback failed
       _runtime_tokens.raise_deferred(state)   # before dispatching anything
+    if state.mode != self._mode:
+      _runtime_tokens.switch_mode(state, self._mode)
     # compiled for scalar tokens (see Function.lower): no per-device sharding
     tokens = _runtime_tokens.tokens_for(state, self._keys, None)
     try:
@@ -378,6 +384,8 @@ class Compiled:
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.reraise(err, state)
     _runtime_tokens.update(state, self._keys, token)
+    if state.own_errors:   # a callback of this call failed (ran inline)
+      _runtime_tokens.raise_own(state, token)
     return out
 
 

@@ -155,11 +155,11 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
       device = axis_ctx.device_assignment[0]
   placement = (_device_placement(device) if device is not None
                else Placement(None, None, jax.process_index()))
-  # Plain jax.jit (threaded=False) has no hook to raise the error from: it is
-  # deferred as well, to the thread's next jax_effects call or barrier.
+  # Single device too: a failed computation's token would fail every later
+  # computation given it (silently, when the failure is asynchronous). The
+  # call raises the error itself when the callback ran inline in it.
   return operands, avals_in, _wrapper(lambda args: placement, 0, threaded,
-                                      avals_out, passthrough,
-                                      defer=n_devices > 1 or not threaded)
+                                      avals_out, passthrough, defer=True)
 
 
 def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
@@ -200,7 +200,8 @@ def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
       try:
         return _run_at(placement, threaded, host, args)
       except BaseException as exc:  # noqa: BLE001 - reported by the thread
-        _runtime_tokens.defer_error(_runtime_tokens.user_error(exc), slot)
+        _runtime_tokens.defer_error(_runtime_tokens.user_error(exc), slot,
+                                    inline=carrier_at is not None)
         return zeros(args, None if carrier_at is None else
                      np.bitwise_or(carrier, FAILED))
     return attributed

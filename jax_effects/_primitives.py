@@ -117,7 +117,10 @@ def _effect_impl(*args, host_callback, effect, ordered, result_avals):
   if ordered:
     state = _runtime_tokens.thread_tokens()
     marker = _effects.marker(effect, True)
-    key = _effects.chain_key(marker, _effects.get_ordering())
+    mode = _effects.get_ordering()
+    if state.mode != mode:   # after a mode switch: follow earlier dispatches
+      _runtime_tokens.switch_mode(state, mode)
+    key = _effects.chain_key(marker, mode)
     token = state.runtime.get(key)
     if token is not None:
       token.block_until_ready()

@@ -56,7 +56,7 @@ _slots = itertools.count(1)
 class ThreadTokens:
   """The token state of one Python thread."""
   __slots__ = ("runtime", "output", "last_sharding", "per_device", "slot",
-               "initial", "thread", "__weakref__")
+               "initial", "thread", "mode", "own_errors", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
     # chain key (Effect) -> uncommitted single-device runtime token
@@ -73,6 +73,11 @@ class ThreadTokens:
     # computation, see defer_error). 0 stands for "unknown".
     self.slot = next(_slots)
     self.initial: jax.Array | None = None
+    # The ordering mode of this thread's last dispatch (see switch_mode).
+    self.mode: str | None = None
+    # Errors of callbacks that ran inline on this thread, during the dispatch
+    # in progress: that call raises them when it returns (see defer_error).
+    self.own_errors: list[BaseException] = []
     self.thread = weakref.ref(thread)
 
   def devices(self) -> dict[Any, jax.Array]:
@@ -162,6 +167,19 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     for key in keys:
       if key is not _effects.UNORDERED:
         state.runtime[key] = runtime
+
+
+def switch_mode(state: ThreadTokens, mode: str) -> None:
+  """Called before a dispatch in a mode other than the thread's last one.
+
+  The two modes use different runtime-token streams, so nothing would order
+  this dispatch after the thread's earlier ones, which may still be in flight
+  (a ``set_ordering`` from another thread lands between any two calls): wait
+  for them first. Switches are rare; the common path is one comparison.
+  """
+  if state.mode is not None:
+    _wait_quietly(state)
+  state.mode = mode
 
 
 def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
@@ -309,8 +327,19 @@ _deferred: dict[int, list[BaseException]] = {}
 _dropped: dict[int, int] = {}
 
 
-def defer_error(exc: BaseException, slot: int = 0) -> None:
-  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise."""
+def defer_error(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
+  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
+
+  ``inline``: the callback may be running on the dispatching thread itself,
+  inside its jax_effects call (the CPU client runs a computation inline when
+  its inputs are ready): then that call raises it when it returns
+  (:func:`raise_own`), as a failing Python call would.
+  """
+  if inline:
+    state = getattr(_local, "state", None)
+    if state is not None and state.slot == slot:
+      state.own_errors.append(exc)
+      return
   with _errors_lock:
     kept = _deferred.setdefault(slot, [])
     if len(kept) < MAX_KEPT_ERRORS:
@@ -384,6 +413,29 @@ def raise_deferred(state: ThreadTokens) -> None:
     raise exc.with_traceback(exc.__traceback__)
 
 
+def raise_own(state: ThreadTokens, token) -> None:
+  """Raises the errors of the call that just returned (callbacks that ran
+  inline), with every other error of the thread pending once that call's
+  computation has completed: one report."""
+  own = state.own_errors
+  state.own_errors = []
+  try:
+    token.block_until_ready()
+  except Exception:  # noqa: BLE001 - not ours to report here
+    pass
+  if state.slot in _deferred:
+    _wait_quietly(state)
+  rest = pop_deferred((state.slot,))
+  errors = own + (flat_errors(rest) if rest is not None else [])
+  exc = errors[0] if len(errors) == 1 else group(errors)
+  raise exc.with_traceback(exc.__traceback__)
+
+
+def flat_errors(report: BaseException) -> list[BaseException]:
+  errors = getattr(report, "jax_effects_errors", None)
+  return list(errors) if errors is not None else [report]
+
+
 def is_execution_error(err: BaseException) -> bool:
   """Whether ``err``, raised by running an executable, is an execution failure.
 
@@ -444,6 +496,29 @@ def _wait_quietly(state: ThreadTokens) -> None:
       token.block_until_ready()
     except Exception:  # noqa: BLE001 - reported by the call or barrier
       pass
+
+
+def wait_quietly(all_threads: bool) -> None:
+  """Blocks on this thread's tokens (every thread's, exited ones included, with
+  ``all_threads``) and reports nothing: each error stays for the thread that
+  dispatched it (a mode switch waits like this)."""
+  if all_threads:
+    with _all_lock:
+      states = list(_all_states)
+      orphans = list(_orphans)
+  else:
+    states, orphans = [thread_tokens()], []
+  for state in states:
+    _wait_quietly(state)
+  for token in orphans:
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - reported by a barrier
+      pass
+  try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
+    jax.effects_barrier()
+  except Exception:  # noqa: BLE001
+    pass
 
 
 def wait_for_thread() -> None:

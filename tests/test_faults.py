@@ -75,9 +75,9 @@ def _booms(exc):
 def worker(call, tid, n, caught, retry_deferred=False):
   """Dispatches ``n`` calls; collects every Boom this thread receives.
 
-  ``retry_deferred``: the calls' errors are all deferred (multi-device), so a
-  call that raises raised an earlier call's errors before dispatching
-  anything (design/errors.md): it is retried, and its effects run once.
+  ``retry_deferred``: a call that raises only earlier calls' errors raised
+  them before dispatching anything (design/errors.md): it is retried, and
+  its effects run once. (Keys are ``(tid, seq, ...)``.)
   """
 
   def run():
@@ -87,9 +87,10 @@ def worker(call, tid, n, caught, retry_deferred=False):
         try:
           call(i, np.int32(tid), np.int32(i))
         except (Boom, BaseExceptionGroup) as exc:
-          got.extend(_booms(exc))
-          if retry_deferred:
-            continue
+          errors = _booms(exc)
+          got.extend(errors)
+          if retry_deferred and all(e.args[0][1] != i for e in errors):
+            continue   # only earlier calls' errors: this one never ran
         break
     while True:   # until a barrier has nothing left to report
       try:
