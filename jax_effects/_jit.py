@@ -306,9 +306,15 @@ class Function:
         continue
       except Exception as err:  # noqa: BLE001 - an execution error or not
         _runtime_tokens.reraise(err, state)
-      if token.ndim:
-        self._per_device_sharding[mode] = token.sharding
-      _runtime_tokens.update(state, keys, token)
+      try:
+        if token.ndim:
+          self._per_device_sharding[mode] = token.sharding
+        _runtime_tokens.update(state, keys, token)
+      except BaseException:
+        # KeyboardInterrupt (SIGINT) landing after the computation was
+        # dispatched: its token is still stored, so what follows waits for it.
+        _runtime_tokens.store_interrupted(state, keys, token)
+        raise
       if state.own_errors:   # a callback of this call failed (ran inline)
         _runtime_tokens.raise_own(state, token)
       return out
@@ -383,7 +389,11 @@ class Compiled:
       out, token = self._compiled(tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.reraise(err, state)
-    _runtime_tokens.update(state, self._keys, token)
+    try:
+      _runtime_tokens.update(state, self._keys, token)
+    except BaseException:   # see Function._call_threaded
+      _runtime_tokens.store_interrupted(state, self._keys, token)
+      raise
     if state.own_errors:   # a callback of this call failed (ran inline)
       _runtime_tokens.raise_own(state, token)
     return out

@@ -182,6 +182,22 @@ def switch_mode(state: ThreadTokens, mode: str) -> None:
   state.mode = mode
 
 
+def store_interrupted(state: ThreadTokens, keys, token) -> None:
+  """Stores a dispatched computation's token when an interrupt
+  (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
+  between the dispatch and :func:`update`: the computation runs anyway, so
+  the thread's next dispatch and its barrier must still follow it. Storing
+  the same token twice is harmless; if storing fails, the token is waited for.
+  """
+  try:
+    update(state, keys, token)
+  except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001
+      pass
+
+
 def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
   """The runtime tokens of ``keys`` to pass to the next computation.
 

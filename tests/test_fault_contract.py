@@ -435,3 +435,48 @@ def test_ordering_inside_a_traced_function_is_a_clear_error(mode):
   with pytest.raises(RuntimeError, match="traced"):
     jax.jit(f)(jnp.int32(1))
   assert je.get_ordering() == "per_effect"
+
+
+# --- 8. KeyboardInterrupt during dispatch --------------------------------------
+
+def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
+  # SIGINT's KeyboardInterrupt is raised at the next Python instruction of
+  # the dispatching thread: after a per-device computation is dispatched (it
+  # runs asynchronously) and before its token is stored, at the entry of
+  # _runtime_tokens.update. Simulated there, deterministically, once.
+  order = []
+  lock = threading.Lock()
+
+  def slow(v):
+    threading.Event().wait(0.2)     # still running when the next call comes
+    with lock:
+      order.append(("slow", int(v[0])))
+
+  f = je.jit(jax.shard_map(lambda v: (je.callback(slow, None, v), v)[1],
+                           mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+  g = je.jit(lambda x: (je.callback(lambda v: order.append(("next", int(v))),
+                                    None, x), x)[1])
+  x = sharded(mesh, jnp.arange(N, dtype=jnp.int32))
+  f(x)
+  g(jnp.int32(0))
+  je.effects_barrier()
+  order.clear()
+
+  real_update = _runtime_tokens.update
+  calls = []
+
+  def interrupted_update(*args):
+    if not calls:
+      calls.append(1)
+      raise KeyboardInterrupt
+    return real_update(*args)
+
+  monkeypatch.setattr(_runtime_tokens, "update", interrupted_update)
+  with pytest.raises(KeyboardInterrupt):
+    f(x)
+  monkeypatch.setattr(_runtime_tokens, "update", real_update)
+  g(jnp.int32(1))           # must follow the interrupted call's effects
+  je.effects_barrier()      # and the barrier must wait for them
+  assert len(order) == N + 1, order
+  assert sorted(order[:N]) == [("slow", d) for d in range(N)]
+  assert order[N] == ("next", 1)
