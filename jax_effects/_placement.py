@@ -188,7 +188,8 @@ def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
         # and FAILED once an earlier effect of its chain failed: as after a
         # raise in Python, the later effects of the chain do not run.
         carrier = args[carrier_at]
-        value = int(np.max(carrier))   # (a loop may carry a vector)
+        # (a loop may carry a vector)
+        value = int(carrier) if not carrier.ndim else int(carrier.max())
         if value & FAILED:
           return zeros(args, carrier)
         slot = int(value & SLOT_MASK)
