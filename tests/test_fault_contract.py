@@ -480,3 +480,40 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   assert len(order) == N + 1, order
   assert sorted(order[:N]) == [("slow", d) for d in range(N)]
   assert order[N] == ("next", 1)
+
+
+# --- 11. a new thread's first call does not wait for busy devices ---------------
+
+def test_new_threads_first_call_does_not_wait_for_busy_devices():
+  # Thread A's per-device callbacks occupy all 8 devices until thread B's
+  # first call (single device, a fresh thread: its first token) has run its
+  # callback. If B's first call waited for the devices, both would stall
+  # until A's callbacks gave up.
+  proc = run_script(PRELUDE + """
+import threading
+released = threading.Event()
+gave_up = []
+def wait_for_b(v):
+  if not released.wait(30):
+    gave_up.append(int(v[0]))
+a = je.jit(jax.shard_map(lambda v: (je.callback(wait_for_b, None, v), v)[1],
+                         mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+b = je.jit(lambda v: (je.callback(lambda _: released.set(), None, v), v)[1])
+released.set(); a(x); b(jnp.zeros(2)); je.effects_barrier(); released.clear()
+started = threading.Event()
+def thread_a():
+  a(x)
+  started.set()
+  je.effects_barrier()
+ta = threading.Thread(target=thread_a)
+ta.start()
+started.wait(30)
+tb = threading.Thread(target=lambda: b(jnp.zeros(2)))
+tb.start()
+tb.join(60)
+ta.join(60)
+je.effects_barrier(all_threads=True)
+print("gave up" if gave_up else "ok")
+""", timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["ok"]
