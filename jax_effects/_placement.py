@@ -22,14 +22,15 @@ thread-local: XLA may run the callbacks of several devices at the same time
 on different threads). ``print`` prefixes per-device lines with
 :meth:`Placement.prefix`; ``log`` copies the fields onto its records.
 
-**Errors.** In a multi-device computation a failing callback must not fail
-its device's part of the program (the other devices would wait forever in the
-next collective and XLA's CPU runtime aborts the process): the error is
-recorded under the slot of the dispatching thread (the value of the carrier,
-see ``_runtime_tokens``), the callback returns zeros and the carrier with the
-``FAILED`` bit (the later effects of its chain are skipped), and that thread's
-next call (before it dispatches) or barrier raises it. Under plain
-``jax.jit`` errors are deferred the same way. See ``design/errors.md``.
+**Errors.** A failing callback never fails its computation (in a
+multi-device one the other devices would wait forever in the next collective
+and XLA's CPU runtime aborts the process): the error is recorded for the
+dispatching thread (the value of the carrier is its slot, see
+``_runtime_tokens``), the callback returns zeros and the carrier with the
+``FAILED`` bit (the later effects of its chain are skipped), and that
+thread's call raises it (when the callback ran inline in it), or else its
+next call (before it dispatches) or barrier. Under plain ``jax.jit`` errors
+are deferred the same way. See ``design/errors.md``.
 
 **Deterministic view.** Per-device effects are ordered on each device
 (program order, by that device's compiler-token chain), but devices run
@@ -132,21 +133,21 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
   the host function into one that takes those operands and runs the original
   with :func:`current` set.
 
-  In a multi-device computation (and under plain ``jax.jit``, where no hook
-  of ours can catch XLA's error) the wrapped function does not fail: a user
-  error is recorded for the dispatching thread
-  (``_runtime_tokens.defer_error``) and the results are zeros (the
-  ``passthrough`` ones are returned as received, the carrier with the
-  ``FAILED`` bit), because a device failing its part of an SPMD program
-  leaves the others waiting forever in the next collective.
+  The wrapped function never fails its computation: a user error is recorded
+  for the dispatching thread (``_runtime_tokens.defer_error``) and the
+  results are zeros (the ``passthrough`` ones are returned as received, the
+  carrier with the ``FAILED`` bit). A device failing its part of an SPMD
+  program leaves the others waiting forever in the next collective; a failed
+  computation's token fails every computation it is passed to; and under
+  plain ``jax.jit`` no hook of ours could catch XLA's error
+  (``design/errors.md``).
   """
   axis_ctx = ctx.module_context.axis_context
   if isinstance(axis_ctx, _compat.SPMDAxisContext):
     table, operands, avals_in = _per_device_table(axis_ctx.mesh, operands,
                                                   avals_in)
     return operands, avals_in, _wrapper(lambda args: table[int(args[-1])], 1,
-                                        threaded, avals_out, passthrough,
-                                        defer=True)
+                                        threaded, avals_out, passthrough)
   device = None
   n_devices = 1
   if isinstance(axis_ctx, _compat.ShardingContext):
@@ -159,11 +160,11 @@ def attribute(ctx, operands: list, avals_in: list, avals_out: list, *,
   # computation given it (silently, when the failure is asynchronous). The
   # call raises the error itself when the callback ran inline in it.
   return operands, avals_in, _wrapper(lambda args: placement, 0, threaded,
-                                      avals_out, passthrough, defer=True)
+                                      avals_out, passthrough)
 
 
 def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
-             passthrough: int, *, defer: bool):
+             passthrough: int):
   from jax_effects import _runtime_tokens
   FAILED = _runtime_tokens.FAILED
   SLOT_MASK = _runtime_tokens.SLOT_MASK
@@ -181,8 +182,6 @@ def _wrapper(placement_of, n_extra: int, threaded: bool, avals_out,
       placement = placement_of(args)
       if n_extra:
         args = args[:-n_extra]
-      if not defer:
-        return _run_at(placement, threaded, host, args)
       if carrier_at is not None:
         # The carrier holds the dispatching thread's slot (_runtime_tokens),
         # and FAILED once an earlier effect of its chain failed: as after a

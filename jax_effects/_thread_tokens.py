@@ -348,8 +348,8 @@ def thread_tokens(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # _shard_map_rules: the token is then that vector, no collective needed.)
   token = functools.reduce(jnp.maximum, finals) if finals else None
   if token is not None:
-    # A chain whose effect failed in a multi-device computation carries the
-    # FAILED bit (its later effects were skipped); the next computation starts
-    # clean (the error itself is reported by the thread, design/errors.md).
+    # A chain whose effect failed carries the FAILED bit (its later effects
+    # were skipped); the next computation starts clean (the error itself is
+    # reported by the dispatching thread, design/errors.md).
     token = jnp.bitwise_and(token, _runtime_tokens.SLOT_MASK)
   return outs, token
