@@ -161,14 +161,21 @@ def test_every_device_failing_every_call_is_one_report_per_execution(mesh):
     except BaseException as exc:  # noqa: BLE001
       got.append(exc)
   got += reports(lambda: None)
-  # Every report holds whole executions (8 errors each, one per device).
+  # Every report holds whole executions (8 errors each, one per device),
+  # kept or counted (a report keeps at most MAX_KEPT_ERRORS: under heavy load
+  # several executions can fail before the thread's next call sees one).
   errors = [e for r in got for e in flat(r)]
-  assert len(raised) == ran * N
-  assert all(len(flat(r)) % N == 0 for r in got)
+  dropped = sum(getattr(r, "jax_effects_dropped", 0) for r in got)
+  # (a call that raised its own errors ran too: they ran inline in it)
+  assert len(raised) % N == 0 and ran <= len(raised) // N <= calls
+  assert all((len(flat(r)) + getattr(r, "jax_effects_dropped", 0)) % N == 0
+             for r in got)
   assert all(isinstance(r, ExceptionGroup) for r in got)
   # Each error once, as itself; nothing left behind.
-  assert sorted(map(id, errors)) == sorted(map(id, raised))
-  assert not _runtime_tokens._deferred
+  assert len({id(e) for e in errors}) == len(errors)
+  assert {id(e) for e in errors} <= {id(e) for e in raised}
+  assert len(errors) + dropped == len(raised)
+  assert not _runtime_tokens._deferred and not _runtime_tokens._dropped
   je.effects_barrier(all_threads=True)
 
 
