@@ -108,7 +108,9 @@ class ThreadTokens:
 
 
 _local = threading.local()
-_all_lock = threading.Lock()
+# Reentrant: a thread-exit finalizer (_thread_exited) may run from garbage
+# collection in a thread that holds it.
+_all_lock = threading.RLock()
 # every live thread's state (weakly: a thread's state goes with the thread)
 _all_states: "weakref.WeakSet[ThreadTokens]" = weakref.WeakSet()
 
