@@ -1,142 +1,119 @@
-"""Errors of host callbacks: recorded once, raised once, to the right caller.
+"""Errors of host callbacks: each reported once, to the thread that dispatched it.
 
-A user's exception raised in a host callback cannot travel through XLA as
-itself. The host function records it here (:func:`record_error`, which
-returns the :class:`CallbackFailed` marker it raises into XLA instead); when
-the failed execution's error reaches the dispatching call (or
-``effects_barrier``), :func:`reraise` finds the marker's id in XLA's message
-and raises the original exception object, once, removing it from the
-registry.
+The contract is ``design/errors.md``. A callback error never fails an XLA
+computation (in a multi-device one the other devices would wait forever in
+the next collective; a failed computation's token would fail every later
+computation given it; under plain ``jax.jit`` no hook of ours could catch
+XLA's error). Instead the host function (``_host``) *defers* the user's
+exception here, under the slot of the thread that dispatched the computation
+(the value of the carrier it received, :data:`SLOT_MASK`), and returns zeros
+with the carrier's :data:`FAILED` bit set, so the later effects of its chain
+in that execution are skipped, as nothing runs after a ``raise`` in Python.
+The pass masks the bit off the returned token (``_token_pass``).
 
-In a multi-device computation a callback must not fail its device's part of
-the program (the other devices would wait forever in the next collective):
-its error is *deferred* (:func:`defer_error`) under the slot of the thread
-that dispatched the computation, read from the carrier the callback
-received, which holds that thread's runtime-token value
-(``_runtime_tokens``). That thread's call (or its next call or barrier)
-raises it (:func:`raise_deferred`, :func:`pop_deferred`). See
-``design/errors.md``.
+That thread raises what is deferred for it, once (``_runtime_tokens``): the
+call itself when the callback ran inline in it, else its next call before it
+dispatches anything, or its barrier. Several errors pending at once are one
+report (:func:`group`); at most :data:`MAX_KEPT_ERRORS` are kept per thread
+between reports, the rest counted.
 """
 from __future__ import annotations
 
-import itertools
-import re
 import threading
 from typing import Callable
 
 import jax
+import numpy as np
 
-_error_ids = itertools.count(1)
-_errors_lock = threading.Lock()
-_errors: dict[int, BaseException] = {}
-_MARK = "jax_effects callback error #"
-_MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)")
+#: Carrier bit: an earlier effect of this chain in this execution failed, so
+#: the later ones are skipped (set by the host function that failed; masked
+#: off before the computation returns its token, see ``_token_pass``).
+FAILED = np.int32(1 << 30)
+SLOT_MASK = np.int32((1 << 30) - 1)
+#: At most this many deferred errors are kept per thread between two reports;
+#: later ones are counted, and the count is reported with them.
+MAX_KEPT_ERRORS = 64
 
-
-class CallbackFailed(Exception):
-  """Raised into XLA in place of a user's exception; carries its id."""
-
-
-def record_error(exc: BaseException) -> CallbackFailed:
-  """Stores a user callback's exception; returns the marker to raise to XLA."""
-  n = next(_error_ids)
-  with _errors_lock:
-    _errors[n] = exc
-  return CallbackFailed(f"{_MARK}{n}: {type(exc).__name__}: {exc}")
-
-
-def original_error(err: BaseException) -> BaseException | None:
-  """The user exception behind an XLA error, removed so it is reported once."""
-  ids = _MARK_RE.findall(str(err))
-  if not ids:
-    return None
-  found = None
-  with _errors_lock:
-    for n in ids:   # one XLA error may mention several; report the first
-      exc = _errors.pop(int(n), None)
-      found = found or exc
-  return found
+_lock = threading.Lock()
+# Deferred errors: slot of the dispatching thread -> its unreported errors,
+# oldest first (at most MAX_KEPT_ERRORS; _dropped counts the others). Slot 0:
+# the dispatching thread is unknown (a callback under plain jax.jit that ran
+# on one of XLA's threads). Read without the lock on every dispatch (empty:
+# no deferred error anywhere).
+deferred: dict[int, list[BaseException]] = {}
+_dropped: dict[int, int] = {}
 
 
-# Errors of callbacks in multi-device computations. Raising into XLA there
-# would leave the other devices waiting forever in the next collective (XLA's
-# CPU runtime then aborts the process), so the host function returns normally
-# and the error waits here, under the slot of the thread that dispatched the
-# computation (read from the carrier the callback received; 0 if unknown, as
-# for a chain that did not start from a runtime token). The dispatching
-# thread raises it when its call returns (raise_deferred), or its next
-# effects_barrier does. Read without the lock on every dispatch (empty: no
-# deferred error anywhere).
-deferred: dict[int, list[int]] = {}
+def defer(exc: BaseException, slot: int = 0) -> None:
+  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise."""
+  with _lock:
+    kept = deferred.setdefault(slot, [])
+    if len(kept) < MAX_KEPT_ERRORS:
+      kept.append(exc)
+    else:
+      _dropped[slot] = _dropped.get(slot, 0) + 1
 
 
-def defer_error(failed: CallbackFailed, slot: int = 0) -> None:
-  """Keeps the error behind ``failed`` for thread ``slot`` to raise."""
-  with _errors_lock:
-    deferred.setdefault(slot, []).extend(
-        int(n) for n in _MARK_RE.findall(str(failed)))
+def has_deferred(slot: int) -> bool:
+  return slot in deferred
 
 
 def pop_deferred(slots=None) -> BaseException | None:
-  """Removes and returns the oldest deferred error of ``slots`` (all if None).
-
-  One error per call: each reaches the user once, as itself. If more are
-  pending for those slots, a note on the returned one says so (the next call
-  or barrier raises the next one).
+  """Removes every deferred error of ``slots`` (all if None); returns the
+  report: the one error itself, or all of them together (:func:`group`).
+  Each error is reported once: a later call finds nothing.
   """
   if not deferred:
     return None
-  exc = None
-  with _errors_lock:
+  with _lock:
     slots = list(deferred) if slots is None else slots
+    errors: list[BaseException] = []
+    dropped = 0
     for slot in slots:
-      ids = deferred.get(slot, [])
-      while ids and exc is None:
-        exc = _errors.pop(ids.pop(0), None)
-      if not ids:
-        deferred.pop(slot, None)
-      if exc is not None:
-        break
-    left = sum(len(deferred.get(s, ())) for s in slots)
-  if exc is not None and left and hasattr(exc, "add_note"):
-    exc.add_note(
-        f"jax_effects: {left} more callback error(s) of multi-device "
-        "computations are pending; the next effects_barrier() (or call) "
-        "raises the next one")
-  return exc
+      errors.extend(deferred.pop(slot, ()))
+      dropped += _dropped.pop(slot, 0)
+  if not errors:
+    return None
+  if len(errors) == 1 and not dropped:
+    return errors[0]
+  return group(errors, dropped)
 
 
-def raise_deferred(slot: int) -> None:
-  """Raises an error deferred by a computation thread ``slot`` dispatched."""
-  exc = pop_deferred((slot,))
-  if exc is not None:
-    raise exc.with_traceback(exc.__traceback__)
+def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
+  """Several callback errors reported together.
 
-
-def is_execution_error(err: BaseException) -> bool:
-  """Whether ``err``, raised by running an executable, is an execution failure.
-
-  An XLA runtime error, or a callback's error surfacing as another type: when
-  the CPU client runs a computation inline, a failed host callback reaches the
-  caller as ``ValueError("INTERNAL: CpuCallback error ...")``.
+  A ``BaseExceptionGroup`` (an ``ExceptionGroup`` when all are ``Exception`` s)
+  on Python >= 3.11; before, the first error, with the others in its
+  ``jax_effects_errors`` attribute (all of them, the first included).
+  ``dropped``: errors beyond :data:`MAX_KEPT_ERRORS` that were only counted.
   """
-  return isinstance(err, jax.errors.JaxRuntimeError) or _MARK in str(err)
+  more = f" (and {dropped} more, not kept)" if dropped else ""
+  message = (f"jax_effects: {len(errors)} host callbacks failed{more}; "
+             "each is one of the exceptions below")
+  try:
+    report = BaseExceptionGroup(message, errors)  # noqa: F821 - Python >= 3.11
+  except NameError:
+    report = errors[0]
+  report.jax_effects_errors = tuple(errors)
+  report.jax_effects_dropped = dropped
+  return report
+
+
+def flat_errors(report: BaseException) -> list[BaseException]:
+  """The errors of a report (:func:`group`'s, or a single one)."""
+  errors = getattr(report, "jax_effects_errors", None)
+  return list(errors) if errors is not None else [report]
 
 
 def reraise(err: BaseException, reset: Callable[[], None] | None) -> None:
-  """Raises the user's exception behind ``err`` (or ``err`` itself).
+  """Raises ``err``, an error raised by dispatching a computation.
 
-  ``reset`` (the dispatching thread's token reset) is called first: a failed
-  computation's tokens carry its error and must not be handed to the next
-  computation. An error that is not an execution failure
-  (:func:`is_execution_error`: a tracing error, say) is raised unchanged and
-  resets nothing.
+  ``reset`` (the dispatching thread's token reset) is called first for an
+  XLA execution failure: a failed computation's tokens carry its error and
+  must not be handed to the next computation. (A callback's error never
+  fails a computation, see the module docstring.) Any other error (a tracing
+  error, say) resets nothing.
   """
-  if not is_execution_error(err):
-    raise err
-  orig = original_error(err)
-  if reset is not None:
+  if reset is not None and isinstance(err, jax.errors.JaxRuntimeError):
     reset()
-  if orig is None:
-    raise err
-  raise orig.with_traceback(orig.__traceback__) from None
+  raise err

@@ -11,12 +11,11 @@ the elements of a vmapped ``while_loop`` that are no longer iterating.
 lowered effect. Its operands are, in order: ``passthrough`` values it
 returns as received (for a threaded effect the ``!stablehlo.token``
 placeholder and the ``int32`` carrier, which holds the dispatching thread's
-slot), the effect's operands, and, for a per-device callback, the partition
-id. While the user's function runs, ``_placement.site`` says where. A user
-exception is recorded in ``_errors`` and its marker raised into XLA, so the
-dispatching call raises the original exception once; in a multi-device
-computation it is deferred to the dispatching thread instead and the results
-are zeros (see ``design/errors.md``).
+slot and the ``_errors.FAILED`` bit), the effect's operands, and, for a
+per-device callback, the partition id. While the user's function runs,
+``_placement.site`` says where. A user exception never fails the
+computation: it is deferred to the dispatching thread, which raises it once
+(see ``design/errors.md``), and the results are zeros.
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from jax_effects import _errors
 from jax_effects import _placement
+from jax_effects import _runtime_tokens
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,14 +98,28 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
 
   ``where``: from ``_placement.at_lowering``. ``threaded``: lowered from
   ``threaded_effect_p`` (the carrier, the last passthrough operand, holds the
-  dispatching thread's slot). ``avals_out``: of all results, passthrough
-  ones first.
+  dispatching thread's slot and the ``FAILED`` bit). ``avals_out``: of all
+  results, passthrough ones first.
+
+  It never fails its computation (``design/errors.md``): a user exception is
+  deferred to the dispatching thread (``_runtime_tokens.defer_error``) and
+  the results are zeros (the passthrough ones as received, the carrier with
+  ``FAILED`` set, so the later effects of the chain are skipped).
   """
   fn = host_callback.fn
   what = host_callback.description
   result_avals = host_callback.result_avals
-  fixed, table, defer = where.fixed, where.table, where.multi_device
+  fixed, table = where.fixed, where.table
   site = _placement.site
+  carrier_at = passthrough - 1 if threaded and passthrough else None
+  FAILED, SLOT_MASK = _errors.FAILED, _errors.SLOT_MASK
+
+  def zeros(args, carrier):
+    out = [*args[:passthrough],
+           *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:])]
+    if carrier_at is not None:
+      out[carrier_at] = carrier
+    return tuple(out)
 
   def host(*args):
     if table is None:
@@ -113,22 +127,29 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
     else:
       placement = table[int(args[-1])]
       args = args[:-1]
+    if carrier_at is not None:
+      # The carrier holds the dispatching thread's slot, and FAILED once an
+      # earlier effect of its chain failed: as after a raise in Python, the
+      # later effects of the chain do not run.
+      carrier = args[carrier_at]
+      value = int(carrier) if not carrier.ndim else int(carrier.max())
+      if value & FAILED:
+        return zeros(args, carrier)
+      slot = int(value & SLOT_MASK)
+    else:   # plain jax.jit: run on the dispatching thread if on one device
+      slot = 0 if placement.per_device else _runtime_tokens.current_slot()
+      if slot and _errors.has_deferred(slot):
+        return zeros(args, None)   # after an unreported failure: skipped
     prev = site.placement, site.threaded
     site.placement, site.threaded = placement, threaded
     try:
       results = fn(*args[passthrough:])
       results = (check_results(what, results, result_avals) if result_avals
                  else ())
-    except BaseException as exc:  # reaches the caller as itself, once
-      failed = _errors.record_error(exc)
-      if not defer:
-        raise failed from None
-      # A device must not fail its part of an SPMD program: the carrier holds
-      # the dispatching thread's slot, which raises the error.
-      slot = int(args[passthrough - 1]) if threaded and passthrough else 0
-      _errors.defer_error(failed, slot)
-      return (*args[:passthrough],
-              *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:]))
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      _runtime_tokens.defer_error(exc, slot, inline=carrier_at is not None)
+      return zeros(args, None if carrier_at is None
+                   else np.bitwise_or(carrier, FAILED))
     finally:
       site.placement, site.threaded = prev
     return (*args[:passthrough], *results)

@@ -139,20 +139,37 @@ class _Threaded:
     self.jitted: dict[int | None, Any] = {}
 
 
-def _dispatch(state, keys: tuple, per_device_sharding, call, args, kwargs):
+def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
+              kwargs):
   """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
 
-  Passes the thread's runtime tokens of ``keys`` to ``call(tokens, *args,
-  **kwargs)``, raises the user's exception behind an execution error (once;
-  the thread's tokens are reset), stores the returned token. Returns
-  ``(outputs, token)``. :class:`NeedsTokens` propagates unchanged.
+  First raises the errors earlier computations of this thread deferred
+  (before dispatching anything), and after a mode switch waits for the
+  thread's earlier dispatches (``_runtime_tokens.switch_mode``). Then passes
+  the thread's runtime tokens of ``keys`` to ``call(tokens, *args,
+  **kwargs)`` and stores the returned token, also when an interrupt lands
+  right after the dispatch; raises the errors of callbacks that ran inline
+  in this call (``design/errors.md``). Returns ``(outputs, token)``.
+  :class:`NeedsTokens` propagates unchanged.
   """
+  if _errors.deferred:   # an earlier call's callback failed
+    _runtime_tokens.raise_deferred(state)   # before dispatching anything
+  if state.mode != mode:   # after a mode switch: follow earlier dispatches
+    _runtime_tokens.switch_mode(state, mode)
   tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
   try:
     out, token = call(tokens, *args, **kwargs)
   except Exception as err:  # noqa: BLE001 - an execution error or not
     _errors.reraise(err, state.reset)
-  _runtime_tokens.update(state, keys, token)
+  try:
+    _runtime_tokens.update(state, keys, token)
+  except BaseException:
+    # KeyboardInterrupt (SIGINT) landing after the computation was
+    # dispatched: its token is still stored, so what follows waits for it.
+    _runtime_tokens.store_interrupted(state, keys, token)
+    raise
+  if state.own_errors:   # a callback of this call failed (ran inline)
+    _runtime_tokens.raise_own(state, token)
   return out, token
 
 
@@ -262,7 +279,9 @@ class Function:
     mode = _effects.get_ordering()
     keys = _token_pass.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
-      err = NeedsTokens(tuple(k for k in keys if k is not _effects.UNORDERED))
+      # (unordered effects get a token too: the thread's initial token, never
+      # stored back, so their carrier holds the thread's slot for errors)
+      err = NeedsTokens(keys)
       if getattr(_strict, "on", False):
         raise err
       # A new signature of a function that was pure so far, called straight
@@ -283,7 +302,7 @@ class Function:
     closed, dyn, out_tree = self._trace(tuple(args), kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
-                    if k is not _effects.UNORDERED and k not in known)
+                    if k not in known)
     if missing or len(runtime) != len(known):
       raise NeedsTokens(missing)
     outs, token = _token_pass.thread_program(
@@ -329,6 +348,8 @@ class Function:
     """Until a call finds the function pure: a pure call that may learn."""
     if self._effectful:
       return self._call_threaded(*args, **kwargs)
+    if _errors.deferred and _compat.at_top_level():
+      _runtime_tokens.raise_deferred(_runtime_tokens.thread_state())
     previous = getattr(_strict, "on", False)
     _strict.on = True
     try:
@@ -358,7 +379,7 @@ class Function:
     while True:
       jitted = threaded.jitted.get(None) or self._threaded_jit(mode, args)
       try:
-        out, token = _dispatch(state, threaded.keys,
+        out, token = _dispatch(state, mode, threaded.keys,
                                threaded.per_device_sharding, jitted, args,
                                kwargs)
       except NeedsTokens as err:
@@ -605,8 +626,8 @@ class Compiled(_Stage):
     if self._mode is None:
       return self._inner(*args, **kwargs)
     # compiled for scalar tokens (see Function.lower): no per-device sharding
-    out, _ = _dispatch(_runtime_tokens.thread_state(), self._keys, None,
-                       self._inner, args, kwargs)
+    out, _ = _dispatch(_runtime_tokens.thread_state(), self._mode, self._keys,
+                       None, self._inner, args, kwargs)
     return out
 
 

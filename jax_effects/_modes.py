@@ -6,7 +6,14 @@ The ordering mode decides which runtime-token stream an ordered effect uses
 streams, so nothing would order an effect dispatched after a switch behind
 one dispatched before it: every switch here first waits for the effects
 already dispatched (``effects_barrier``), which keeps one program order
-across it. Switches are rare; blocking there costs nothing per call.
+across it. Switches are rare; blocking there costs nothing per call. The
+wait reports no error (each stays for the thread that dispatched it). A
+dispatch in flight in another thread while ``set_ordering`` runs is not
+waited for here: that thread's next dispatch in the new mode first waits for
+its own earlier ones (``_runtime_tokens.switch_mode``), so every thread's
+order holds across the switch. A switch is refused inside a traced function
+(it would be ignored) and inside a host callback (it would wait for the
+computation running it): ``design/errors.md``.
 
 :func:`deterministic` switches how per-device output is *delivered*: held and
 released in a fixed order (``_output``); leaving it waits for the calling
@@ -17,20 +24,36 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _output
 from jax_effects import _runtime_tokens
+
+
+def _check_switch_allowed(call: str, switching: bool) -> None:
+  """A mode switch inside a trace or a host callback is refused."""
+  if not _compat.at_top_level():
+    raise RuntimeError(
+        f"jax_effects: {call} was called while a function is being traced "
+        "(under jit, vmap, grad, ...); the ordering mode of a computation is "
+        "the one in effect when it is dispatched, so this switch would be "
+        "ignored. Enter it around the call of the jitted function instead.")
+  if switching:   # (it waits for dispatched effects: not from a callback)
+    _runtime_tokens.check_not_in_callback(call)
 
 
 def set_ordering(mode: str) -> None:
   """Sets the process-wide ordering mode (``"per_effect"`` or ``"global"``).
 
   Threads inside an :func:`ordering` context keep their own mode. Changing
-  the mode first waits for every thread's dispatched effects.
+  the mode first waits for every thread's dispatched effects. Refused
+  (``RuntimeError``) inside a traced function or a host callback.
   """
   _effects.check_mode(mode)
-  if mode != _effects.process_mode():
-    _runtime_tokens.effects_barrier(all_threads=True)
+  switching = mode != _effects.process_mode()
+  _check_switch_allowed(f"set_ordering({mode!r})", switching)
+  if switching:
+    _runtime_tokens.wait_quietly(all_threads=True)
   _effects.set_process_mode(mode)
 
 
@@ -42,19 +65,21 @@ def ordering(mode: str) -> Iterator[None]:
   ``"global"``: all ordered effects share one token
   (:data:`~jax_effects.GLOBAL`), giving one total order. Entering or leaving
   a context that changes the mode waits for this thread's dispatched
-  effects, so order holds across the switch.
+  effects, so order holds across the switch. Refused (``RuntimeError``)
+  inside a traced function or a host callback.
   """
   _effects.check_mode(mode)
   outer = _effects.get_ordering()
+  _check_switch_allowed(f"ordering({mode!r})", mode != outer)
   if mode != outer:
-    _runtime_tokens.effects_barrier()
+    _runtime_tokens.wait_quietly(all_threads=False)
   _effects.push_mode(mode)
   try:
     yield
   finally:
     _effects.pop_mode()
   if mode != outer:  # not reached with an exception in flight
-    _runtime_tokens.effects_barrier()
+    _runtime_tokens.wait_quietly(all_threads=False)
 
 
 @contextlib.contextmanager

@@ -66,6 +66,7 @@ from jax.interpreters import mlir
 
 from jax_effects import _compat
 from jax_effects import _effects
+from jax_effects import _errors
 from jax_effects import _host
 from jax_effects import _placement
 from jax_effects import _runtime_tokens
@@ -90,10 +91,15 @@ def _effect_impl(*args, host_callback, effect, ordered):
   """Eager execution: wait for this stream's earlier dispatches, then run."""
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
     raise branch_vmapped_error(host_callback)
+  if _errors.deferred:   # a dispatched callback failed: raise it first
+    _runtime_tokens.raise_deferred(_runtime_tokens.thread_state())
   if ordered:
     state = _runtime_tokens.thread_state()
     marker = _effects.marker(effect, True)
-    key = _effects.chain_key(marker, _effects.get_ordering())
+    mode = _effects.get_ordering()
+    if state.mode != mode:   # after a mode switch: follow earlier dispatches
+      _runtime_tokens.switch_mode(state, mode)
+    key = _effects.chain_key(marker, mode)
     token = state.runtime.get(key)
     if token is not None:
       token.block_until_ready()

@@ -24,8 +24,13 @@ token of every ordered effect it takes and as the output token of its devices.
 After a per-device (``shard_map``) program the token is a vector, one
 element per device; it stays on its devices for the next call of the same
 program and is combined (:func:`combine_per_device`) only for a computation
-that runs elsewhere. A token's *value* is the dispatching thread's slot, so a
-multi-device callback knows whom to report an error to (``_errors``).
+that runs elsewhere. A token's *value* is the dispatching thread's slot (and
+``_errors.FAILED`` while inside a computation), so a callback's error goes to
+the thread that dispatched it: deferred in ``_errors``, raised by that
+thread's call (:func:`raise_own`), next call (:func:`raise_deferred`) or
+barrier. A thread's state is released when the thread exits; interpreter
+exit waits for every thread and reports what is left. The contract:
+``design/errors.md``.
 """
 from __future__ import annotations
 
@@ -43,9 +48,10 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jax_effects import _compat
+from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _output
-from jax_effects import _effects
+from jax_effects import _placement
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -56,7 +62,7 @@ _slots = itertools.count(1)
 class ThreadTokens:
   """The token state of one Python thread."""
   __slots__ = ("runtime", "output", "last_sharding", "per_device", "slot",
-               "initial", "thread", "__weakref__")
+               "initial", "thread", "mode", "own_errors", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
     # chain key (Effect) -> uncommitted single-device runtime token
@@ -73,6 +79,11 @@ class ThreadTokens:
     # computation, see defer_error). 0 stands for "unknown".
     self.slot = next(_slots)
     self.initial: jax.Array | None = None
+    # The ordering mode of this thread's last dispatch (see switch_mode).
+    self.mode: str | None = None
+    # Errors of callbacks that ran inline on this thread, during the dispatch
+    # in progress: that call raises them when it returns (see defer_error).
+    self.own_errors: list[BaseException] = []
     self.thread = weakref.ref(thread)
 
   def devices(self) -> dict[Any, jax.Array]:
@@ -103,8 +114,11 @@ class ThreadTokens:
 
 
 _local = threading.local()
-_all_lock = threading.Lock()
-_all_states: list[ThreadTokens] = []
+# Reentrant: a thread-exit finalizer (_thread_exited) may run from garbage
+# collection in a thread that holds it.
+_all_lock = threading.RLock()
+# every live thread's state (weakly: a thread's state goes with the thread)
+_all_states: "weakref.WeakSet[ThreadTokens]" = weakref.WeakSet()
 
 
 def thread_state() -> ThreadTokens:
@@ -113,8 +127,7 @@ def thread_state() -> ThreadTokens:
     return _local.state
   except AttributeError:
     state = _local.state = ThreadTokens(threading.current_thread())
-    with _all_lock:
-      _all_states.append(state)
+    _register(state)
     return state
 
 
@@ -133,8 +146,9 @@ def initial_token(state: ThreadTokens) -> jax.Array:
 def update(state: ThreadTokens, keys, token: jax.Array) -> None:
   """Records ``token`` (returned by one executable) for ``keys`` and devices.
 
-  Then raises an error a multi-device callback of this thread deferred
-  (:func:`defer_error`), if any.
+  Raises nothing: an error a callback deferred is raised by the thread's next
+  call before it dispatches, or its barrier (the result of this call is
+  returned either way).
   """
   output = state.output
   sharding = token.sharding
@@ -159,9 +173,37 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     else:
       runtime = _compat.uncommitted(token) if _compat.committed(token) else token
     for key in keys:
-      state.runtime[key] = runtime
-  if _errors.deferred:   # a multi-device callback (of this thread?) failed
-    _errors.raise_deferred(state.slot)
+      if key is not _effects.UNORDERED:
+        state.runtime[key] = runtime
+
+
+def switch_mode(state: ThreadTokens, mode: str) -> None:
+  """Called before a dispatch in a mode other than the thread's last one.
+
+  The two modes use different runtime-token streams, so nothing would order
+  this dispatch after the thread's earlier ones, which may still be in flight
+  (a ``set_ordering`` from another thread lands between any two calls): wait
+  for them first. Switches are rare; the common path is one comparison.
+  """
+  if state.mode is not None:
+    _wait_quietly(state)
+  state.mode = mode
+
+
+def store_interrupted(state: ThreadTokens, keys, token) -> None:
+  """Stores a dispatched computation's token when an interrupt
+  (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
+  between the dispatch and :func:`update`: the computation runs anyway, so
+  the thread's next dispatch and its barrier must still follow it. Storing
+  the same token twice is harmless; if storing fails, the token is waited for.
+  """
+  try:
+    update(state, keys, token)
+  except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001
+      pass
 
 
 def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
@@ -233,6 +275,62 @@ def runtime_tokens() -> RuntimeTokens:
                        types.MappingProxyType(state.devices()))
 
 
+# --- callback errors of this thread (the registry is ``_errors``) --------------
+
+def defer_error(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
+  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
+
+  ``inline``: the callback may be running on the dispatching thread itself,
+  inside its jax_effects call (the CPU client runs a computation inline when
+  its inputs are ready): then that call raises it when it returns
+  (:func:`raise_own`), as a failing Python call would.
+  """
+  if inline:
+    state = getattr(_local, "state", None)
+    if state is not None and state.slot == slot:
+      state.own_errors.append(exc)
+      return
+  _errors.defer(exc, slot)
+
+
+def current_slot() -> int:
+  """The slot of the calling thread (0 if it never used jax_effects)."""
+  state = getattr(_local, "state", None)
+  return 0 if state is None else state.slot
+
+
+def raise_deferred(state: ThreadTokens) -> None:
+  """Raises the errors deferred by computations this thread dispatched.
+
+  Waits first for the thread's dispatched computations (only when an error is
+  pending), so the errors of a failed execution are all reported together.
+  """
+  if state.slot not in _errors.deferred:
+    return
+  _wait_quietly(state)
+  exc = _errors.pop_deferred((state.slot,))
+  if exc is not None:
+    raise exc.with_traceback(exc.__traceback__)
+
+
+def raise_own(state: ThreadTokens, token) -> None:
+  """Raises the errors of the call that just returned (callbacks that ran
+  inline), with every other error of the thread pending once that call's
+  computation has completed: one report."""
+  own = state.own_errors
+  state.own_errors = []
+  try:
+    token.block_until_ready()
+  except Exception:  # noqa: BLE001 - not ours to report here
+    pass
+  if state.slot in _errors.deferred:
+    _wait_quietly(state)
+  rest = _errors.pop_deferred((state.slot,))
+  errors = own + (_errors.flat_errors(rest) if rest is not None else [])
+  exc = errors[0] if len(errors) == 1 else _errors.group(errors)
+  raise exc.with_traceback(exc.__traceback__)
+
+
 # --- combining per-device tokens ------------------------------------------------
 
 def _release_and_pass(token):
@@ -274,14 +372,59 @@ def combine_per_device(token):
 
 # --- barrier -------------------------------------------------------------------
 
+def in_host_callback() -> bool:
+  """True while a compiled computation's host callback runs on this thread."""
+  return _placement.current() is not None
+
+
+def check_not_in_callback(call: str) -> None:
+  """Refuses ``call`` (a barrier or mode switch) inside a host callback.
+
+  It would wait for the computation that is running the callback (and, in a
+  multi-device computation, for the other devices' callbacks): a deadlock.
+  """
+  if in_host_callback():
+    raise RuntimeError(
+        f"jax_effects: {call} was called from a host callback of a running "
+        "computation; it would wait for that computation (a deadlock). Call it "
+        "after the jitted call returns, outside the callback.")
+
+
+def _wait_quietly(state: ThreadTokens) -> None:
+  for token in state.pending():
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - reported by the call or barrier
+      pass
+
+
+def wait_quietly(all_threads: bool) -> None:
+  """Blocks on this thread's tokens (every thread's, exited ones included, with
+  ``all_threads``) and reports nothing: each error stays for the thread that
+  dispatched it (a mode switch waits like this)."""
+  if all_threads:
+    with _all_lock:
+      states = list(_all_states)
+      orphans = list(_orphans)
+  else:
+    states, orphans = [thread_state()], []
+  for state in states:
+    _wait_quietly(state)
+  for token in orphans:
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - reported by a barrier
+      pass
+  try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
+    jax.effects_barrier()
+  except Exception:  # noqa: BLE001
+    pass
+
+
 def wait_for_thread() -> None:
   """Blocks until this thread's dispatched effects have run (raises nothing:
   a failure is reported by the next call or barrier)."""
-  for token in thread_state().pending():
-    try:
-      token.block_until_ready()
-    except Exception:  # noqa: BLE001 - reported by effects_barrier
-      pass
+  _wait_quietly(thread_state())
 
 
 def effects_barrier(all_threads: bool = False) -> None:
@@ -289,18 +432,25 @@ def effects_barrier(all_threads: bool = False) -> None:
 
   With ``all_threads=False`` waits for the effects dispatched by the calling
   thread; with ``all_threads=True`` for those of every thread (including
-  threads that have exited). Re-raises a callback's exception that has not been
-  reported yet, once (including an exception of a callback in a multi-device
-  computation, which cannot fail that computation: it is raised by the
-  dispatching call when it returns, or else here).
+  threads that have exited). Then raises the callback errors not reported yet
+  (see ``design/errors.md``): this thread's (every thread's with
+  ``all_threads=True``) and those whose dispatching thread is unknown; one
+  error as itself, several together (an ``ExceptionGroup``), each once.
+
+  Refused (``RuntimeError``) inside a host callback of a running computation,
+  which it would wait for.
   """
+  check_not_in_callback(f"effects_barrier(all_threads={all_threads})")
   if all_threads:
     with _all_lock:
       states = list(_all_states)
-    # Dead before the wait: dispatches nothing after it, so it can be dropped.
+      orphans = list(_orphans)
+    # Dead before the wait: dispatches nothing after it, so it can be dropped
+    # (its thread-local may outlive the thread a little).
     dead = [s for s in states if not s.alive()]
   else:
     states = [thread_state()]
+    orphans = []
   first_error = None
   for state in states:
     try:
@@ -309,35 +459,90 @@ def effects_barrier(all_threads: bool = False) -> None:
     except Exception as err:  # a failed computation: report it, reset tokens
       state.reset()
       first_error = first_error or err
+  for token in orphans:
+    try:
+      token.block_until_ready()
+    except Exception as err:  # noqa: BLE001
+      first_error = first_error or err
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     jax.effects_barrier()
   except Exception as err:
     _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
     first_error = first_error or err
   if all_threads:
-    _forget_dead_threads(dead)
+    done = {id(t) for t in orphans}
+    with _all_lock:
+      _orphans[:] = [t for t in _orphans if id(t) not in done]
+      for state in dead:
+        _all_states.discard(state)
   if first_error is not None:
     _errors.reraise(first_error, None)
-  # multi-device callbacks' errors: this thread's and those of unknown origin
-  # (every thread's with all_threads=True)
-  deferred = _errors.pop_deferred(None if all_threads else (states[0].slot, 0))
+  # deferred errors: this thread's and those of unknown origin (every
+  # thread's with all_threads=True)
+  deferred = _errors.pop_deferred(None if all_threads
+                                  else (states[0].slot, 0))
   if deferred is not None:
     raise deferred.with_traceback(deferred.__traceback__)
 
 
-def _forget_dead_threads(dead: list[ThreadTokens]) -> None:
-  # Called right after waiting on every state: the tokens of a thread that was
-  # already dead before the wait are complete and it can dispatch nothing new.
-  # (A thread that dies during the wait may have dispatched after its tokens
-  # were read; it is dropped by a later barrier.)
-  dead_ids = {id(s) for s in dead}
+# --- thread lifetime -------------------------------------------------------------
+# A ThreadTokens is referenced strongly only by its thread's threading.local, so
+# it goes away with its thread: _thread_exited then keeps only the tokens of
+# that thread that are still pending (an all-threads barrier and interpreter
+# exit wait for them), and drops those that are already complete.
+
+_orphans: list[jax.Array] = []
+
+
+def _register(state: ThreadTokens) -> None:
   with _all_lock:
-    _all_states[:] = [s for s in _all_states if id(s) not in dead_ids]
+    _all_states.add(state)
+  weakref.finalize(state, _thread_exited, state.output, state.runtime)
+
+
+def _thread_exited(output: dict, runtime: dict) -> None:
+  pending = [t for t in (*output.values(), *runtime.values())
+             if not _is_ready(t)]
+  output.clear()
+  runtime.clear()
+  with _all_lock:
+    _orphans[:] = [t for t in _orphans if not _is_ready(t)]
+    _orphans.extend(pending)
+
+
+def _is_ready(token) -> bool:
+  try:
+    return token.is_ready()
+  except Exception:  # noqa: BLE001 - a failed or deleted array is done
+    return True
+
+
+def live_thread_states() -> int:
+  """How many threads hold token state (for tests: threads that exited do not)."""
+  with _all_lock:
+    return len(_all_states)
 
 
 @atexit.register
 def _wait_at_exit() -> None:
+  """Interpreter exit: waits for every thread's effects; an error not reported
+  yet is printed to stderr with its traceback and the exit status becomes 1,
+  as for an uncaught exception."""
   try:
     effects_barrier(all_threads=True)
-  except Exception:  # nothing left to report to at interpreter exit
-    pass
+  except BaseException as exc:  # noqa: BLE001 - reported here, as uncaught
+    import os
+    import sys
+    import traceback
+    try:
+      sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a broken stdout
+      pass
+    try:
+      sys.stderr.write("jax_effects: a host callback failed and its error was "
+                       "not reported before interpreter exit:\n")
+      traceback.print_exception(exc, file=sys.stderr)
+      sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a broken stderr, or a hostile __str__
+      pass
+    os._exit(1)

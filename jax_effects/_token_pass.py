@@ -49,6 +49,7 @@ from jax.extend.core import primitives as jex_prims
 from jax_effects import _adopted
 from jax_effects import _compat
 from jax_effects import _effects
+from jax_effects import _errors
 from jax_effects import _host
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
@@ -498,4 +499,9 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
   token = functools.reduce(jnp.maximum, finals) if finals else None
+  if token is not None:
+    # A chain whose effect failed carries the FAILED bit (its later effects
+    # were skipped); the next computation starts clean (the error itself is
+    # reported by the dispatching thread, design/errors.md).
+    token = jnp.bitwise_and(token, _errors.SLOT_MASK)
   return outs, token

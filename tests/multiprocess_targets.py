@@ -16,3 +16,7 @@ def fail_in_process_one():
 
 def hang():
   time.sleep(600)
+
+
+def process_index():
+  return jax.process_index()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
+from jax_effects import _effects
 from helpers import in_thread as run_in_thread
 
 
@@ -47,7 +48,10 @@ def test_one_runtime_token_per_ordered_effect_used():
   assert set(snap.effects) == {a, b, je.DEFAULT}
   for token in snap.effects.values():
     assert token.shape == () and token.dtype == jnp.int32
-  assert set(f.keys[je.get_ordering()]) == {a, b, je.DEFAULT}
+  # (unordered effects are passed the thread's initial token, never stored:
+  # it only tells their callbacks the dispatching thread, design/errors.md)
+  assert set(f.keys[je.get_ordering()]) == {a, b, je.DEFAULT,
+                                            _effects.UNORDERED}
 
 
 def test_runtime_tokens_are_per_effect():

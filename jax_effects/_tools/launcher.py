@@ -6,7 +6,10 @@ addresses only its own devices. :func:`launch` reproduces that on one machine
 so the test suite and ``python -m jax_effects demo --processes N`` can run a
 real multi-process program:
 
-* it picks a free coordinator port (binds ``127.0.0.1:0``),
+* it picks a free coordinator port (binds ``127.0.0.1:0``); process 0 checks
+  it before starting the coordinator and exits with ``EXIT_PORT_IN_USE`` if
+  another program took it meanwhile, and the launcher retries on another
+  port (a port the caller gave is a clear ``OSError`` instead),
 * starts ``num_processes`` children ``python -m jax_effects._tools.launcher
   worker TARGET``, each in its own process group, with the coordinator
   address, process count, process id and simulated CPU device count in its
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import importlib
 import json
 import os
@@ -46,6 +50,12 @@ ENV_NUM_PROCESSES = "JAX_EFFECTS_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_EFFECTS_PROCESS_ID"
 ENV_DEVICES = "JAX_EFFECTS_DEVICES_PER_PROCESS"
 ENV_RESULT = "JAX_EFFECTS_RESULT_FILE"
+#: Exit status of process 0 when the coordinator port is taken (EX_TEMPFAIL):
+#: the launcher then retries with another port (when it picked the port).
+EXIT_PORT_IN_USE = 75
+#: How many ports the launcher tries when another program takes the one it
+#: picked between picking it and the coordinator binding it.
+PORT_ATTEMPTS = 3
 
 
 class LaunchError(RuntimeError):
@@ -83,6 +93,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+  """Whether binding ``host:port`` fails with EADDRINUSE right now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind((host, port))
+    except OSError as err:
+      if err.errno == errno.EADDRINUSE:
+        return True
+      raise
+  return False
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
   if proc.poll() is not None:
     return
@@ -92,19 +114,58 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def launch(target: str, num_processes: int = 2, devices_per_process: int = 2,
            timeout: float = 120.0, env: dict[str, str] | None = None,
-           check: bool = True) -> list[ProcessResult]:
+           check: bool = True,
+           coordinator_port: int | None = None) -> list[ProcessResult]:
   """Runs ``target`` (``"module:function"``) in ``num_processes`` JAX processes.
 
   Returns one :class:`ProcessResult` per process, in process-id order. With
   ``check=True`` (default) raises :class:`LaunchError` (with every child's
   output) if any child exits non-zero or the launch exceeds ``timeout``
   seconds; all children are killed before it returns or raises.
+
+  ``coordinator_port``: the coordinator's port on 127.0.0.1 (None: a free one
+  is picked). Process 0 checks the port before starting the coordinator and
+  exits with :data:`EXIT_PORT_IN_USE` if it is taken (the peers are stopped at
+  once); a picked port is then replaced by another (up to
+  :data:`PORT_ATTEMPTS` ports), a given one is an ``OSError`` naming it.
   """
   if ":" not in target:
     raise ValueError(f"target must be 'module:function', got {target!r}")
   if num_processes < 1 or devices_per_process < 1:
     raise ValueError("num_processes and devices_per_process must be >= 1")
-  coordinator = f"127.0.0.1:{free_port()}"
+  for attempt in range(1 if coordinator_port is not None else PORT_ATTEMPTS):
+    port = coordinator_port if coordinator_port is not None else free_port()
+    if coordinator_port is not None and port_in_use(port):
+      raise _port_error(port)
+    results, failure = _launch_once(target, num_processes, devices_per_process,
+                                    timeout, env, f"127.0.0.1:{port}")
+    if results and results[0].returncode == EXIT_PORT_IN_USE:
+      if coordinator_port is not None:
+        raise _port_error(port)
+      continue   # taken since it was picked: another port
+    break
+  else:
+    raise LaunchError(
+        f"jax_effects multi-process launch of {target!r}: {PORT_ATTEMPTS} "
+        "coordinator ports were taken by other programs before the "
+        "coordinator could bind them", results)
+  if check and failure:
+    raise LaunchError(f"jax_effects multi-process launch of {target!r}: {failure}",
+                      results)
+  return results
+
+
+def _port_error(port: int) -> OSError:
+  return OSError(
+      errno.EADDRINUSE,
+      f"jax_effects multi-process launch: coordinator port {port} on "
+      "127.0.0.1 is already in use; pass another coordinator_port, or None "
+      "to let the launcher pick a free one")
+
+
+def _launch_once(target, num_processes, devices_per_process, timeout, env,
+                 coordinator):
+  """One launch; returns (results, failure message or None)."""
   procs: list[subprocess.Popen] = []
   files = []
   killed: set[int] = set()
@@ -152,10 +213,7 @@ def launch(target: str, num_processes: int = 2, devices_per_process: int = 2,
       results.append(ProcessResult(
           pid, proc.pid, None if proc.pid in killed else proc.returncode,
           stdout, stderr, result))
-  if check and failure:
-    raise LaunchError(f"jax_effects multi-process launch of {target!r}: {failure}",
-                      results)
-  return results
+  return results, failure
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float,
@@ -195,9 +253,29 @@ def worker_main(target: str) -> None:
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_DEVICES]))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator,
-                             num_processes=num_processes, process_id=process_id,
-                             initialization_timeout=60)
+  if process_id == 0:
+    host, _, port = coordinator.rpartition(":")
+    if port_in_use(int(port), host):
+      # Taken since the launcher picked it (or given taken): say so and stop
+      # (the launcher stops the peers waiting for this coordinator, and picks
+      # another port if it chose this one).
+      sys.stderr.write(f"jax_effects: coordinator port {port} on {host} is "
+                       "already in use\n")
+      sys.stderr.flush()
+      os._exit(EXIT_PORT_IN_USE)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator,
+                               num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=60)
+  except Exception as err:  # noqa: BLE001 - the bind raced with another program
+    text = str(err).lower()
+    if process_id == 0 and ("address already in use" in text
+                            or "eaddrinuse" in text):
+      sys.stderr.write(f"jax_effects: coordinator port of {coordinator} is "
+                       f"already in use: {err}\n")
+      sys.stderr.flush()
+      os._exit(EXIT_PORT_IN_USE)
+    raise
   try:
     module_name, _, fn_name = target.partition(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
