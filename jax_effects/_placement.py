@@ -129,7 +129,13 @@ def _per_device_table(mesh, operands, avals_in):
   from jax.extend.mlir.dialects import stablehlo  # lowering-time only
 
   sizes = tuple(mesh.axis_sizes)
-  devices = getattr(mesh, "devices", None)
+  try:
+    devices = mesh.devices
+  except (AttributeError, ValueError):
+    # An AbstractMesh (``jax.shard_map`` without ``mesh=`` under
+    # ``jax.set_mesh``): no devices known here. Lowered outside a mesh
+    # context, JAX itself reports the missing mesh.
+    devices = None
   flat = list(np.asarray(devices).flat) if devices is not None else None
   table = []
   for pid in range(int(np.prod(sizes, dtype=np.int64))):

@@ -10,6 +10,7 @@ lines. Each scenario runs in a fresh thread (fresh runtime tokens, and the
 mesh contexts are thread-local).
 """
 import contextlib
+import re
 import warnings
 
 import jax
@@ -172,3 +173,51 @@ def test_deterministic_view_under_set_mesh_releases_in_order(effects_capture):
   in_thread(go)
   per = [f"[device {d} shard {d} process 0] p {float(d)}" for d in range(N)]
   assert effects_capture.printed == [*per, "once", *per]
+
+
+def _shard_lines(lines):
+  """``"shard S text"`` of per-device lines (the device id left out: under
+  an abstract mesh the lowering may not know it)."""
+  out = []
+  for line in lines:
+    m = re.match(r"^\[device (\S+) shard (\d+) process 0\] (.*)$", line)
+    assert m, line
+    out.append(f"shard {m.group(2)} {m.group(3)}")
+  return out
+
+
+def test_shard_map_from_the_context_mesh_outside_the_context_is_jaxs_error(
+    effects_capture):
+  # A shard_map without mesh= takes the mesh of jax.set_mesh; called later
+  # outside that context, either it runs as before (a cached executable) or
+  # the user gets JAX's own message (as with jax.jit and jax.debug.print),
+  # never an internal error of ours ("AbstractMesh does not implement
+  # devices", from our lowering, before).
+  mesh = _mesh(AxisType.Auto)
+
+  @je.jit
+  def g(x):
+    def body(v):
+      je.print("s {}", v[0])
+      return v * 2
+    return jax.shard_map(body, in_specs=P("x"), out_specs=P("x"))(x)
+
+  x = jnp.arange(float(N))
+  with jax.set_mesh(mesh):
+    g(x)
+    je.effects_barrier()
+  assert sorted(_shard_lines(effects_capture.printed)) == [
+      f"shard {d} s {float(d)}" for d in range(N)]
+  effects_capture.clear()
+  try:
+    g(x)
+    je.effects_barrier()
+  except ValueError as err:
+    assert "context mesh cannot be empty" in str(err)
+  else:
+    assert sorted(_shard_lines(effects_capture.printed)) == [
+        f"shard {d} s {float(d)}" for d in range(N)]
+  with jax.set_mesh(mesh):   # a new signature, lowered under the context
+    g(jnp.arange(float(N)).astype(jnp.float16))
+  with pytest.raises(ValueError, match="context mesh cannot be empty"):
+    g(jnp.arange(N))   # a new signature, lowered outside any context
