@@ -77,6 +77,7 @@ PRELUDE = """
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_effects as je
 mesh = Mesh(np.array(jax.devices()), ("i",))

@@ -24,6 +24,7 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
+from jax_effects import _compat
 from jax_effects import _token_pass
 
 
@@ -201,7 +202,7 @@ REFUSED = {
 
 def _higher_order(jaxpr, found):
   for eqn in jaxpr.eqns:
-    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    subs = list(_compat.jaxprs_in_params(eqn.params))
     if subs:
       found.add(eqn.primitive.name)
     for sub in subs:

@@ -81,11 +81,12 @@ def _run_in(context_factory, mesh, effects_capture):
 
 @contextlib.contextmanager
 def _global_set_mesh(mesh):
-  jax.set_mesh(mesh)   # the global setter (this thread)
+  setter = jax.set_mesh(mesh)   # the global setter (this thread)
   try:
     yield
   finally:
-    jax.set_mesh(None)
+    # back to no mesh (jax.set_mesh(None) is refused by JAX 0.8 and 0.9)
+    setter.__exit__(None, None, None)
 
 
 @contextlib.contextmanager
