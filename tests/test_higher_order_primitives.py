@@ -24,23 +24,15 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
+from helpers import Recorder
 from jax_effects import _compat
 from jax_effects import _token_pass
 
 
-SEEN = []
-
-
-def rec(tag, *args):
-  je.callback(lambda *v: SEEN.append((tag, *(np.asarray(a).tolist() for a in v))),
-              None, *args)
-
-
-def take():
-  je.effects_barrier()
-  out = list(SEEN)
-  SEEN.clear()
-  return out
+# rec(tag, *values) in traced code records (tag, *values) when it runs;
+# take() waits for effects and returns the records so far.
+rec = Recorder()
+take = rec.take
 
 
 def around(inner):

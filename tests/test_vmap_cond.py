@@ -17,22 +17,14 @@ from jax.interpreters import batching
 from jax.extend.core import primitives as jex_prims
 
 import jax_effects as je
+from helpers import Recorder
 from jax_effects import _control_flow_batching
 
 
-SEEN = []
-
-
-def rec(tag, *args):
-  je.callback(lambda *v: SEEN.append((tag, *(np.asarray(a).tolist() for a in v))),
-              None, *args)
-
-
-def take():
-  je.effects_barrier()
-  out = list(SEEN)
-  SEEN.clear()
-  return out
+# rec(tag, *values) in traced code records (tag, *values) when it runs;
+# take() waits for effects and returns the records so far.
+rec = Recorder()
+take = rec.take
 
 
 def eager(f):
