@@ -94,12 +94,10 @@ class Where:
 
   ``fixed``: the placement of a callback that runs once (None when per
   device). ``table``: per-device placements indexed by partition id (the
-  extra last operand), or None. ``multi_device``: the computation spans
-  several devices, so a failing callback must not fail it (``_host``).
+  extra last operand), or None.
   """
   fixed: Placement | None
   table: tuple | None
-  multi_device: bool
 
 
 def at_lowering(ctx, operands: list, avals_in: list):
@@ -112,17 +110,15 @@ def at_lowering(ctx, operands: list, avals_in: list):
   if isinstance(axis_ctx, _compat.SPMDAxisContext):
     table, operands, avals_in = _per_device_table(axis_ctx.mesh, operands,
                                                   avals_in)
-    return Where(None, table, True), operands, avals_in
+    return Where(None, table), operands, avals_in
   device = None
-  n_devices = 1
   if isinstance(axis_ctx, _compat.ShardingContext):
-    n_devices = axis_ctx.num_devices
     if axis_ctx.device_assignment:
       device = axis_ctx.device_assignment[0]
   placement = (Placement(device.id, None, device.process_index)
                if device is not None
                else Placement(None, None, jax.process_index()))
-  return Where(placement, None, n_devices > 1), operands, avals_in
+  return Where(placement, None), operands, avals_in
 
 
 def _per_device_table(mesh, operands, avals_in):
