@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 
 import jax
 
@@ -357,6 +358,20 @@ FEATURES = {
         "jax.debug.print and io_callback too). Fix: upgrade to JAX >= 0.10, "
         "or pass x.astype(jnp.int8)"),
 }
+
+
+# JAX 0.8 can crash (SIGSEGV in ``pxla.MeshExecutable.from_hlo``) when two
+# threads compile the same new jax.jit computation at once (seen in CI: two
+# threads' first calls of one jax_effects.jit function). On JAX 0.8 the
+# first calls of a jax_effects.jit function (which trace and compile) are
+# serialized by this lock; JAX 0.9 and 0.10 need nothing.
+_first_call_lock = (threading.RLock() if JAX_VERSION < (0, 9)
+                    else contextlib.nullcontext())
+
+
+def first_call_guard():
+  """Context for a jax_effects.jit function's first call (see above)."""
+  return _first_call_lock
 
 
 def has_4bit_integers(avals) -> bool:

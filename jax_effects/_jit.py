@@ -346,6 +346,10 @@ class Function:
 
   def _first_call(self, *args, **kwargs):
     """Until a call finds the function pure: a pure call that may learn."""
+    with _compat.first_call_guard():   # (JAX 0.8: one compile at a time)
+      return self._learning_call(*args, **kwargs)
+
+  def _learning_call(self, *args, **kwargs):
     if self._effectful:
       return self._call_threaded(*args, **kwargs)
     if _errors.deferred and _compat.at_top_level():
