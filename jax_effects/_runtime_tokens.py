@@ -495,19 +495,33 @@ _orphans: list[jax.Array] = []
 
 
 def _register(state: ThreadTokens) -> None:
+  _prune_orphans()   # (a thread's first use: an ordinary context)
   with _all_lock:
     _all_states.add(state)
   weakref.finalize(state, _thread_exited, state.output, state.runtime)
 
 
 def _thread_exited(output: dict, runtime: dict) -> None:
-  pending = [t for t in (*output.values(), *runtime.values())
-             if not _is_ready(t)]
+  # A finalizer: it may run inside garbage collection on any thread, so it
+  # calls nothing of jax here; completed tokens are dropped later, by the
+  # next thread's registration or a barrier (_prune_orphans).
+  tokens = [*output.values(), *runtime.values()]
   output.clear()
   runtime.clear()
   with _all_lock:
-    _orphans[:] = [t for t in _orphans if not _is_ready(t)]
-    _orphans.extend(pending)
+    _orphans.extend(tokens)
+
+
+def _prune_orphans() -> None:
+  """Drops the exited threads' tokens that have completed."""
+  if not _orphans:
+    return
+  with _all_lock:
+    snapshot = list(_orphans)
+  done = {id(t) for t in snapshot if _is_ready(t)}
+  if done:
+    with _all_lock:   # (tokens added meanwhile by exiting threads stay)
+      _orphans[:] = [t for t in _orphans if id(t) not in done]
 
 
 def _is_ready(token) -> bool:
