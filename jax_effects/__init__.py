@@ -16,7 +16,8 @@ Public API (everything else is private):
 
 Layers, each importing only from the ones above it (``design/architecture.md``):
 
-1. effects and modes: ``_effects`` (``_compat`` fences JAX's internals);
+1. effects and modes: ``_effects`` (``_compat`` fences JAX's internals;
+   ``_jaxpr_eval`` is the jaxpr walk both interpreters share);
 2. host-side runtime state, shared by host callbacks and dispatch:
    ``_placement`` (where a callback runs), ``_errors`` (callback errors),
    ``_output`` (sinks, deterministic view), ``_runtime_tokens`` (per-thread

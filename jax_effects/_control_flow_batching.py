@@ -36,6 +36,7 @@ from jax.interpreters import batching
 from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _host
+from jax_effects import _jaxpr_eval
 from jax_effects import _primitives
 
 effect_p = _primitives.effect_p
@@ -96,49 +97,27 @@ def _eval_masked(jaxpr, consts, mask, args):
   this element took the branch) as the first operand of every effect in it,
   at any depth. Control flow with effects inside is re-expressed with
   ``lax`` (closing over ``mask``); call-like primitives are inlined."""
-  env = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  def handle(eqn, invals):
     if eqn.primitive is effect_p:
-      outs = _masked_effect(eqn, mask, invals)
-    elif _has_marker([eqn]) or (
+      return _masked_effect(eqn, mask, invals)
+    if _has_marker([eqn]) or (
         eqn.primitive.name in _HIDES_EFFECTS
         and _has_marker(_compat.jaxprs_in_params(eqn.params))):
-      outs = _masked_higher_order(eqn, mask, invals)
-    else:
-      outs = _compat.bind_equation(eqn, invals)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+      return _masked_higher_order(eqn, mask, invals)
+    return _jaxpr_eval.rebind(eqn, invals)
+  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
 
 
 def _closed_fn(closed, mask, leading=()):
   """``closed`` as a function evaluated by :func:`_eval_masked`; ``leading``
   are its first arguments (consts of the enclosing trace)."""
-  if isinstance(closed, jex_core.ClosedJaxpr):
-    jaxpr, consts = closed.jaxpr, closed.consts
-  else:
-    jaxpr, consts = closed, ()
+  jaxpr, consts = _jaxpr_eval.split(closed)
   return lambda *args: _eval_masked(jaxpr, consts, mask,
                                     [*leading, *args])
 
 
-#: Call-like primitives (by name) -> the parameter holding the callee.
-_INLINED = {"jit": "jaxpr", "remat2": "jaxpr", "closed_call": "call_jaxpr",
-            "call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-            "custom_vjp_call": "call_jaxpr", "custom_vmap_call": "call",
-            "composite": "jaxpr", "linear_call": "callee"}
+#: Call-like primitives whose equation does not report their callee's
+#: effects (they are inlined like every ``_jaxpr_eval.CALLEES`` primitive).
 _HIDES_EFFECTS = ("composite", "linear_call")
 
 
@@ -165,8 +144,8 @@ def _masked_higher_order(eqn, mask, invals):
                              list(invals[nc + ncarry:]), length=p["length"],
                              reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *ys]
-  if name in _INLINED:
-    return _closed_fn(p[_INLINED[name]], mask)(*invals)
+  if eqn.primitive in _jaxpr_eval.CALLEES:
+    return _closed_fn(p[_jaxpr_eval.CALLEES[eqn.primitive]], mask)(*invals)
   raise NotImplementedError(
       f"{_first_effect(eqn)} is inside JAX's higher-order primitive "
       f"'{name}' inside a branch of jax.lax.cond/switch whose predicate "

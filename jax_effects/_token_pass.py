@@ -43,7 +43,6 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
-from jax.extend import source_info_util
 from jax.extend.core import primitives as jex_prims
 
 from jax_effects import _adopted
@@ -51,6 +50,7 @@ from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _host
+from jax_effects import _jaxpr_eval
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
 
@@ -160,43 +160,24 @@ def _has_own_marker(effects) -> bool:
 def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any], chains: Chains, mode: str) -> list:
   """Evaluates ``jaxpr`` in the current trace, threading ``chains``."""
-  env: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=eqn.source_info.name_stack), \
-        eqn.ctx.manager:
-      adopted = (_adopted.adopt(eqn) if eqn.primitive in _adopted.PRIMITIVES
-                 else None)
-      if eqn.primitive is _primitives.effect_p:
-        outs = _thread_effect(eqn, invals, chains, mode)
-      elif adopted is not None:   # JAX's own callback: threaded like ours
+  def handle(eqn, invals):
+    if eqn.primitive is _primitives.effect_p:
+      return _thread_effect(eqn, invals, chains, mode)
+    if eqn.primitive in _adopted.PRIMITIVES:
+      adopted = _adopted.adopt(eqn)
+      if adopted is not None:   # JAX's own callback: threaded like ours
         host_callback, effect = adopted
-        outs = _bind_threaded(_adopted.chain_key(effect, mode), host_callback,
-                              invals, chains)
-      elif (has_marker(eqn.effects) and (eqn.primitive in RULES or
-                                         _has_own_marker(eqn.effects))) or (
-          eqn.primitive.name in HIDES_EFFECTS and _marker_inside(eqn)):
-        rule = RULES.get(eqn.primitive)
-        if rule is None:
-          raise refusal(eqn)
-        outs = rule(eqn, invals, chains, mode)
-      else:
-        outs = _compat.bind_equation(eqn, invals)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+        return _bind_threaded(_adopted.chain_key(effect, mode),
+                              host_callback, invals, chains)
+    if (has_marker(eqn.effects) and (eqn.primitive in RULES or
+                                     _has_own_marker(eqn.effects))) or (
+        eqn.primitive.name in HIDES_EFFECTS and _marker_inside(eqn)):
+      rule = RULES.get(eqn.primitive)
+      if rule is None:
+        raise refusal(eqn)
+      return rule(eqn, invals, chains, mode)
+    return _jaxpr_eval.rebind(eqn, invals)
+  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
@@ -370,25 +351,18 @@ register_rule(jex_prims.scan_p, _scan_rule)
 
 
 def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
-  """Call-like primitives (jit, checkpoint, custom_jvp/vjp, closed_call).
+  """Call-like primitives (``_jaxpr_eval.CALLEES``: jit, checkpoint,
+  custom_jvp/vjp/vmap, closed_call, composite, linear_call).
 
   Inlined: the callee is evaluated in the caller's trace with the caller's
   chains. Differentiation has already happened when the pass runs, so the
   custom rules and remat policy of these primitives have done their work.
   """
-  callee = eqn.params[param]
-  if isinstance(callee, jex_core.ClosedJaxpr):
-    return thread_jaxpr(callee.jaxpr, callee.consts, invals, chains, mode)
-  return thread_jaxpr(callee, (), invals, chains, mode)
+  jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
+  return thread_jaxpr(jaxpr, consts, invals, chains, mode)
 
 
-for _prim, _param in ((jex_prims.jit_p, "jaxpr"), (jex_prims.remat_p, "jaxpr"),
-                      (jex_prims.closed_call_p, "call_jaxpr"),
-                      (jex_prims.call_p, "call_jaxpr"),
-                      (jex_prims.custom_jvp_call_p, "call_jaxpr"),
-                      (jex_prims.custom_vjp_call_p, "call_jaxpr"),
-                      (_compat.custom_vmap_p, "call"),
-                      (_compat.composite_p, "jaxpr")):
+for _prim, _param in _jaxpr_eval.CALLEES.items():
   register_rule(_prim, functools.partial(_inline_rule, _param))
 
 
@@ -413,16 +387,6 @@ def _linear_solve_rule(eqn, invals, chains: Chains, mode: str):
 
 
 register_rule(jex_prims.linear_solve_p, _linear_solve_rule)
-
-
-def _linear_call_rule(eqn, invals, chains: Chains, mode: str):
-  """``jax.custom_derivatives.linear_call``: the callee, as its impl (the
-  transpose rule has done its work when the pass runs)."""
-  callee = eqn.params["callee"]
-  return thread_jaxpr(callee.jaxpr, callee.consts, invals, chains, mode)
-
-
-register_rule(_compat.linear_call_p, _linear_call_rule)
 
 
 
