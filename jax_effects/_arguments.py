@@ -78,7 +78,9 @@ def split(what: str, args: tuple, kwargs: dict):
 
   Every leaf must be an array of numbers or bools. ``rebuild(np_operands)``
   gives back ``(args, kwargs)`` with each operand replaced by its NumPy
-  value (0-d arrays as NumPy scalars).
+  value (0-d arrays as NumPy scalars). ``rebuild`` is None when the NumPy
+  operands *are* the positional arguments (only positional array arguments,
+  none of them 0-d): the host callback is then called with them directly.
   """
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
   operands, leaves = [], []
@@ -101,7 +103,9 @@ def split(what: str, args: tuple, kwargs: dict):
   if (not kwargs and len(operands) == len(args)
       and all(a is leaf for a, leaf in zip(args, leaves))):
     # Only positional array arguments (the common case): no pytree to rebuild
-    # on every run of the callback.
+    # on every run of the callback, and nothing at all without 0-d ones.
+    if all(getattr(x, "shape", ()) != () for x in operands):
+      return operands, None
     def rebuild(np_operands) -> tuple[tuple, dict]:
       return tuple([x[()] if x.ndim == 0 else x for x in np_operands]), {}
     return operands, rebuild

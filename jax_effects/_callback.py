@@ -61,9 +61,18 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
   operands, rebuild = _arguments.split(what, args, kwargs)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
 
+  if rebuild is None and result_shape_dtypes is None:
+    # The host calls ``fn`` itself (with the NumPy operands as its arguments;
+    # what it returns is ignored): no frame of ours around it.
+    _primitives.bind_effect(fn, what, operands, effect=effect, ordered=ordered)
+    return None
+
   def call(*np_operands):
-    a, k = rebuild(np_operands)
-    out = fn(*a, **k)
+    if rebuild is None:
+      out = fn(*np_operands)
+    else:
+      a, k = rebuild(np_operands)
+      out = fn(*a, **k)
     if result_shape_dtypes is None:
       return ()
     try:

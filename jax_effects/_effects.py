@@ -118,13 +118,13 @@ UNORDERED = _Unordered()
 
 # --- ordering mode (state; switching waits for dispatched effects: _modes) ---------
 
-_process_mode = "per_effect"
-
-
 class _ModeStack(threading.local):
   # Class default: reading ``stack`` on a thread that never entered
   # ``ordering`` raises nothing (``get_ordering`` runs on every dispatch).
   stack: "list[str] | tuple" = ()
+  # The process-wide mode: a class attribute, so every thread's instance
+  # reads the one value (set_process_mode).
+  process: str = "per_effect"
 
 
 _local = _ModeStack()
@@ -140,18 +140,17 @@ def check_mode(mode: str) -> str:
 def get_ordering() -> str:
   """The ordering mode in effect on this thread."""
   stack = _local.stack
-  return stack[-1] if stack else _process_mode
+  return stack[-1] if stack else _local.process
 
 
 def process_mode() -> str:
   """The process-wide mode (threads outside an ``ordering`` context)."""
-  return _process_mode
+  return _ModeStack.process
 
 
 def set_process_mode(mode: str) -> None:
   """Sets the process-wide mode (``_modes.set_ordering`` waits first)."""
-  global _process_mode
-  _process_mode = check_mode(mode)
+  _ModeStack.process = check_mode(mode)
 
 
 def push_mode(mode: str) -> None:

@@ -9,10 +9,11 @@ the elements of a vmapped ``while_loop`` that are no longer iterating.
 
 :func:`host_function` builds the one Python function XLA calls for a
 lowered effect. Its operands are, in order: ``passthrough`` values it
-returns as received (for a threaded effect the ``!stablehlo.token``
-placeholder and the ``int32`` carrier, which holds the dispatching thread's
-slot and the ``_errors.FAILED`` bit), the effect's operands, and, for a
-per-device callback, the partition id. While the user's function runs,
+returns as received (for a threaded effect the ``int32`` carrier, which
+holds the dispatching thread's slot and the ``_errors.FAILED`` bit, and
+orders the call after the chain's previous effect; the compiler token stays
+in the program, see ``_primitives._threaded_lowering``), the effect's
+operands, and, for a per-device callback, the partition id. While the user's function runs,
 ``_placement.site`` says where. A user exception never fails the
 computation: it is deferred to the dispatching thread, which raises it once
 (see ``design/errors.md``), and the results are zeros.
@@ -93,23 +94,79 @@ def check_results(description, results, avals):
 # --- the function XLA calls ------------------------------------------------------------
 
 def host_function(host_callback: HostCallback, where: _placement.Where, *,
-                  passthrough: int, threaded: bool, avals_out: Sequence):
+                  passthrough: int, threaded: bool, avals_out: Sequence,
+                  entry: bool = False):
   """The function XLA calls for one lowered effect (see the module docstring).
 
   ``where``: from ``_placement.at_lowering``. ``threaded``: lowered from
   ``threaded_effect_p`` (the carrier, the last passthrough operand, holds the
   dispatching thread's slot and the ``FAILED`` bit). ``avals_out``: of all
-  results, passthrough ones first.
+  results, passthrough ones first. ``entry``: the carrier is the chain's
+  runtime token (``threaded_effect_p``'s parameter): a ``FAILED`` bit there
+  is an earlier execution's, cleared instead of skipping the effect.
 
   It never fails its computation (``design/errors.md``): a user exception is
   deferred to the dispatching thread (``_runtime_tokens.defer_error``) and
   the results are zeros (the passthrough ones as received, the carrier with
   ``FAILED`` set, so the later effects of the chain are skipped).
+
+  Specialised when lowered: the common case (a threaded effect with a scalar
+  carrier, running once at a fixed placement) gets
+  :func:`_threaded_once`, which does only what that case needs.
   """
+  if (threaded and passthrough == 1 and where.table is None
+      and avals_out[0].shape == ()):
+    return _threaded_once(host_callback, where.fixed, avals_out, entry)
+  return _general(host_callback, where, passthrough, threaded, avals_out,
+                  entry)
+
+
+def _threaded_once(host_callback: HostCallback, placement, avals_out,
+                   entry: bool):
+  """``host(carrier, *operands)`` of a threaded effect that runs once."""
   fn = host_callback.fn
   what = host_callback.description
   result_avals = host_callback.result_avals
-  fixed, table = where.fixed, where.table
+  site = _placement.site
+  running = _placement.running(placement, True)
+  FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
+  zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  defer_error = _runtime_tokens.defer_error
+
+  def host(carrier, *args):
+    if int(carrier) & FAILED:
+      if not entry:   # an earlier effect of the chain failed
+        return (carrier, *zeros)
+      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
+    prev = site.running
+    site.running = running
+    try:
+      results = fn(*args)
+      if result_avals:
+        results = check_results(what, results, result_avals)
+        site.running = prev
+        return (carrier, *results)
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      site.running = prev
+      defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
+      return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
+    site.running = prev
+    return (carrier,)
+  return host
+
+
+def _general(host_callback: HostCallback, where: _placement.Where,
+             passthrough: int, threaded: bool, avals_out: Sequence,
+             entry: bool):
+  """Every other lowered effect: per device (the partition id is the last
+  operand), not threaded (plain ``jax.jit``: no carrier), or with a
+  non-scalar carrier."""
+  fn = host_callback.fn
+  what = host_callback.description
+  result_avals = host_callback.result_avals
+  fixed = _placement.running(where.fixed, threaded)
+  table = (None if where.table is None
+           else tuple(_placement.running(p, threaded) for p in where.table))
   site = _placement.site
   carrier_at = passthrough - 1 if threaded and passthrough else None
   FAILED, SLOT_MASK = _errors.FAILED, _errors.SLOT_MASK
@@ -123,9 +180,9 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
 
   def host(*args):
     if table is None:
-      placement = fixed
+      running = fixed
     else:
-      placement = table[int(args[-1])]
+      running = table[int(args[-1])]
       args = args[:-1]
     if carrier_at is not None:
       # The carrier holds the dispatching thread's slot, and FAILED once an
@@ -134,14 +191,17 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
       carrier = args[carrier_at]
       value = int(carrier) if not carrier.ndim else int(carrier.max())
       if value & FAILED:
-        return zeros(args, carrier)
+        if not entry:
+          return zeros(args, carrier)
+        carrier = np.bitwise_and(carrier, SLOT_MASK)   # an earlier execution's
+        args = (*args[:carrier_at], carrier, *args[carrier_at + 1:])
       slot = int(value & SLOT_MASK)
     else:   # plain jax.jit: run on the dispatching thread if on one device
-      slot = 0 if placement.per_device else _runtime_tokens.current_slot()
+      slot = 0 if running[0].per_device else _runtime_tokens.current_slot()
       if slot and _errors.has_deferred(slot):
         return zeros(args, None)   # after an unreported failure: skipped
-    prev = site.placement, site.threaded
-    site.placement, site.threaded = placement, threaded
+    prev = site.running
+    site.running = running
     try:
       results = fn(*args[passthrough:])
       results = (check_results(what, results, result_avals) if result_avals
@@ -151,7 +211,7 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
       return zeros(args, None if carrier_at is None
                    else np.bitwise_or(carrier, FAILED))
     finally:
-      site.placement, site.threaded = prev
+      site.running = prev
     return (*args[:passthrough], *results)
   return host
 

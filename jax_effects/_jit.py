@@ -2,13 +2,14 @@
 
 A :class:`Function` owns ``jax.jit`` objects whose traced function is::
 
-    g((t_1, ..., t_k), *args, **kwargs) -> (outputs, token)
+    g(t_1, ..., t_k, *args, **kwargs) -> (outputs, token)
 
 where ``t_i`` is the calling thread's runtime token of the i-th ordered chain
-the function uses (in a fixed order, :attr:`Function.keys`). The token tuple
-is the first positional argument (``static_argnums``/``donate_argnums`` are
-shifted by one, ``in_shardings`` gets None for it): ``jax.jit`` refuses
-keyword arguments when ``in_shardings`` is given. Tracing ``g``
+the function uses (in a fixed order, :attr:`Function.keys`). The tokens are
+the first ``k`` positional arguments (``static_argnums``/``donate_argnums``
+are shifted by ``k``, ``in_shardings`` gets None for them): ``jax.jit``
+refuses keyword arguments when ``in_shardings`` is given, and a tuple
+argument would cost a pytree level on every dispatch. Tracing ``g``
 traces the user function to a jaxpr and runs the token-threading pass on it
 (``_token_pass``), re-tracing the result into ``g``'s trace. The pass leaves
 no JAX-level effect behind, so ``jax.jit``'s C++ fast path dispatches ``g``;
@@ -17,8 +18,8 @@ the Python hook around it only reads the runtime tokens from
 
 Which chains a function uses is learnt while tracing: a trace that finds a
 chain the call did not pass a runtime token for raises :class:`NeedsTokens`,
-the hook adds the chain to :attr:`Function.keys` and calls again (a new token
-tuple length is a new ``jax.jit`` cache entry). Until a trace finds any
+the hook adds the chain to :attr:`Function.keys` and calls again (through a
+new ``jax.jit`` object for the new number of tokens). Until a trace finds any
 effect, calls go through a ``jax.jit`` with no token argument, and once a call
 has found the function pure, calling the :class:`Function` *is* calling that
 ``jax.jit`` object (``__call__`` is a property returning it): a function with
@@ -67,6 +68,8 @@ _KEPT_TRACES = 8
 # Set while a call can catch NeedsTokens (see Function._first_call).
 _strict = threading.local()
 
+#: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
+#: ...): reserved.
 TOKENS_KW = "__jax_effects_runtime_tokens__"
 
 # Returned by a call that must be retried (after NeedsTokens).
@@ -81,14 +84,20 @@ class NeedsTokens(Exception):
     self.keys = keys
 
 
-def _signature_with_tokens(fun):
-  """``fun``'s signature with the runtime-token tuple as first parameter."""
+def _signature_with_tokens(sig: inspect.Signature | None, k: int):
+  """``sig`` (a user function's) with ``k`` runtime-token parameters first."""
+  if sig is None:
+    return None
+  extra = [inspect.Parameter(f"{TOKENS_KW}_{i}", inspect.Parameter.POSITIONAL_ONLY)
+           for i in range(k)]
+  return sig.replace(parameters=[*extra, *sig.parameters.values()])
+
+
+def _signature(fun) -> inspect.Signature | None:
   try:
-    sig = inspect.signature(fun)
+    return inspect.signature(fun)
   except (TypeError, ValueError):
     return None
-  extra = inspect.Parameter(TOKENS_KW, inspect.Parameter.POSITIONAL_ONLY)
-  return sig.replace(parameters=[extra, *sig.parameters.values()])
 
 
 def _argnums(value) -> tuple:
@@ -97,25 +106,26 @@ def _argnums(value) -> tuple:
   return (value,) if isinstance(value, int) else tuple(value)
 
 
-def _threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None) -> dict:
-  """``jax.jit`` keyword arguments for ``g(tokens, *args, **kwargs)``.
+def _threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None,
+                         k: int) -> dict:
+  """``jax.jit`` keyword arguments for ``g(t_1, ..., t_k, *args, **kwargs)``.
 
-  Positional indices shift by one (negative ones are unchanged); the token
-  tuple gets no sharding constraint (None) and no sharding on the output.
+  Positional indices shift by ``k`` (negative ones are unchanged); the tokens
+  get no sharding constraint (None) and no sharding on the output.
   ``n_dynamic`` is the number of non-static positional arguments, needed only
   when ``in_shardings`` is one sharding for every argument.
   """
   kwargs = dict(jit_kwargs)
   for name in ("static_argnums", "donate_argnums"):
     if kwargs.get(name) is not None:
-      kwargs[name] = tuple(n + 1 if n >= 0 else n
+      kwargs[name] = tuple(n + k if n >= 0 else n
                            for n in _argnums(kwargs[name]))
   if kwargs.get("in_shardings") is not None:
     s = kwargs["in_shardings"]
     if isinstance(s, (tuple, list)):
-      kwargs["in_shardings"] = (None, *s)
+      kwargs["in_shardings"] = (*([None] * k), *s)
     else:
-      kwargs["in_shardings"] = (None, *([s] * n_dynamic))
+      kwargs["in_shardings"] = (*([None] * k), *([s] * n_dynamic))
   if "out_shardings" in kwargs:
     kwargs["out_shardings"] = (kwargs["out_shardings"], None)
   return kwargs
@@ -127,16 +137,20 @@ class _Threaded:
   ``keys``: the ordered chains passed as runtime tokens, in order (learnt
   while tracing, :class:`NeedsTokens`). ``per_device_sharding``: sharding of
   the per-device token the function returned last (None: scalar tokens).
-  ``jitted``: the ``jax.jit`` objects of ``g(tokens, *args, **kwargs)``, by
-  number of dynamic arguments (None unless one ``in_shardings`` is given for
-  every argument).
+  ``jitted``: the ``jax.jit`` objects of ``g(*tokens, *args, **kwargs)`` for
+  ``len(keys)`` tokens, by number of dynamic arguments (None unless one
+  ``in_shardings`` is given for every argument); dropped when ``keys`` grows.
   """
-  __slots__ = ("keys", "per_device_sharding", "jitted")
+  __slots__ = ("keys", "per_device_sharding", "jitted", "fast")
 
   def __init__(self):
     self.keys: tuple = ()
     self.per_device_sharding = None
     self.jitted: dict[int | None, Any] = {}
+    #: The fast dispatch hook (``_runtime_tokens.fast_dispatch``) while it
+    #: applies: one ordered chain, scalar tokens, one jax.jit for every call
+    #: (see ``Function._refresh``); else None.
+    self.fast: Callable | None = None
 
 
 def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
@@ -146,7 +160,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   First raises the errors earlier computations of this thread deferred
   (before dispatching anything), and after a mode switch waits for the
   thread's earlier dispatches (``_runtime_tokens.switch_mode``). Then passes
-  the thread's runtime tokens of ``keys`` to ``call(tokens, *args,
+  the thread's runtime tokens of ``keys`` to ``call(*tokens, *args,
   **kwargs)`` and stores the returned token, also when an interrupt lands
   right after the dispatch; raises the errors of callbacks that ran inline
   in this call (``design/errors.md``). Returns ``(outputs, token)``.
@@ -158,7 +172,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
     _runtime_tokens.switch_mode(state, mode)
   tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
   try:
-    out, token = call(tokens, *args, **kwargs)
+    out, token = call(*tokens, *args, **kwargs)
   except Exception as err:  # noqa: BLE001 - an execution error or not
     _errors.reraise(err, state.reset)
   try:
@@ -187,12 +201,15 @@ class Function:
   def __init__(self, fun: Callable, **jit_kwargs):
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
-    if TOKENS_KW in (jit_kwargs.get("static_argnames") or ()):
-      raise ValueError(f"{TOKENS_KW} is reserved by jax_effects")
+    names = jit_kwargs.get("static_argnames") or ()
+    if any(str(n).startswith(TOKENS_KW)
+           for n in ((names,) if isinstance(names, str) else names)):
+      raise ValueError(f"names starting with {TOKENS_KW} are reserved by "
+                       "jax_effects")
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._jit_kwargs = jit_kwargs
-    self._signature = _signature_with_tokens(fun)
+    self._signature = _signature(fun)
     self._effectful = False
     self._after_fallback = False
     self._dispatch = self._first_call
@@ -200,7 +217,7 @@ class Function:
     self._traces_lock = threading.Lock()
     #: ordering mode -> the threaded path in that mode
     self._modes: dict[str, _Threaded] = {}
-    self._pure = jax.jit(self._wrap(self._trace_pure, False), **jit_kwargs)
+    self._pure = jax.jit(self._wrap(self._trace_pure, None), **jit_kwargs)
 
   @property
   def keys(self) -> dict[str, tuple]:
@@ -224,14 +241,15 @@ class Function:
 
   # --- tracing -----------------------------------------------------------------
 
-  def _wrap(self, traced, tokens: bool):
-    """The function ``jax.jit`` traces: ``f``'s signature, with the token
-    parameter in front if ``tokens`` (so JAX names arguments as for ``f``)."""
+  def _wrap(self, traced, tokens: int | None):
+    """The function ``jax.jit`` traces: ``f``'s signature, with ``tokens``
+    token parameters in front (None: no signature of ours, as for the pure
+    path) so JAX names arguments as for ``f``."""
     @functools.wraps(self._fun)
     def g(*args, **kwargs):
       return traced(args, kwargs)
-    if tokens and self._signature is not None:
-      g.__signature__ = self._signature
+    if tokens is not None and self._signature is not None:
+      g.__signature__ = _signature_with_tokens(self._signature, tokens)
     return g
 
   def _trace(self, args, kwargs):
@@ -289,17 +307,27 @@ class Function:
       # calls take the threaded path; this one keeps its effect equations, so
       # JAX's own ordered effects order them (its slower dispatch, once),
       # after this thread's effects dispatched so far.
+      self._after_fallback = True   # (no fast hook until then: _refresh)
       self._learn(mode, err)
-      self._after_fallback = True
       _runtime_tokens.wait_for_thread()
       outs = jex_core.jaxpr_as_fun(closed)(*dyn)
       return tree_util.tree_unflatten(out_tree, outs)
     outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
     return tree_util.tree_unflatten(out_tree, outs)
 
-  def _trace_threaded(self, mode, args, kwargs):
-    runtime, *args = args
-    closed, dyn, out_tree = self._trace(tuple(args), kwargs)
+  def _trace_threaded(self, mode, k, args, kwargs):
+    runtime, args = args[:k], args[k:]
+    if _compat.disable_jit_flag.value:
+      # Under jax.disable_jit, jax.jit calls this function with the values
+      # instead of tracing it (the fast hook does not check the flag): after
+      # the thread's dispatched effects, the user function runs eagerly (its
+      # effects through the eager impl, in order); any of the tokens, all
+      # ready, is the new one.
+      jax.block_until_ready(runtime)
+      out = self._fun(*args, **kwargs)
+      return out, runtime[0] if runtime else _runtime_tokens.initial_token(
+          _runtime_tokens.thread_state())
+    closed, dyn, out_tree = self._trace(args, kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
                     if k not in known)
@@ -312,7 +340,7 @@ class Function:
     return tree_util.tree_unflatten(out_tree, outs), token
 
   def _threaded_jit(self, mode: str, args: tuple = ()):
-    """The ``jax.jit`` of ``g(tokens, *args, **kwargs)`` for ``mode``."""
+    """The ``jax.jit`` of ``g(*tokens, *args, **kwargs)`` for ``mode``."""
     n_dynamic = None
     s = self._jit_kwargs.get("in_shardings")
     if s is not None and not isinstance(s, (tuple, list)):
@@ -324,15 +352,43 @@ class Function:
     threaded = self._threaded(mode)
     jitted = threaded.jitted.get(n_dynamic)
     if jitted is None:
-      traced = functools.partial(self._trace_threaded, mode)
-      jitted = jax.jit(self._wrap(traced, True),
-                       **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic))
+      k = len(threaded.keys)
+      traced = functools.partial(self._trace_threaded, mode, k)
+      jitted = jax.jit(self._wrap(traced, k),
+                       **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic, k))
       threaded.jitted[n_dynamic] = jitted
+      self._refresh(mode)
     return jitted
+
+  def _refresh(self, mode: str) -> None:
+    """Builds or drops ``mode``'s fast dispatch hook after its chains, its
+    ``jax.jit`` objects or the shape of its tokens changed."""
+    threaded = self._threaded(mode)
+    jitted = threaded.jitted.get(None)
+    keys = threaded.keys
+    if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
+        and threaded.per_device_sharding is None and jitted is not None
+        and not self._after_fallback):
+      threaded.fast = _runtime_tokens.fast_dispatch(
+          mode, keys[0], jitted, fun=self._fun, general=self._call_threaded,
+          learn=functools.partial(self._learn, mode), retry=NeedsTokens,
+          per_device=functools.partial(self._per_device, mode))
+    else:
+      threaded.fast = None
+
+  def _per_device(self, mode: str, token) -> None:
+    """A call in ``mode`` returned a per-device token (a shard_map program)."""
+    self._threaded(mode).per_device_sharding = token.sharding
+    self._refresh(mode)
+    self._dispatch = self._call_threaded
 
   def _learn(self, mode: str, err: NeedsTokens) -> None:
     threaded = self._threaded(mode)
-    threaded.keys += tuple(k for k in err.keys if k not in threaded.keys)
+    new = tuple(k for k in err.keys if k not in threaded.keys)
+    if new:   # the jax.jit objects take len(keys) tokens: new ones for more
+      threaded.keys += new
+      threaded.jitted = {}
+    self._refresh(mode)
     self._effectful = True
     self._dispatch = self._call_threaded
 
@@ -340,8 +396,9 @@ class Function:
 
   #: Calling a Function calls ``self._dispatch``: the ``jax.jit`` object
   #: itself once the function is known to be pure (no Python frame of ours:
-  #: a plain ``jax.jit`` call), else :meth:`_first_call` or
-  #: :meth:`_call_threaded`.
+  #: a plain ``jax.jit`` call), the fast hook of the current mode
+  #: (``_Threaded.fast``) once a call found it applies, else
+  #: :meth:`_first_call` or :meth:`_call_threaded`.
   __call__ = property(operator.attrgetter("_dispatch"))
 
   def _first_call(self, *args, **kwargs):
@@ -372,13 +429,17 @@ class Function:
     return out
 
   def _call_threaded(self, *args, **kwargs):
-    if not _compat.at_top_level() or _compat.disable_jit_flag.value:
+    """The general dispatch hook (the fast one, ``_Threaded.fast``, is
+    installed as ``_dispatch`` whenever it applies)."""
+    if not _compat.compiled_dispatch():
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_state()
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
       _runtime_tokens.effects_barrier()
+      for mode_ in list(self._modes):
+        self._refresh(mode_)
     threaded = self._threaded(mode)
     while True:
       jitted = threaded.jitted.get(None) or self._threaded_jit(mode, args)
@@ -389,8 +450,11 @@ class Function:
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      if token.ndim:
+      if token.aval.shape:
         threaded.per_device_sharding = token.sharding
+        self._refresh(mode)
+      if threaded.fast is not None:
+        self._dispatch = threaded.fast
       return out
 
   # --- the jax.jit API -----------------------------------------------------
@@ -416,7 +480,7 @@ class Function:
       tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
                      for _ in keys)
       try:
-        traced = self._threaded_jit(mode, args).trace(tokens, *args, **kwargs)
+        traced = self._threaded_jit(mode, args).trace(*tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
@@ -479,7 +543,7 @@ class _Stage:
 
   ``_inner`` is JAX's stage (``Traced``, ``Lowered`` or ``Compiled``) of the
   pure ``jax.jit`` (``_mode`` None: nothing to strip) or of the threaded
-  ``g(tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
+  ``g(*tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
   here are JAX's.
   """
 
@@ -487,7 +551,7 @@ class _Stage:
     if self._mode is None:
       return tree
     args, kwargs = tree
-    return tuple(args[1:]), kwargs
+    return tuple(args[len(self._keys):]), kwargs
 
   def _strip_out(self, tree):
     return tree if self._mode is None else tree[0]

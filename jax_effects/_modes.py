@@ -55,6 +55,7 @@ def set_ordering(mode: str) -> None:
   if switching:
     _runtime_tokens.wait_quietly(all_threads=True)
   _effects.set_process_mode(mode)
+  _runtime_tokens.mode_changed(all_threads=True)
 
 
 @contextlib.contextmanager
@@ -74,10 +75,12 @@ def ordering(mode: str) -> Iterator[None]:
   if mode != outer:
     _runtime_tokens.wait_quietly(all_threads=False)
   _effects.push_mode(mode)
+  _runtime_tokens.mode_changed(all_threads=False)
   try:
     yield
   finally:
     _effects.pop_mode()
+    _runtime_tokens.mode_changed(all_threads=False)
   if mode != outer:  # not reached with an exception in flight
     _runtime_tokens.wait_quietly(all_threads=False)
 

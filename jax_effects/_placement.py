@@ -66,24 +66,32 @@ class Placement:
 # --- the running callback's placement --------------------------------------------
 
 class _Site(threading.local):
-  placement: Placement | None = None
-  # True when the callback went through the token-threading pass: its
-  # dispatch's per-device token will be combined (and held output released).
-  threaded: bool = False
+  # ``(placement, threaded)`` of the running host callback: ``threaded`` is
+  # True when it went through the token-threading pass (its dispatch's
+  # per-device token will be combined, and held output released). One
+  # attribute, so the host function sets and restores it with one store each.
+  running: tuple = (None, False)
 
 
-#: The running host callback's placement (set by the host function, ``_host``).
+#: The running host callback's ``(placement, threaded)`` (set by the host
+#: function, ``_host``; :func:`running` builds the value).
 site = _Site()
+
+
+def running(placement: Placement | None, threaded: bool) -> tuple:
+  """The value of ``site.running`` while a host callback placed at
+  ``placement`` runs (built once, at lowering)."""
+  return (placement, threaded)
 
 
 def current() -> Placement | None:
   """The placement of the host callback running on this thread, if any."""
-  return site.placement
+  return site.running[0]
 
 
 def threaded() -> bool:
   """Whether the running host callback went through the token-threading pass."""
-  return site.threaded
+  return site.running[1]
 
 
 # --- lowering side -----------------------------------------------------------------

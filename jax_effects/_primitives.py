@@ -36,15 +36,22 @@ when a user's function is *traced* (before the pass), inside
 
 ``threaded_effect_p`` is what the token-threading pass replaces it with::
 
-    token', carrier', results = threaded_effect_p(token, carrier, *args; ...)
+    token', carrier', results = threaded_effect_p(token, carrier, *args;
+                                                  host_callback, entry)
 
 ``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
-effects of one chain are linked by it, so XLA cannot reorder them. ``carrier``
-is an ``int32`` scalar standing for the same chain where a token cannot go
-(across ``cond``/``while``/``scan`` boundaries, and out to the runtime token):
-the host callback takes it as an operand and returns it, which is a real data
-dependency XLA must respect. It has *no* JAX-level effect, so after the pass
-JAX sees an effect-free function and ``jax.jit``'s C++ fast path stays in use.
+effects of one chain are linked by it in the program. ``carrier`` is an
+``int32`` scalar standing for the same chain where a token cannot go (across
+``cond``/``while``/``scan`` boundaries, and out to the runtime token): the
+host callback takes it as an operand and returns it, a real data dependency
+XLA must respect, so it is what orders the lowered calls (the custom call
+does not take the token on CPU and GPU, see :func:`_threaded_lowering`). Its
+value is the dispatching thread's slot and the ``FAILED`` bit
+(``design/errors.md``); ``entry``: the carrier is the chain's runtime token
+and this effect runs once per execution, so a ``FAILED`` bit there is an
+earlier execution's and the host clears it. The primitive has *no* JAX-level
+effect, so after the pass JAX sees an effect-free function and ``jax.jit``'s
+C++ fast path stays in use.
 
 Both lower to one ``xla_ffi_python_*_callback`` custom call with
 ``has_side_effect = true``.
@@ -301,8 +308,8 @@ threaded_effect_p = Primitive("jax_effects_threaded_effect")
 threaded_effect_p.multiple_results = True
 
 
-def _threaded_abstract_eval(token, carrier, *avals, host_callback):
-  del avals
+def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry):
+  del avals, entry
   return [token, carrier, *host_callback.result_avals]
 
 
@@ -320,10 +327,11 @@ def _emit_host_call(ctx, host, operands, sharding):
   """Emits the side-effecting Python-callback custom call for ``host``.
 
   What ``mlir.emit_python_callback`` emits (same target, ``index`` attribute,
-  sharding annotation with an entry for the token), minus its per-call
-  wrapper, which re-converts and re-checks every result and costs more than
-  the rest of the callback. ``ctx`` has the token first in ``avals_in`` and
-  ``avals_out``. Returns the op's results.
+  sharding annotation), minus its per-call wrapper, which re-converts and
+  re-checks every result and costs more than the rest of the callback, and
+  minus the compiler token: the carrier operand orders the call after the
+  chain's previous effect (see ``_threaded_lowering``). ``ctx`` has the
+  operands' and results' avals. Returns the op's results.
   """
   target = _FFI_TARGETS[ctx.module_context.platforms[0]]
   lower = _ffi_lowerings.get(target)
@@ -333,38 +341,39 @@ def _emit_host_call(ctx, host, operands, sharding):
   ctx.module_context.add_host_callback(host)
   index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
   op = lower(ctx, *operands, index=index)
-  if isinstance(sharding, _compat.SdyArrayList):
-    # the token's entry, as emit_python_callback adds it
-    sharding = _compat.SdyArrayList((
-        _compat.SdyArray(
-            mesh_shape=(), dim_shardings=(),
-            logical_device_ids=sharding.shardings[0].logical_device_ids),
-        *sharding.shardings))
   if sharding is not None:
     _compat.set_sharding(ctx.module_context, op, sharding)
   return op.results
 
 
-def _threaded_lowering(ctx, token, carrier, *args, host_callback):
+def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
+  """Lowers one threaded effect to a host callback ``carrier', results =
+  host(carrier, *args)``.
+
+  The compiler token is threaded through the program by the pass, but the
+  custom call need not take it: the carrier is an operand and a result of
+  every effect of the chain, a data dependency that orders the call after
+  the chain's previous effect as the token would, and the token costs an
+  operand and a result of every call (about 3% of a whole dispatch). The
+  token operand is returned as this effect's token result; XLA removes the
+  unused ``create_token``. (On platforms without JAX's FFI callback target,
+  ``emit_python_callback`` takes the token itself.)
+  """
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
   args = _gathered(ctx, args, ctx.avals_in[2:])
-  if len(platforms) == 1 and platforms[0] in _FFI_TARGETS:
-    # Where it runs (device, shard): may add the partition id as an operand.
-    where, operands, avals_in = _placement.at_lowering(
-        ctx, [token, carrier, *args], list(ctx.avals_in))
-    host = _host.host_function(host_callback, where, passthrough=2,
-                               threaded=True, avals_out=ctx.avals_out)
-    return _emit_host_call(dataclasses.replace(ctx, avals_in=avals_in), host,
-                           operands, sharding)
-  # Other platforms (TPU): through emit_python_callback, which adds the token.
+  # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
   host = _host.host_function(host_callback, where, passthrough=1,
-                             threaded=True, avals_out=ctx.avals_out[1:])
+                             threaded=True, avals_out=ctx.avals_out[1:],
+                             entry=entry)
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
                                 avals_out=ctx.avals_out[1:])
+  if len(platforms) == 1 and platforms[0] in _FFI_TARGETS:
+    return [token, *_emit_host_call(sub_ctx, host, operands, sharding)]
+  # Other platforms (TPU): through emit_python_callback, which adds the token.
   results, token, _ = mlir.emit_python_callback(
       sub_ctx, host, token,
       operands, sub_ctx.avals_in, sub_ctx.avals_out,

@@ -61,7 +61,8 @@ _slots = itertools.count(1)
 
 class ThreadTokens:
   """The token state of one Python thread."""
-  __slots__ = ("runtime", "output", "last_sharding", "per_device", "slot",
+  __slots__ = ("runtime", "output", "last_sharding", "last_token",
+               "per_device", "fast_mode", "slot",
                "initial", "thread", "mode", "own_errors", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
@@ -69,10 +70,20 @@ class ThreadTokens:
     self.runtime: dict[Any, jax.Array] = {}
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
-    # the most recently inserted key of ``output`` (None: unknown)
+    # The sharding of the most recent dispatch's output token, and that token
+    # when it is not in ``output`` yet: the fast path (dispatch_one) replaces
+    # it without hashing a sharding; it is filed into ``output`` when a
+    # dispatch on other devices follows (_file_last). Its computation is also
+    # that of a runtime token, so the thread-exit finalizer need not see it.
     self.last_sharding: Any = None
+    self.last_token: jax.Array | None = None
     # True while some runtime token is a per-device vector (see update)
     self.per_device = False
+    # The mode in which the fast dispatch hooks (fast_dispatch) may run on
+    # this thread: its mode at its last dispatch, while it has no per-device
+    # token; None after a mode change (mode_changed) until the next general
+    # dispatch (update). One comparison stands for all those checks.
+    self.fast_mode: str | None = None
     # This thread's number (>= 1), the value of every runtime token it
     # dispatches: the carriers of its computations hold it, so a host callback
     # knows which thread dispatched it (for errors that cannot fail the
@@ -94,13 +105,17 @@ class ThreadTokens:
     this process neither holds nor waits for.
     """
     out = {}
-    for sharding, token in list(self.output.items()):
+    items = list(self.output.items())
+    if self.last_token is not None:
+      items.append((self.last_sharding, self.last_token))
+    for sharding, token in items:
       for device in sharding.addressable_devices:
         out[device] = token
     return out
 
   def pending(self) -> list[jax.Array]:
-    return [*self.output.values(), *self.runtime.values()]
+    last = [] if self.last_token is None else [self.last_token]
+    return [*self.output.values(), *last, *self.runtime.values()]
 
   def alive(self) -> bool:
     thread = self.thread()
@@ -110,6 +125,8 @@ class ThreadTokens:
     self.runtime.clear()
     self.output.clear()
     self.last_sharding = None
+    self.last_token = None
+    self.fast_mode = None
     self.per_device = False
 
 
@@ -152,6 +169,8 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
   """
   output = state.output
   sharding = token.sharding
+  if state.last_token is not None:
+    _file_last(state)
   if state.last_sharding is sharding:  # already the most recent entry
     output[sharding] = token
   else:  # move to the end (recency)
@@ -175,6 +194,104 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     for key in keys:
       if key is not _effects.UNORDERED:
         state.runtime[key] = runtime
+  state.fast_mode = None if state.per_device else state.mode
+
+
+def mode_changed(all_threads: bool) -> None:
+  """The calling thread's ordering mode (every thread's, with
+  ``all_threads``) changed: their next dispatch takes the general path,
+  which follows the earlier dispatches (:func:`switch_mode`)."""
+  if all_threads:
+    with _all_lock:
+      states = list(_all_states)
+  else:
+    state = getattr(_local, "state", None)
+    states = [] if state is None else [state]
+  for state in states:
+    state.fast_mode = None
+
+
+def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
+                  per_device):
+  """The dispatch hook of one function in its common case (``_jit``).
+
+  Valid while the function threads one ordered chain ``key`` with scalar
+  runtime tokens through ``jitted`` (``jitted(token, *args, **kwargs)
+  -> (outputs, token)``) in ordering mode ``mode``. The returned
+  ``call(*args, **kwargs)`` is what calling the function calls: it passes
+  the thread's token of ``key``, stores the returned one (also when an
+  interrupt lands right after the dispatch, see :func:`store_interrupted`)
+  and raises the errors of callbacks that ran inline in the call, the steps
+  of ``_jit``'s general dispatch without their loops, branches and frames.
+  Everything else goes elsewhere: under a trace, ``fun`` (the user's
+  function; under ``jax.disable_jit`` ``jitted`` calls it, see ``_jit``); in
+  another mode, after a mode switch, with a per-device token or an error
+  pending (``ThreadTokens.fast_mode``), ``general``; a trace that finds
+  another chain raises ``retry``, given to ``learn`` before ``general`` is
+  called; a per-device token returned (a new signature) is stored and given
+  to ``per_device``.
+  """
+  at_top_level = _compat.at_top_level
+  committed, uncommitted = _compat.committed, _compat.uncommitted
+  errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
+
+  def call(*args, **kwargs):
+    if not at_top_level():
+      return fun(*args, **kwargs)
+    try:
+      state = _local.state
+    except AttributeError:   # the thread's first call
+      return general(*args, **kwargs)
+    if state.fast_mode != mode or errors:
+      return general(*args, **kwargs)
+    runtime = state.runtime
+    token = runtime.get(key)
+    if token is None:
+      token = initial_token(state)
+    try:
+      out, token = jitted(token, *args, **kwargs)
+    except retry as err:   # the trace found another chain
+      learn(err)
+      token = None
+    except Exception as err:  # noqa: BLE001 - an execution error or not
+      _errors.reraise(err, state.reset)
+    if token is None:   # (outside the handler: no __context__)
+      return general(*args, **kwargs)
+    try:
+      sharding = token.sharding
+      if sharding is not state.last_sharding or state.last_token is None:
+        if token.aval.shape:   # a per-device token (a new signature)
+          update(state, (key,), token)
+          per_device(token)
+          return _raise_own_or(state, token, out)
+        _file_last(state)   # another device set than the last dispatch's
+        state.output.pop(sharding, None)
+        state.last_sharding = sharding
+      state.last_token = token
+      runtime[key] = uncommitted(token) if committed(token) else token
+    except BaseException:
+      store_interrupted(state, (key,), token)   # see store_interrupted
+      raise
+    if state.own_errors:   # a callback of this call failed (ran inline)
+      raise_own(state, token)
+    return out
+  return call
+
+
+def _raise_own_or(state: ThreadTokens, token, out):
+  if state.own_errors:
+    raise_own(state, token)
+  return out
+
+
+def _file_last(state: ThreadTokens) -> None:
+  """Moves the fast path's last output token into ``state.output``."""
+  token = state.last_token
+  if token is not None:
+    state.last_token = None
+    output = state.output
+    output.pop(state.last_sharding, None)
+    output[state.last_sharding] = token
 
 
 def switch_mode(state: ThreadTokens, mode: str) -> None:

@@ -73,17 +73,29 @@ def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
 
 
 class Chains:
-  """Current compiler token and carrier of each chain, during the pass."""
-  __slots__ = ("tokens", "carriers")
+  """Current compiler token and carrier of each chain, during the pass.
 
-  def __init__(self, carriers: dict):
+  ``entries``: the chains whose carrier is still the runtime-token argument
+  (top level only). Its value may carry the ``FAILED`` bit of an earlier
+  execution (a failed effect leaves it in the returned token): the chain's
+  first effect clears it, when that effect runs once, at the top level
+  (``entry=True``, on the host, free unless the bit is set); any other first
+  use takes the carrier with the bit masked off (one ``and``).
+  """
+  __slots__ = ("tokens", "carriers", "entries")
+
+  def __init__(self, carriers: dict, entries=()):
     self.tokens: dict = {}
     self.carriers: dict = dict(carriers)
+    self.entries: set = set(entries)
 
   def carrier(self, key):
     c = self.carriers.get(key)
     if c is None:  # an unordered chain starting here
       c = self.carriers[key] = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
+    elif key in self.entries:   # a runtime token: an earlier FAILED is stale
+      self.entries.discard(key)
+      c = self.carriers[key] = jnp.bitwise_and(c, _errors.SLOT_MASK)
     return c
 
   def take(self, keys) -> tuple:
@@ -197,7 +209,14 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
-  carrier = chains.carrier(key)
+  # The chain's first effect at the top level runs once per execution: it
+  # clears a stale FAILED bit of its runtime token itself (see Chains).
+  entry = key in chains.entries and _context.kind == "top"
+  if entry:
+    chains.entries.discard(key)
+    carrier = chains.carriers[key]
+  else:
+    carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:
     # The per-device carriers of a shard_map (one per device) meet an effect
@@ -208,7 +227,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # chain's carrier keeps its shape (a loop's carry must).
     carrier = jnp.max(carrier)
   token, carrier, *results = _primitives.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=host_callback)
+      token, carrier, *invals, host_callback=host_callback, entry=entry)
   if shape:
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
@@ -457,15 +476,14 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   every runtime-token argument): it is ready only once every side effect of
   this computation has run. It is None when there is nothing to combine.
   """
-  chains = Chains(runtime_tokens)
+  chains = Chains(runtime_tokens, entries=runtime_tokens)
   outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finals = list(chains.carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
+  # A chain whose effect failed ends with the FAILED bit (its later effects
+  # were skipped) and so may the token: the next computation's entries clear
+  # it (Chains); the error itself is reported by the dispatching thread
+  # (design/errors.md).
   token = functools.reduce(jnp.maximum, finals) if finals else None
-  if token is not None:
-    # A chain whose effect failed carries the FAILED bit (its later effects
-    # were skipped); the next computation starts clean (the error itself is
-    # reported by the dispatching thread, design/errors.md).
-    token = jnp.bitwise_and(token, _errors.SLOT_MASK)
   return outs, token

@@ -359,7 +359,42 @@ def test_function_pure_for_one_signature_effectful_for_another(effects_capture):
   g(jnp.float32(5))
   assert float(f(jnp.float32(3), debug=True)) == 4.0
   assert float(f(jnp.float32(4), debug=False)) == 5.0
-  assert f.__call__ == f._call_threaded
+  # the threaded hook (the fast one: one chain, scalar tokens)
+  assert f.__call__ in (f._call_threaded, f._modes["per_effect"].fast)
   assert effects_capture.printed == ["g x=0.0", "debug x=2.0", "g x=5.0",
                                      "debug x=3.0"]
   assert je.DEFAULT in je.runtime_tokens().effects
+
+
+def test_fast_hook_under_disable_jit_runs_the_function_eagerly_in_order():
+  # Once a function takes the fast dispatch hook, jax.disable_jit() makes
+  # jax.jit call the threaded function with values; it must run the user's
+  # function eagerly, after the effects dispatched before it.
+  events, traced = [], []
+  release = threading.Event()
+
+  def host(v):
+    if int(v) == 1:
+      release.wait(5)      # the first call's effect may still be pending...
+    events.append(int(v))
+
+  @je.jit
+  def f(x):
+    traced.append(isinstance(x, jax.core.Tracer))
+    je.callback(host, None, x)
+    return x + 1
+
+  f(jnp.int32(0))
+  f(jnp.int32(0))
+  assert f.__call__ is f._modes[je.get_ordering()].fast
+  je.effects_barrier()
+  events.clear()
+  traced.clear()
+  threading.Timer(0.2, release.set).start()
+  f(jnp.int32(1))
+  with jax.disable_jit():
+    assert int(f(jnp.int32(2))) == 3    # ... and this one runs after it
+  f(jnp.int32(3))
+  je.effects_barrier()
+  assert events == [1, 2, 3]
+  assert traced == [False]     # traced once before; eager under disable_jit

@@ -11,6 +11,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding
@@ -247,6 +248,81 @@ def test_deferred_error_is_raised_before_the_next_call_dispatches(
   assert int(good(jnp.int32(7))) == 8    # the retry runs its effects once
   je.effects_barrier()
   assert [int(c) for c in counter] == [7]
+
+
+def _first_effect_at_top(fail, record):
+  def f(x):
+    je.callback(fail, None, x)
+    je.callback(record, None, x)
+    return x + 1
+  return f
+
+
+def _first_effect_in_loop(fail, record):
+  def f(x):
+    def body(i, c):
+      je.callback(fail, None, c)
+      je.callback(record, None, c)
+      return c + 1
+    return lax.fori_loop(0, 2, body, x)
+  return f
+
+
+def _first_effect_in_cond(fail, record):
+  def f(x):
+    def yes(v):
+      je.callback(fail, None, v)
+      je.callback(record, None, v)
+      return v + 1
+    return lax.cond(x >= 0, yes, lambda v: v - 1, x)
+  return f
+
+
+def _first_effect_in_shard_map(mesh):
+  def make(fail, record):
+    def body(v):
+      je.callback(fail, None, v)
+      je.callback(record, None, v)
+      return v + 1
+    return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  return make
+
+
+@pytest.mark.parametrize("where", ["top", "loop", "cond", "shard_map"])
+def test_a_failed_execution_never_skips_a_later_executions_effects(mesh, where):
+  # A failed effect marks its chain's carrier FAILED (the rest of that
+  # execution's chain is skipped) and the mark may leave in the returned
+  # token; the next execution must run all its effects, wherever the chain's
+  # first effect is (design/errors.md).
+  make = {"top": _first_effect_at_top, "loop": _first_effect_in_loop,
+          "cond": _first_effect_in_cond,
+          "shard_map": _first_effect_in_shard_map(mesh)}[where]
+  failing = [True]
+  ran = []
+
+  def fail(v):
+    if failing[0]:
+      raise UserError("first call")
+
+  def record(v):
+    ran.append(np.asarray(v).tolist())
+
+  f = je.jit(make(fail, record))
+  x = (sharded(mesh, jnp.arange(N, dtype=jnp.int32)) if where == "shard_map"
+       else jnp.int32(1))
+  got = reports(lambda: f(x))
+  assert got and all(isinstance(e, UserError) for r in got for e in flat(r))
+  assert ran == []            # skipped after the failure, in that execution
+  failing[0] = False
+  f(x)
+  f(x)
+  je.effects_barrier()
+  per_call = {"top": [1], "loop": [1, 2], "cond": [1],
+              "shard_map": [[i] for i in range(N)]}[where]
+  if where == "shard_map":
+    assert sorted(ran) == sorted(per_call * 2)
+  else:
+    assert ran == per_call * 2
 
 
 # --- 3. ordered=False per-device errors reach the dispatching thread -------------

@@ -223,7 +223,7 @@ def _threaded_trace(f, *args):
   mode = je.get_ordering()
   f.lower(*args)  # learns the chains used
   tokens = tuple(jnp.zeros((), jnp.int32) for _ in f.keys[mode])
-  return f._threaded_jit(mode, args).trace(tokens, *args)
+  return f._threaded_jit(mode, args).trace(*tokens, *args)
 
 
 def test_threaded_computation_has_no_jax_effects():
