@@ -74,13 +74,14 @@ def _bad_array(what: str, path, leaf, fix: str) -> TypeError:
 
 
 def split(what: str, args: tuple, kwargs: dict):
-  """Returns ``(operands, rebuild)`` for a host callback taking the arguments.
+  """Returns ``(operands, calling)`` for a host callback taking the arguments.
 
-  Every leaf must be an array of numbers or bools. ``rebuild(np_operands)``
-  gives back ``(args, kwargs)`` with each operand replaced by its NumPy
-  value (0-d arrays as NumPy scalars). ``rebuild`` is None when the NumPy
-  operands *are* the positional arguments (only positional array arguments,
-  none of them 0-d): the host callback is then called with them directly.
+  Every leaf must be an array of numbers or bools. ``calling(fn)`` is the
+  host-side function of the NumPy operands that calls ``fn`` with the
+  arguments rebuilt: each operand replaced by its NumPy value (0-d arrays as
+  NumPy scalars). It is ``fn`` itself when the NumPy operands *are* the
+  arguments (only positional array arguments, none 0-d): no frame of ours
+  on every run.
   """
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
   operands, leaves = [], []
@@ -100,21 +101,29 @@ def split(what: str, args: tuple, kwargs: dict):
     leaves.append(leaf)
     operands.append(leaf)
 
-  if (not kwargs and len(operands) == len(args)
-      and all(a is leaf for a, leaf in zip(args, leaves))):
-    # Only positional array arguments (the common case): no pytree to rebuild
-    # on every run of the callback, and nothing at all without 0-d ones.
-    if all(getattr(x, "shape", ()) != () for x in operands):
-      return operands, None
-    def rebuild(np_operands) -> tuple[tuple, dict]:
-      return tuple([x[()] if x.ndim == 0 else x for x in np_operands]), {}
-    return operands, rebuild
-
-  def rebuild(np_operands) -> tuple[tuple, dict]:
-    return tree_util.tree_unflatten(
-        treedef, [x[()] if x.ndim == 0 else x for x in np_operands])
-
-  return operands, rebuild
+  scalar = [getattr(x, "shape", ()) == () for x in operands]
+  if not (not kwargs and len(operands) == len(args)
+          and all(a is leaf for a, leaf in zip(args, leaves))):
+    def calling(fn):
+      def call(*np_operands):
+        a, k = tree_util.tree_unflatten(
+            treedef, [x[()] if x.ndim == 0 else x for x in np_operands])
+        return fn(*a, **k)
+      return call
+  elif not any(scalar):   # the NumPy operands are the arguments
+    def calling(fn):
+      return fn
+  elif len(operands) == 1:   # one 0-d argument: a NumPy scalar
+    def calling(fn):
+      def call(x):
+        return fn(x[()])
+      return call
+  else:   # positional arguments, some 0-d
+    def calling(fn):
+      def call(*np_operands):
+        return fn(*[x[()] if s else x for x, s in zip(np_operands, scalar)])
+      return call
+  return operands, calling
 
 
 class Formatting:

@@ -58,23 +58,18 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
   name = getattr(fn, "__qualname__", None) or repr(fn)
   what = f"jax_effects.callback({name})"
   effect, ordered = _effects.resolve(what, effect, ordered)
-  operands, rebuild = _arguments.split(what, args, kwargs)
+  operands, calling = _arguments.split(what, args, kwargs)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
+  host = calling(fn)
 
-  if rebuild is None and result_shape_dtypes is None:
-    # The host calls ``fn`` itself (with the NumPy operands as its arguments;
-    # what it returns is ignored): no frame of ours around it.
-    _primitives.bind_effect(fn, what, operands, effect=effect, ordered=ordered)
+  if result_shape_dtypes is None:
+    # What ``host`` returns is ignored: no frame of ours around it.
+    _primitives.bind_effect(host, what, operands, effect=effect,
+                            ordered=ordered)
     return None
 
   def call(*np_operands):
-    if rebuild is None:
-      out = fn(*np_operands)
-    else:
-      a, k = rebuild(np_operands)
-      out = fn(*a, **k)
-    if result_shape_dtypes is None:
-      return ()
+    out = host(*np_operands)
     try:
       # Up to the declared structure: a leaf may be a list, a scalar or any
       # object NumPy takes as an array.
@@ -93,6 +88,4 @@ def callback(fn: Callable, result_shape_dtypes: Any, *args,
 
   results = _primitives.bind_effect(call, what, operands, effect=effect,
                                    ordered=ordered, result_avals=avals)
-  if result_shape_dtypes is None:
-    return None
   return tree_util.tree_unflatten(out_tree, results)

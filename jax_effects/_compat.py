@@ -100,13 +100,14 @@ shardable_ordered_effects = _effects.shardable_ordered_effects
 callback_op_sharding = _callback._callback_op_sharding
 
 # Emitting a host-callback custom call directly (``_primitives``), as
-# ``mlir.emit_python_callback`` does but without its per-call result wrapper:
-# the token operand gets its own sharding entry (``SdyArray``) next to the
-# callback's annotation, which ``set_sharding`` attaches to the op. SdyArray's
-# fields used here (mesh_shape, dim_shardings, logical_device_ids) are the
-# same on JAX 0.8-0.10; ``mlir.set_sharding`` differs (shim below).
+# ``mlir.emit_python_callback`` does but without its per-call result wrapper
+# and without a token operand: ``set_sharding`` attaches the callback's
+# annotation to the op (``mlir.set_sharding`` differs, shim below). JAX
+# 0.8-0.10.
 from jax._src.interpreters import mlir as _mlir  # noqa: E402
-from jax._src.sharding_impls import SdyArray, SdyArrayList  # noqa: E402
+# Shardy's per-value sharding, for ``replicated`` below (its fields
+# mesh_shape and dim_shardings are the same on JAX 0.8-0.10).
+from jax._src.sharding_impls import SdyArray  # noqa: E402
 
 # A replicated sharding annotation (``Sharding`` custom call or
 # ``sdy.sharding_constraint``) on the array operands of a callback that runs

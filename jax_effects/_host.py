@@ -114,9 +114,10 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
   carrier, running once at a fixed placement) gets
   :func:`_threaded_once`, which does only what that case needs.
   """
-  if (threaded and passthrough == 1 and where.table is None
-      and avals_out[0].shape == ()):
-    return _threaded_once(host_callback, where.fixed, avals_out, entry)
+  if threaded and passthrough == 1 and avals_out[0].shape == ():
+    if where.table is None:
+      return _threaded_once(host_callback, where.fixed, avals_out, entry)
+    return _threaded_per_device(host_callback, where.table, avals_out, entry)
   return _general(host_callback, where, passthrough, threaded, avals_out,
                   entry)
 
@@ -142,6 +143,42 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
     site.running = running
     try:
       results = fn(*args)
+      if result_avals:
+        results = check_results(what, results, result_avals)
+        site.running = prev
+        return (carrier, *results)
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      site.running = prev
+      defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
+      return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
+    site.running = prev
+    return (carrier,)
+  return host
+
+
+def _threaded_per_device(host_callback: HostCallback, table, avals_out,
+                         entry: bool):
+  """``host(carrier, *operands, partition_id)`` of a threaded effect that
+  runs on every device (in a manual ``shard_map``): :func:`_threaded_once`,
+  placed by the partition id through ``table``."""
+  fn = host_callback.fn
+  what = host_callback.description
+  result_avals = host_callback.result_avals
+  site = _placement.site
+  placed = tuple(_placement.running(p, True) for p in table)
+  FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
+  zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  defer_error = _runtime_tokens.defer_error
+
+  def host(carrier, *args):
+    if int(carrier) & FAILED:
+      if not entry:   # an earlier effect of the chain failed
+        return (carrier, *zeros)
+      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
+    prev = site.running
+    site.running = placed[int(args[-1])]
+    try:
+      results = fn(*args[:-1])
       if result_avals:
         results = check_results(what, results, result_avals)
         site.running = prev
