@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -43,7 +44,9 @@ class HostCallback:
   ``while_loop``'s ``cond_fun``. ``eager`` (optional, result-free effects
   only): run instead of ``fn`` outside any trace, with the operands as bound
   (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
-  format eager values as ``jax.debug.print`` does. Compared and hashed by
+  format eager values as ``jax.debug.print`` does. ``reads_placement``:
+  ``fn`` calls ``_placement.current()`` on every run (``print``/``log``), so
+  the host function sets ``_placement.site`` for it. Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
@@ -52,6 +55,7 @@ class HostCallback:
   traced_in_branch: bool = False
   traced_in_while_cond: bool = False
   eager: Callable[..., None] | None = None
+  reads_placement: bool = False
 
   def __repr__(self):
     return f"<host callback {self.description}>"
@@ -122,14 +126,32 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
                   entry)
 
 
+def _setting_site(fn, running):
+  """``fn`` with ``_placement.site`` set to ``running`` while it runs: the
+  host side of an effect that reads its placement on every run
+  (``HostCallback.reads_placement``: ``print``, ``log``)."""
+  site = _placement.site
+
+  def placed(*args):
+    prev = site.running
+    site.running = running
+    try:
+      return fn(*args)
+    finally:
+      site.running = prev
+  return placed
+
+
 def _threaded_once(host_callback: HostCallback, placement, avals_out,
                    entry: bool):
   """``host(carrier, *operands)`` of a threaded effect that runs once."""
+  running = _placement.running(placement, True)
   fn = host_callback.fn
+  if host_callback.reads_placement:
+    fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
   site = _placement.site
-  running = _placement.running(placement, True)
   FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
   zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   defer_error = _runtime_tokens.defer_error
@@ -139,19 +161,21 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
       if not entry:   # an earlier effect of the chain failed
         return (carrier, *zeros)
       carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
-    prev = site.running
-    site.running = running
+    # (``_placement.current()`` finds ``running`` in this frame; ``site``
+    # only where an enclosing host set it: see _placement.)
+    outer = site.running
+    if outer[0] is not None:
+      site.running = running
     try:
       results = fn(*args)
       if result_avals:
-        results = check_results(what, results, result_avals)
-        site.running = prev
-        return (carrier, *results)
+        return (carrier, *check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      site.running = prev
       defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
       return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
-    site.running = prev
+    finally:
+      if outer[0] is not None:
+        site.running = outer
     return (carrier,)
   return host
 
@@ -161,11 +185,13 @@ def _threaded_per_device(host_callback: HostCallback, table, avals_out,
   """``host(carrier, *operands, partition_id)`` of a threaded effect that
   runs on every device (in a manual ``shard_map``): :func:`_threaded_once`,
   placed by the partition id through ``table``."""
+  placed = tuple(_placement.running(p, True) for p in table)
   fn = host_callback.fn
+  fns = ((tuple(_setting_site(fn, r) for r in placed)
+          if host_callback.reads_placement else (fn,) * len(placed)))
   what = host_callback.description
   result_avals = host_callback.result_avals
   site = _placement.site
-  placed = tuple(_placement.running(p, True) for p in table)
   FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
   zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   defer_error = _runtime_tokens.defer_error
@@ -175,19 +201,21 @@ def _threaded_per_device(host_callback: HostCallback, table, avals_out,
       if not entry:   # an earlier effect of the chain failed
         return (carrier, *zeros)
       carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
-    prev = site.running
-    site.running = placed[int(args[-1])]
+    pid = int(args[-1])
+    running = placed[pid]   # (found here by _placement.current())
+    outer = site.running
+    if outer[0] is not None:
+      site.running = running
     try:
-      results = fn(*args[:-1])
+      results = fns[pid](*args[:-1])
       if result_avals:
-        results = check_results(what, results, result_avals)
-        site.running = prev
-        return (carrier, *results)
+        return (carrier, *check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      site.running = prev
       defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
       return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
-    site.running = prev
+    finally:
+      if outer[0] is not None:
+        site.running = outer
     return (carrier,)
   return host
 
@@ -201,6 +229,7 @@ def _general(host_callback: HostCallback, where: _placement.Where,
   fn = host_callback.fn
   what = host_callback.description
   result_avals = host_callback.result_avals
+  reads_placement = host_callback.reads_placement
   fixed = _placement.running(where.fixed, threaded)
   table = (None if where.table is None
            else tuple(_placement.running(p, threaded) for p in where.table))
@@ -238,7 +267,9 @@ def _general(host_callback: HostCallback, where: _placement.Where,
       if slot and _errors.has_deferred(slot):
         return zeros(args, None)   # after an unreported failure: skipped
     prev = site.running
-    site.running = running
+    setting = reads_placement or prev[0] is not None
+    if setting:   # (else _placement.current() finds ``running`` here)
+      site.running = running
     try:
       results = fn(*args[passthrough:])
       results = (check_results(what, results, result_avals) if result_avals
@@ -248,9 +279,19 @@ def _general(host_callback: HostCallback, where: _placement.Where,
       return zeros(args, None if carrier_at is None
                    else np.bitwise_or(carrier, FAILED))
     finally:
-      site.running = prev
+      if setting:
+        site.running = prev
     return (*args[:passthrough], *results)
   return host
+
+
+def _host_code(factory):
+  return next(c for c in factory.__code__.co_consts
+              if isinstance(c, types.CodeType) and c.co_name == "host")
+
+
+for _factory in (_threaded_once, _threaded_per_device, _general):
+  _placement.register_host_code(_host_code(_factory))
 
 
 # --- vmap ------------------------------------------------------------------------------

@@ -171,20 +171,27 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   if state.mode != mode:   # after a mode switch: follow earlier dispatches
     _runtime_tokens.switch_mode(state, mode)
   tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
+  state.dispatching = True   # (SIGINT here waits for the token's storing)
   try:
-    out, token = call(*tokens, *args, **kwargs)
-  except Exception as err:  # noqa: BLE001 - an execution error or not
-    _errors.reraise(err, state.reset)
-  try:
-    _runtime_tokens.update(state, keys, token)
-  except BaseException:
-    # KeyboardInterrupt (SIGINT) landing after the computation was
-    # dispatched: its token is still stored, so what follows waits for it.
-    _runtime_tokens.store_interrupted(state, keys, token)
-    raise
+    try:
+      out, token = call(*tokens, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - an execution error or not
+      _errors.reraise(err, state.reset)
+    try:
+      _runtime_tokens.update(state, keys, token)
+    except BaseException:
+      # KeyboardInterrupt (SIGINT) landing in update, after the computation
+      # was dispatched: its token is still stored, so what follows waits.
+      _runtime_tokens.store_interrupted(state, keys, token)
+      raise
+  finally:
+    state.dispatching = False
   if state.own_errors:   # a callback of this call failed (ran inline)
     _runtime_tokens.raise_own(state, token)
   return out, token
+
+
+_runtime_tokens.interrupts_deferred_in(_dispatch)
 
 
 class Function:

@@ -239,4 +239,5 @@ def log(fmt: str, *args, level=logging.INFO, logger=None,
                 [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
 
   _primitives.bind_effect(emit, what, [*operands, *extra_operands],
-                          effect=effect, ordered=ordered, eager=emit_eager)
+                          effect=effect, ordered=ordered, eager=emit_eager,
+                          reads_placement=True)

@@ -17,15 +17,19 @@ lowered, from the lowering's axis context (:func:`at_lowering`):
 * Eagerly (outside any compiled computation) there is no placement:
   :func:`current` returns None.
 
-While the host function runs (``_host``), :data:`site` holds its placement
-(a thread-local: XLA may run the callbacks of several devices at the same
-time on different threads) and :func:`current` returns it. ``print``
+While the host function runs (``_host``), :func:`current` returns its
+placement: from :data:`site` (a thread-local: XLA may run the callbacks of
+several devices at the same time on different threads), which the host
+functions of ``print``/``log`` set, or else from the innermost host-function
+frame on the calling thread's stack (a callback's host function sets
+nothing: no cost per run). ``print``
 prefixes per-device lines with :meth:`Placement.prefix`; ``log`` copies the
 fields onto its records.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 
 import jax
@@ -66,31 +70,60 @@ class Placement:
 # --- the running callback's placement --------------------------------------------
 
 class _Site(threading.local):
-  # ``(placement, threaded)`` of the running host callback: ``threaded`` is
-  # True when it went through the token-threading pass (its dispatch's
-  # per-device token will be combined, and held output released). One
-  # attribute, so the host function sets and restores it with one store each.
+  # ``(placement, threaded)`` set by the host function of an effect whose
+  # host side reads its placement on every run (``print``/``log``:
+  # ``HostCallback.reads_placement``), and by any host function running
+  # nested inside one (a logging handler calling jitted code): ``threaded``
+  # is True when the callback went through the token-threading pass (its
+  # dispatch's per-device token will be combined, and held output released).
+  # One attribute, so it is set and restored with one store each.
   running: tuple = (None, False)
 
 
-#: The running host callback's ``(placement, threaded)`` (set by the host
-#: function, ``_host``; :func:`running` builds the value).
+#: The ``(placement, threaded)`` of the running host callback, where set (see
+#: ``_Site``; :func:`running` builds the value).
 site = _Site()
+
+# Code objects of host functions (``_host``) that do not set ``site``: a
+# callback's host function costs no store per run; a rare query (the user's
+# ``placement()``, a barrier refusing to run in a callback) finds the
+# innermost such frame on the stack and reads its ``running`` local.
+_host_codes: set = set()
+
+
+def register_host_code(code) -> None:
+  """Registers the code of a host function whose frames hold their
+  ``(placement, threaded)`` in a local (or free) variable ``running``."""
+  _host_codes.add(code)
 
 
 def running(placement: Placement | None, threaded: bool) -> tuple:
-  """The value of ``site.running`` while a host callback placed at
-  ``placement`` runs (built once, at lowering)."""
+  """The ``(placement, threaded)`` of a host callback placed at
+  ``placement`` (built once, at lowering)."""
   return (placement, threaded)
+
+
+def _running_on_stack():
+  frame = sys._getframe(2)
+  while frame is not None:
+    if frame.f_code in _host_codes:
+      return frame.f_locals.get("running")
+    frame = frame.f_back
+  return None
 
 
 def current() -> Placement | None:
   """The placement of the host callback running on this thread, if any."""
-  return site.running[0]
+  placement = site.running[0]
+  if placement is not None:
+    return placement
+  found = _running_on_stack()
+  return None if found is None else found[0]
 
 
 def threaded() -> bool:
-  """Whether the running host callback went through the token-threading pass."""
+  """Whether the running host callback went through the token-threading pass
+  (read by host sides that set ``site``: ``print``/``log``)."""
   return site.running[1]
 
 

@@ -390,12 +390,14 @@ _compat.require_devices_during_lowering(threaded_effect_p)
 def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
                 ordered: bool, result_avals: tuple = (),
-                eager: Callable[..., None] | None = None) -> list:
+                eager: Callable[..., None] | None = None,
+                reads_placement: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_effects.resolve``); ``fn`` is the
   host side (flat NumPy operands -> results matching ``result_avals``);
-  ``eager`` its eager form (see :class:`~jax_effects._host.HostCallback`,
+  ``eager`` its eager form and ``reads_placement`` whether it reads its
+  placement on every run (see :class:`~jax_effects._host.HostCallback`,
   built here, complete).
   """
   staging = _compat.enclosing_staging()
@@ -406,6 +408,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   host_callback = _host.HostCallback(
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
-      traced_in_while_cond=staging == "while_cond", eager=eager)
+      traced_in_while_cond=staging == "while_cond", eager=eager,
+      reads_placement=reads_placement)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

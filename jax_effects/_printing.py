@@ -250,4 +250,4 @@ def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A0
     _output.deliver_line(eager(*operands), ordered)
 
   _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
-                          eager=emit_eager)
+                          eager=emit_eager, reads_placement=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import signal
 import threading
 import types
 import weakref
@@ -62,7 +63,7 @@ _slots = itertools.count(1)
 class ThreadTokens:
   """The token state of one Python thread."""
   __slots__ = ("runtime", "output", "last_sharding", "last_token",
-               "per_device", "fast_mode", "slot",
+               "per_device", "fast_mode", "dispatching", "slot",
                "initial", "thread", "mode", "own_errors", "__weakref__")
 
   def __init__(self, thread: threading.Thread):
@@ -84,6 +85,8 @@ class ThreadTokens:
     # token; None after a mode change (mode_changed) until the next general
     # dispatch (update). One comparison stands for all those checks.
     self.fast_mode: str | None = None
+    # True from a dispatch to the storing of its token (see _on_sigint).
+    self.dispatching = False
     # This thread's number (>= 1), the value of every runtime token it
     # dispatches: the carriers of its computations hold it, so a host callback
     # knows which thread dispatched it (for errors that cannot fail the
@@ -248,40 +251,45 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
     token = runtime.get(key)
     if token is None:
       token = initial_token(state)
+    state.dispatching = True   # (see _on_sigint)
     try:
-      out, token = jitted(token, *args, **kwargs)
-    except retry as err:   # the trace found another chain
-      learn(err)
-      token = None
-    except Exception as err:  # noqa: BLE001 - an execution error or not
-      _errors.reraise(err, state.reset)
+      try:
+        # (forwarding an empty **kwargs costs a dict: about 1% of a call)
+        out, token = (jitted(token, *args, **kwargs) if kwargs
+                      else jitted(token, *args))
+      except retry as err:   # the trace found another chain
+        learn(err)
+        token = None
+      except Exception as err:  # noqa: BLE001 - an execution error or not
+        _errors.reraise(err, state.reset)
+      if token is not None:
+        try:
+          sharding = token.sharding
+          if sharding is not state.last_sharding or state.last_token is None:
+            if token.aval.shape:   # a per-device token (a new signature)
+              update(state, (key,), token)
+              per_device(token)
+              sharding = None
+            else:   # another device set than the last dispatch's
+              _file_last(state)
+              state.output.pop(sharding, None)
+              state.last_sharding = sharding
+          if sharding is not None:
+            state.last_token = token
+            runtime[key] = (uncommitted(token) if committed(token)
+                            else token)
+        except BaseException:
+          store_interrupted(state, (key,), token)   # see store_interrupted
+          raise
+    finally:
+      state.dispatching = False
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
-    try:
-      sharding = token.sharding
-      if sharding is not state.last_sharding or state.last_token is None:
-        if token.aval.shape:   # a per-device token (a new signature)
-          update(state, (key,), token)
-          per_device(token)
-          return _raise_own_or(state, token, out)
-        _file_last(state)   # another device set than the last dispatch's
-        state.output.pop(sharding, None)
-        state.last_sharding = sharding
-      state.last_token = token
-      runtime[key] = uncommitted(token) if committed(token) else token
-    except BaseException:
-      store_interrupted(state, (key,), token)   # see store_interrupted
-      raise
     if state.own_errors:   # a callback of this call failed (ran inline)
       raise_own(state, token)
     return out
+  interrupts_deferred_in(call)
   return call
-
-
-def _raise_own_or(state: ThreadTokens, token, out):
-  if state.own_errors:
-    raise_own(state, token)
-  return out
 
 
 def _file_last(state: ThreadTokens) -> None:
@@ -436,6 +444,15 @@ def raise_own(state: ThreadTokens, token) -> None:
   computation has completed: one report."""
   own = state.own_errors
   state.own_errors = []
+  interrupts = [e for e in own if getattr(e, "jax_effects_signal", False)]
+  if interrupts:
+    # Ctrl-C during the dispatch (_on_sigint): raised now, without waiting
+    # for the computation (its token is stored); the callbacks' errors stay
+    # for the thread's next call or barrier.
+    for exc in own:
+      if exc not in interrupts:
+        _errors.defer(exc, state.slot)
+    raise interrupts[0]
   try:
     token.block_until_ready()
   except Exception:  # noqa: BLE001 - not ours to report here
@@ -446,6 +463,50 @@ def raise_own(state: ThreadTokens, token) -> None:
   errors = own + (_errors.flat_errors(rest) if rest is not None else [])
   exc = errors[0] if len(errors) == 1 else _errors.group(errors)
   raise exc.with_traceback(exc.__traceback__)
+
+
+# --- SIGINT during a dispatch ------------------------------------------------------
+# Python raises KeyboardInterrupt at the next instruction boundary of the main
+# thread: when SIGINT arrives while a dispatch is blocked in JAX's C++ code
+# (the CPU client runs a computation with host callbacks inline), that is
+# right after the call returns, in the dispatching frame, before its result
+# is stored: the computation runs, but its token would be lost, so the next
+# call's effects could run before its effects and a barrier would not wait
+# for them. While a registered dispatching frame stores its token, the
+# interrupt is deferred to the end of that call (raise_own): the token is
+# stored first. Anywhere else (tracing, compiling, a host callback, user
+# code) it is raised at once, as Python's default handler does.
+
+_deferring_codes: set = set()
+
+
+def interrupts_deferred_in(function) -> None:
+  """Registers a dispatching function (its frame stores a dispatched
+  computation's token while ``ThreadTokens.dispatching``)."""
+  _deferring_codes.add(function.__code__)
+
+
+def _on_sigint(signum, frame):
+  state = getattr(_local, "state", None)
+  if (state is not None and state.dispatching and frame is not None
+      and frame.f_code in _deferring_codes):
+    exc = KeyboardInterrupt()
+    exc.jax_effects_signal = True
+    state.own_errors.append(exc)   # raised by this call once its token is stored
+    return
+  signal.default_int_handler(signum, frame)
+
+
+def _install_sigint_handler() -> None:
+  """Installs :func:`_on_sigint` (from the main thread, once) where Python's
+  default SIGINT handler is installed; a user's own handler is left alone."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  try:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+      signal.signal(signal.SIGINT, _on_sigint)
+  except (ValueError, OSError):  # not the main interpreter, no signals
+    pass
 
 
 # --- combining per-device tokens ------------------------------------------------
@@ -613,6 +674,7 @@ _orphans: list[jax.Array] = []
 
 def _register(state: ThreadTokens) -> None:
   _prune_orphans()   # (a thread's first use: an ordinary context)
+  _install_sigint_handler()   # (the main thread's first use)
   with _all_lock:
     _all_states.add(state)
   weakref.finalize(state, _thread_exited, state.output, state.runtime)

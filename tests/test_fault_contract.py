@@ -559,6 +559,50 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   assert order[N] == ("next", 1)
 
 
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_sigint_while_a_call_blocks_in_dispatch_keeps_its_token(path):
+  # A computation with a host callback runs inline on the CPU client: the
+  # call blocks in JAX's C++ dispatch while the computation runs. SIGINT
+  # there raises KeyboardInterrupt as soon as the call returns, before its
+  # result (the new runtime token) is stored: the token must be stored, and
+  # the interrupt still reach the user, once. ("general": two chains, the
+  # general dispatch hook.)
+  two = "je.callback(lambda v: None, None, x[0, 0], effect=je.Effect('b'))"
+  proc = run_script(f"""
+import os, signal, threading, time
+import jax, jax.numpy as jnp
+from jax import lax
+import jax_effects as je
+ran = []
+@je.jit
+def f(x):
+  je.callback(lambda v: ran.append(1), None, x[0, 0])
+  {two if path == "general" else ""}
+  return lax.fori_loop(0, 6000, lambda i, c: jnp.tanh(c @ c), x)
+x = jnp.ones((64, 64)) * 0.01
+f(x); f(x); je.effects_barrier()
+start = time.perf_counter(); f(x); took = time.perf_counter() - start
+je.effects_barrier()
+assert took > 0.02, took   # the call blocks while the computation runs
+for attempt in range(5):
+  before = je.runtime_tokens().effects[je.DEFAULT]
+  threading.Timer(took / 2, os.kill, (os.getpid(), signal.SIGINT)).start()
+  try:
+    f(x)
+    time.sleep(took)   # (the signal came late: try again)
+  except KeyboardInterrupt:
+    after = je.runtime_tokens().effects[je.DEFAULT]
+    print("stored", after is not before)
+    break
+n = len(ran)
+f(x)
+je.effects_barrier()
+print("calls", n + 1 == len(ran))
+""", timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["stored", "True", "calls", "True"], proc.stdout
+
+
 # --- 11. a new thread's first call does not wait for busy devices ---------------
 
 def test_new_threads_first_call_does_not_wait_for_busy_devices():

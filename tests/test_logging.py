@@ -123,3 +123,39 @@ def test_bad_arguments_fail_at_trace_time_naming_them():
   with pytest.raises(TypeError, match=r"argument #0 is a NumPy array of dtype "
                                       r"object .*not an array of numbers"):
     je.log("{}", np.array([object()]))
+
+
+def test_placement_inside_a_handler_calling_jitted_code(effects_capture):
+  # A log record's handler runs inside the log's host callback (on device 3);
+  # jitted code it calls runs its own callback (on device 0), where
+  # je.placement() is that callback's, and back in the handler the log's.
+  seen = []
+  def record(v):
+    seen.append(("inner", je.placement()))
+    return v
+
+  # (its result is the callback's: waiting for it waits for the callback;
+  # a barrier is refused inside a callback)
+  inner = je.jit(lambda x: je.callback(
+      record, jax.ShapeDtypeStruct((), jnp.int32), x))
+
+  class Handler(logging.Handler):
+    def emit(self, record):
+      seen.append(("handler", je.placement()))
+      jax.block_until_ready(inner(jnp.int32(0)))
+      seen.append(("handler", je.placement()))
+
+  logger = logging.getLogger("jax_effects.test_nested_handler")
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+  handler = Handler()
+  logger.addHandler(handler)
+  try:
+    outer = je.jit(lambda x: (je.log("x={}", x, logger=logger), x)[1])
+    outer(jax.device_put(jnp.int32(4), jax.devices()[3]))
+    je.effects_barrier()
+  finally:
+    logger.removeHandler(handler)
+  assert [(w, p.device_id, p.shard_index) for w, p in seen] == [
+      ("handler", 3, None), ("inner", 0, None), ("handler", 3, None)]
+  assert je.placement() is None
