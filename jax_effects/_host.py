@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import types
 from typing import Any, Callable, Sequence
 
@@ -129,7 +130,8 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
 def _setting_site(fn, running):
   """``fn`` with ``_placement.site`` set to ``running`` while it runs: the
   host side of an effect that reads its placement on every run
-  (``HostCallback.reads_placement``: ``print``, ``log``)."""
+  (``HostCallback.reads_placement``: ``print``, ``log``; they clear it again
+  around the user code they call, see ``_output``)."""
   site = _placement.site
 
   def placed(*args):
@@ -142,6 +144,12 @@ def _setting_site(fn, running):
   return placed
 
 
+# The host functions below set nothing per run for ``_placement.current()``:
+# it finds the innermost host frame on the stack and reads its ``running``
+# (a keyword-only default here, never passed: XLA passes operands
+# positionally), see ``_placement``. ``index(carrier)`` is the fastest read of
+# a 0-d integer array.
+
 def _threaded_once(host_callback: HostCallback, placement, avals_out,
                    entry: bool):
   """``host(carrier, *operands)`` of a threaded effect that runs once."""
@@ -151,32 +159,56 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
     fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
-  site = _placement.site
+  n_operands = len(avals_out) - 1 - len(result_avals)
   FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
-  zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
-  defer_error = _runtime_tokens.defer_error
+  skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  index = operator.index
 
-  def host(carrier, *args):
-    if int(carrier) & FAILED:
-      if not entry:   # an earlier effect of the chain failed
-        return (carrier, *zeros)
-      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
-    # (``_placement.current()`` finds ``running`` in this frame; ``site``
-    # only where an enclosing host set it: see _placement.)
-    outer = site.running
-    if outer[0] is not None:
-      site.running = running
-    try:
-      results = fn(*args)
-      if result_avals:
-        return (carrier, *check_results(what, results, result_avals))
-    except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
-      return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
-    finally:
-      if outer[0] is not None:
-        site.running = outer
-    return (carrier,)
+  def start(carrier):
+    """The carrier to pass on, or None: skip (an earlier effect failed)."""
+    if not entry:
+      return None
+    return np.bitwise_and(carrier, _errors.SLOT_MASK)   # an earlier execution's
+
+  def failed(carrier, exc):
+    _runtime_tokens.defer_error(exc, index(carrier) & SLOT_MASK, inline=True)
+    return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
+
+  if result_avals:
+    def host(carrier, *args, running=running):
+      if index(carrier) & FAILED:
+        fresh = start(carrier)
+        if fresh is None:
+          return (carrier, *skipped_results)
+        carrier = fresh
+      try:
+        return (carrier, *check_results(what, fn(*args), result_avals))
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return failed(carrier, exc)
+  elif n_operands == 1:   # the common case, without packing the operands
+    def host(carrier, x, *, running=running):
+      if index(carrier) & FAILED:
+        fresh = start(carrier)
+        if fresh is None:
+          return (carrier,)
+        carrier = fresh
+      try:
+        fn(x)
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return failed(carrier, exc)
+      return (carrier,)
+  else:
+    def host(carrier, *args, running=running):
+      if index(carrier) & FAILED:
+        fresh = start(carrier)
+        if fresh is None:
+          return (carrier,)
+        carrier = fresh
+      try:
+        fn(*args)
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return failed(carrier, exc)
+      return (carrier,)
   return host
 
 
@@ -191,31 +223,25 @@ def _threaded_per_device(host_callback: HostCallback, table, avals_out,
           if host_callback.reads_placement else (fn,) * len(placed)))
   what = host_callback.description
   result_avals = host_callback.result_avals
-  site = _placement.site
   FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
-  zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
-  defer_error = _runtime_tokens.defer_error
+  skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  index = operator.index
 
   def host(carrier, *args):
-    if int(carrier) & FAILED:
+    if index(carrier) & FAILED:
       if not entry:   # an earlier effect of the chain failed
-        return (carrier, *zeros)
+        return (carrier, *skipped_results)
       carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
-    pid = int(args[-1])
-    running = placed[pid]   # (found here by _placement.current())
-    outer = site.running
-    if outer[0] is not None:
-      site.running = running
+    pid = index(args[-1])
+    running = placed[pid]   # (read by _placement.current())
     try:
       results = fns[pid](*args[:-1])
       if result_avals:
         return (carrier, *check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      defer_error(exc, int(carrier) & SLOT_MASK, inline=True)
-      return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
-    finally:
-      if outer[0] is not None:
-        site.running = outer
+      _runtime_tokens.defer_error(exc, index(carrier) & SLOT_MASK, inline=True)
+      return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
+    del running
     return (carrier,)
   return host
 
@@ -266,9 +292,8 @@ def _general(host_callback: HostCallback, where: _placement.Where,
       slot = 0 if running[0].per_device else _runtime_tokens.current_slot()
       if slot and _errors.has_deferred(slot):
         return zeros(args, None)   # after an unreported failure: skipped
-    prev = site.running
-    setting = reads_placement or prev[0] is not None
-    if setting:   # (else _placement.current() finds ``running`` here)
+    if reads_placement:   # (else _placement.current() finds ``running`` here)
+      prev = site.running
       site.running = running
     try:
       results = fn(*args[passthrough:])
@@ -279,19 +304,16 @@ def _general(host_callback: HostCallback, where: _placement.Where,
       return zeros(args, None if carrier_at is None
                    else np.bitwise_or(carrier, FAILED))
     finally:
-      if setting:
+      if reads_placement:
         site.running = prev
     return (*args[:passthrough], *results)
   return host
 
 
-def _host_code(factory):
-  return next(c for c in factory.__code__.co_consts
-              if isinstance(c, types.CodeType) and c.co_name == "host")
-
-
 for _factory in (_threaded_once, _threaded_per_device, _general):
-  _placement.register_host_code(_host_code(_factory))
+  for _code in _factory.__code__.co_consts:
+    if isinstance(_code, types.CodeType) and _code.co_name == "host":
+      _placement.register_host_code(_code)
 
 
 # --- vmap ------------------------------------------------------------------------------

@@ -162,6 +162,22 @@ def stop_holding() -> None:
   release_held()   # everything still held: the effects have all run
 
 
+def _run(thunk: Callable[[], None]) -> None:
+  """Runs a delivery (sinks, handlers: user code) with ``_placement.site``
+  cleared: a ``placement()`` there finds the innermost host function on the
+  stack (this callback's, or that of jitted code a handler runs inline)."""
+  site = _placement.site
+  saved = site.running
+  if saved[0] is None:
+    thunk()
+    return
+  site.running = (None, False)
+  try:
+    thunk()
+  finally:
+    site.running = saved
+
+
 def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
   if _hold_depth and _placement.threaded():
     p = _placement.current()
@@ -175,7 +191,7 @@ def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
       # Runs once, after the per-device effects before it (data dependency):
       # they come first.
       release_held()
-  thunk()
+  _run(thunk)
 
 
 def release_held() -> None:
@@ -191,4 +207,4 @@ def release_held() -> None:
     for key in keys:
       entries = release[key]
       if i < len(entries):
-        entries[i]()
+        _run(entries[i])
