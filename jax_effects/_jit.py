@@ -332,8 +332,9 @@ class Function:
       # ready, is the new one.
       jax.block_until_ready(runtime)
       out = self._fun(*args, **kwargs)
-      return out, runtime[0] if runtime else _runtime_tokens.initial_token(
-          _runtime_tokens.thread_state())
+      return out, (runtime[0] if runtime else
+                   jnp.asarray(_runtime_tokens.initial_token(
+                       _runtime_tokens.thread_state())))
     closed, dyn, out_tree = self._trace(args, kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)

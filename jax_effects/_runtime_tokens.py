@@ -151,15 +151,19 @@ def thread_state() -> ThreadTokens:
     return state
 
 
-def initial_token(state: ThreadTokens) -> jax.Array:
+def initial_token(state: ThreadTokens) -> np.ndarray:
   """The token of a stream that has had no effect yet in ``state``'s thread.
 
-  Ready, uncommitted, and holding the thread's slot.
+  A NumPy ``int32`` scalar holding the thread's slot: ``jax.jit`` copies it
+  to wherever the first computation runs, as part of that dispatch. A thread
+  starting its first stream does no device work of its own, so it never
+  waits behind other threads' work on some device (a ``jax.Array`` made
+  here would be put on the default device first, and a device busy with
+  other threads' callbacks can hold that up).
   """
   token = state.initial
   if token is None:
-    with _compat.no_user_mesh():   # not placed by the user's mesh
-      token = state.initial = jnp.asarray(state.slot, TOKEN_DTYPE)
+    token = state.initial = TOKEN_DTYPE(state.slot)
   return token
 
 
@@ -391,8 +395,9 @@ def runtime_tokens() -> RuntimeTokens:
   state = thread_state()
   if _effects.get_ordering() == "global":
     token = state.runtime.get(_effects.GLOBAL)
-    if token is None:
-      token = initial_token(state)
+    if token is None:   # (a jax.Array, as every other token in the snapshot)
+      with _compat.no_user_mesh():
+        token = jnp.asarray(initial_token(state))
     effects = {_effects.GLOBAL: token}
   else:
     effects = dict(state.runtime)
