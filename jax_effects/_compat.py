@@ -210,10 +210,11 @@ _trace_ctx = _core.trace_ctx
 _eval_trace = _core.eval_trace
 _top_axis_env = _core.top_axis_env
 
-# What ``trace_ctx.is_top_level()`` reads, without its two Python frames (read
-# on every dispatch, see ``compiled_dispatch``). JAX 0.10 keeps the trace and
-# axis environment in thread-local config states (``.value``); 0.8 and 0.9 in
-# attributes of the ``threading.local`` ``trace_ctx``.
+# What ``trace_ctx.is_top_level()`` reads, without its two Python frames
+# (read on every dispatch, see ``_runtime_tokens.fast_dispatch``). JAX 0.10
+# keeps the trace and axis environment in thread-local config states
+# (``.value``); 0.8 and 0.9 in attributes of the ``threading.local``
+# ``trace_ctx``.
 if hasattr(_core, "trace_state_strong_ref"):   # JAX 0.10
   _trace_value = _core.trace_state_strong_ref
   _axis_env_value = _core.axis_env_state
@@ -222,25 +223,17 @@ if hasattr(_core, "trace_state_strong_ref"):   # JAX 0.10
     """True when no JAX transformation or trace is active on this thread."""
     return (_trace_value.value is _eval_trace
             and _axis_env_value.value is _top_axis_env)
-
-  def compiled_dispatch() -> bool:
-    """True when a call dispatches a compiled computation: no transformation
-    or trace active on this thread and ``jax.disable_jit`` off."""
-    return (_trace_value.value is _eval_trace
-            and _axis_env_value.value is _top_axis_env
-            and not disable_jit_flag.value)
 else:   # JAX 0.8, 0.9
   def at_top_level() -> bool:
     """True when no JAX transformation or trace is active on this thread."""
     return (_trace_ctx.trace is _eval_trace
             and _trace_ctx.axis_env is _top_axis_env)
 
-  def compiled_dispatch() -> bool:
-    """True when a call dispatches a compiled computation: no transformation
-    or trace active on this thread and ``jax.disable_jit`` off."""
-    return (_trace_ctx.trace is _eval_trace
-            and _trace_ctx.axis_env is _top_axis_env
-            and not disable_jit_flag.value)
+
+def compiled_dispatch() -> bool:
+  """True when a call dispatches a compiled computation: no transformation or
+  trace active on this thread and ``jax.disable_jit`` off."""
+  return at_top_level() and not disable_jit_flag.value
 
 
 # ``jax.Array.committed`` is a Python property; the C++ attribute behind it is

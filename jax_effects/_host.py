@@ -164,34 +164,28 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
 
-  def start(carrier):
-    """The carrier to pass on, or None: skip (an earlier effect failed)."""
-    if not entry:
-      return None
-    return np.bitwise_and(carrier, _errors.SLOT_MASK)   # an earlier execution's
-
   def failed(carrier, exc):
     _runtime_tokens.defer_error(exc, index(carrier) & SLOT_MASK, inline=True)
     return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
 
-  if result_avals:
-    def host(carrier, *args, running=running):
-      if index(carrier) & FAILED:
-        fresh = start(carrier)
-        if fresh is None:
-          return (carrier, *skipped_results)
-        carrier = fresh
-      try:
-        return (carrier, *check_results(what, fn(*args), result_avals))
-      except BaseException as exc:  # noqa: BLE001 - reported by the thread
-        return failed(carrier, exc)
-  elif n_operands == 1:   # the common case, without packing the operands
+  def run(carrier, args):
+    if index(carrier) & FAILED:
+      if not entry:   # an earlier effect of the chain failed
+        return (carrier, *skipped_results)
+      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # an earlier execution's
+    try:
+      results = fn(*args)
+      if result_avals:
+        return (carrier, *check_results(what, results, result_avals))
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      return failed(carrier, exc)
+    return (carrier,)
+
+  if n_operands == 1 and not result_avals:
+    # The common case (one operand, no result): no packing, no other frame.
     def host(carrier, x, *, running=running):
       if index(carrier) & FAILED:
-        fresh = start(carrier)
-        if fresh is None:
-          return (carrier,)
-        carrier = fresh
+        return run(carrier, (x,))
       try:
         fn(x)
       except BaseException as exc:  # noqa: BLE001 - reported by the thread
@@ -199,16 +193,7 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
       return (carrier,)
   else:
     def host(carrier, *args, running=running):
-      if index(carrier) & FAILED:
-        fresh = start(carrier)
-        if fresh is None:
-          return (carrier,)
-        carrier = fresh
-      try:
-        fn(*args)
-      except BaseException as exc:  # noqa: BLE001 - reported by the thread
-        return failed(carrier, exc)
-      return (carrier,)
+      return run(carrier, args)
   return host
 
 
