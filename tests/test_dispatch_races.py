@@ -1,0 +1,111 @@
+"""Dispatch-path edge cases found by adversarial testing (tester branch).
+
+* Threads learning a function's chains while another thread builds the
+  ``jax.jit`` object for the chains it knew: the object must match the keys
+  it is called with (a stale one took the wrong number of token arguments,
+  so the user's function got a token as an argument, forever).
+* The fast hook under ``jax.disable_jit()`` on a thread that has no runtime
+  token for the function's chain yet (its initial token is a NumPy scalar).
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+
+import jax_effects as je
+
+
+def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count():
+  logs = {}
+
+  @je.jit
+  def f(t, i):
+    je.callback(lambda t, i: logs.setdefault(int(t), []).append(int(i)),
+                None, t, i)
+    return i + 1
+
+  f(0, 0)   # learnt in "per_effect"; "global" is learnt below, by two threads
+  je.effects_barrier()
+  original_wrap = f._wrap
+  building = threading.Event()
+  other_done = threading.Event()
+  slow = {}
+
+  def wrap(traced, k):
+    # Thread A stops after deciding how many tokens its jax.jit takes (none:
+    # no chain known in "global" yet) until thread B learnt the chain.
+    if threading.current_thread() is slow.get("thread") and k == 0:
+      building.set()
+      other_done.wait(3)   # (times out where building holds a lock)
+    return original_wrap(traced, k)
+
+  f._wrap = wrap
+  errors = []
+
+  def run(t):
+    try:
+      for i in range(3):
+        f(t, i)
+      je.effects_barrier()
+    except Exception as e:  # noqa: BLE001
+      errors.append(e)
+
+  previous = je.get_ordering()
+  je.set_ordering("global")
+  try:
+    a = threading.Thread(target=run, args=(1,))
+    slow["thread"] = a
+    a.start()
+    assert building.wait(60)
+    b = threading.Thread(target=run, args=(2,))
+    b.start()
+    b.join(60)
+    other_done.set()
+    a.join(60)
+    b.join(60)
+  finally:
+    je.set_ordering(previous)
+    f._wrap = original_wrap
+  assert errors == []
+  assert logs[1] == [0, 1, 2] and logs[2] == [0, 1, 2]
+  assert f.keys["global"] == (je.GLOBAL,)
+  f(3, 0)
+  je.effects_barrier()
+  assert logs[3] == [0]
+
+
+def test_fast_hook_under_disable_jit_without_a_token_for_the_chain():
+  printed = []
+  a = je.Effect("races-a")
+
+  @je.jit
+  def h(x):
+    je.callback(lambda v: printed.append(("h", float(v))), None, x)
+    return x + 1
+
+  @je.jit
+  def g(x):
+    je.callback(lambda v: printed.append(("g", float(v))), None, x, effect=a)
+    return x * 2
+
+  h(1.0)
+  h(2.0)   # h's fast hook is installed (by this thread)
+  results = []
+
+  def worker():
+    g(3.0)
+    g(4.0)   # this thread dispatches (fast) but has no token for DEFAULT
+    with jax.disable_jit():
+      results.append(float(h(5.0)))
+    results.append(float(h(6.0)))
+    je.effects_barrier()
+
+  t = threading.Thread(target=worker)
+  t.start()
+  t.join(60)
+  je.effects_barrier()
+  assert results == [6.0, 7.0]
+  assert printed == [("h", 1.0), ("h", 2.0), ("g", 3.0), ("g", 4.0),
+                     ("h", 5.0), ("h", 6.0)]
+  token = je.runtime_tokens().effects[je.DEFAULT]
+  assert isinstance(token, jax.Array)
