@@ -201,7 +201,17 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     for key in keys:
       if key is not _effects.UNORDERED:
         state.runtime[key] = runtime
-  state.fast_mode = None if state.per_device else state.mode
+  if state.per_device:
+    state.fast_mode = None
+  else:
+    # Only if the thread's mode is still the one of this dispatch: a
+    # set_ordering by another thread while it was in flight cleared
+    # fast_mode (mode_changed), which must not be undone here. (Read after
+    # the store: a switch landing in between clears it, as set_ordering
+    # sets the mode before clearing.)
+    mode = state.fast_mode = state.mode
+    if _effects.get_ordering() != mode:
+      state.fast_mode = None
 
 
 def mode_changed(all_threads: bool) -> None:

@@ -109,3 +109,58 @@ def test_fast_hook_under_disable_jit_without_a_token_for_the_chain():
                      ("h", 5.0), ("h", 6.0)]
   token = je.runtime_tokens().effects[je.DEFAULT]
   assert isinstance(token, jax.Array)
+
+
+def test_set_ordering_from_another_thread_during_a_general_dispatch():
+  # Thread A's general dispatch (a function with two chains) is in flight
+  # while thread B switches the process to "global": A's later calls through
+  # fast hooks must be in "global" mode (its effects in one order), not keep
+  # the mode of the dispatch that was in flight.
+  from jax import lax
+  out = []
+  a = je.Effect("races-switch")
+
+  def switch_now(v):
+    if int(v) == 1:
+      b = threading.Thread(target=je.set_ordering, args=("global",))
+      b.start()
+      b.join(30)
+
+  @je.jit
+  def h(i):   # two chains: always the general hook
+    je.callback(switch_now, None, i)
+    je.callback(lambda v: None, None, i, effect=a)
+    return i
+
+  @je.jit
+  def f(x):
+    je.callback(lambda v: out.append("f"), None, x.sum())
+    return x
+
+  @je.jit
+  def g(x):
+    je.callback(lambda v: out.append("g"), None, x, effect=a)
+    return x
+
+  slow = jax.jit(lambda x: lax.fori_loop(0, 300, lambda k, y: jnp.tanh(y @ y),
+                                         x))
+  x = jnp.ones((300, 300)) / 300
+  one = jax.device_put(1.0, jax.devices()[1])
+  previous = je.get_ordering()
+  assert previous == "per_effect"
+  try:
+    for _ in range(2):
+      f(x)
+      g(one)
+      h(0)
+    slow(x).block_until_ready()
+    je.effects_barrier()
+    out.clear()
+    h(1)   # during this dispatch, another thread switches to "global"
+    assert je.get_ordering() == "global"
+    f(slow(x))   # its effect waits for slow(x), on device 0
+    g(one)       # on device 1; in "global" mode after f's effect
+    je.effects_barrier()
+  finally:
+    je.set_ordering(previous)
+  assert out == ["f", "g"]
