@@ -176,7 +176,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
     try:
       out, token = call(*tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
-      _errors.reraise(err, state.reset)
+      _runtime_tokens.dispatch_failed(state, err)
     try:
       _runtime_tokens.update(state, keys, token)
     except BaseException:

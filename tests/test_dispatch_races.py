@@ -11,6 +11,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_effects as je
 
@@ -164,3 +165,51 @@ def test_set_ordering_from_another_thread_during_a_general_dispatch():
   finally:
     je.set_ordering(previous)
   assert out == ["f", "g"]
+
+
+@pytest.mark.parametrize("chains", [1, 2])   # fast hook, general hook
+def test_callback_error_of_a_call_that_failed_in_xla_is_not_raised_after_the_next_call_ran(chains):
+  # f's callback fails (inline), then f's computation fails in XLA (a
+  # jax.pure_callback raising on the zeros that stand for the failed result).
+  # f raises XLA's error; the callback's error is reported by the next call
+  # *before* it dispatches anything (errors.md), never after the next call
+  # ran (its result discarded for an earlier call's error).
+  out = []
+  other = je.Effect("races-xla")
+
+  def host(v):
+    if v > 0.5:
+      raise ZeroDivisionError("callback failure")
+    return v + 1
+
+  def pure(v):
+    if v == 0:
+      raise RuntimeError("pure_callback failure")
+    return v
+
+  @je.jit
+  def f(x):
+    if chains == 2:
+      je.callback(lambda v: None, None, x, effect=other)
+    z = je.callback(host, jax.ShapeDtypeStruct((), jnp.float32), x)
+    return x + jax.pure_callback(pure, jax.ShapeDtypeStruct((), jnp.float32), z)
+
+  @je.jit
+  def g(x):
+    je.callback(lambda v: out.append(float(v)), None, x)
+    return x
+
+  for _ in range(2):
+    f(jnp.float32(0))
+    g(jnp.float32(0))
+  for _ in range(2):
+    out.clear()
+    with pytest.raises(Exception) as info:   # XLA's error
+      f(jnp.float32(1))
+    assert not isinstance(info.value, ZeroDivisionError)
+    with pytest.raises(ZeroDivisionError):
+      g(jnp.float32(2))
+    assert out == []     # raised before dispatching anything
+    assert float(g(jnp.float32(3))) == 3.0
+    je.effects_barrier()
+    assert out == [3.0]
