@@ -213,3 +213,23 @@ def test_callback_error_of_a_call_that_failed_in_xla_is_not_raised_after_the_nex
     assert float(g(jnp.float32(3))) == 3.0
     je.effects_barrier()
     assert out == [3.0]
+
+
+def test_placement_called_from_c_with_no_python_caller():
+  # placement() walks the stack for a host frame; called straight from C (a
+  # thread started with _thread.start_new_thread, an atexit function) there
+  # is no Python frame below it: None, not "call stack is not deep enough".
+  import _thread
+  import sys
+  import time
+  errors = []
+  old_hook = sys.unraisablehook
+  sys.unraisablehook = lambda args: errors.append(args.exc_value)
+  try:
+    _thread.start_new_thread(je.placement, ())
+    _thread.start_new_thread(je.placement, ())
+    time.sleep(0.3)
+  finally:
+    sys.unraisablehook = old_hook
+  assert errors == []
+  assert je.placement() is None
