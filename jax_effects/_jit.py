@@ -176,7 +176,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
     try:
       out, token = call(*tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
-      _errors.reraise(err, state.reset)
+      _runtime_tokens.dispatch_failed(state, err)
     try:
       _runtime_tokens.update(state, keys, token)
     except BaseException:
@@ -222,6 +222,10 @@ class Function:
     self._dispatch = self._first_call
     self._traces: dict = {}  # see _trace
     self._traces_lock = threading.Lock()
+    # Guards each mode's ``keys`` and ``jitted`` (see _keys_and_jit): a
+    # ``jax.jit`` object is built for ``len(keys)`` tokens, and threads learn
+    # and build concurrently.
+    self._learn_lock = threading.RLock()
     #: ordering mode -> the threaded path in that mode
     self._modes: dict[str, _Threaded] = {}
     self._pure = jax.jit(self._wrap(self._trace_pure, None), **jit_kwargs)
@@ -332,9 +336,14 @@ class Function:
       # ready, is the new one.
       jax.block_until_ready(runtime)
       out = self._fun(*args, **kwargs)
-      return out, (runtime[0] if runtime else
-                   jnp.asarray(_runtime_tokens.initial_token(
-                       _runtime_tokens.thread_state())))
+      token = (runtime[0] if runtime else
+               _runtime_tokens.initial_token(_runtime_tokens.thread_state()))
+      if not isinstance(token, jax.Array):
+        # the thread's initial token (a NumPy scalar): the hook stores a
+        # jax.Array (it reads its sharding)
+        with _compat.no_user_mesh():
+          token = jnp.asarray(token)
+      return out, token
     closed, dyn, out_tree = self._trace(args, kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
@@ -349,6 +358,13 @@ class Function:
 
   def _threaded_jit(self, mode: str, args: tuple = ()):
     """The ``jax.jit`` of ``g(*tokens, *args, **kwargs)`` for ``mode``."""
+    return self._keys_and_jit(mode, args)[1]
+
+  def _keys_and_jit(self, mode: str, args: tuple = ()):
+    """``(keys, jitted)``: ``mode``'s chains and the ``jax.jit`` of
+    ``g(*tokens, *args, **kwargs)`` built for exactly ``len(keys)`` tokens
+    (read together, under ``_learn_lock``: another thread may learn a chain
+    meanwhile)."""
     n_dynamic = None
     s = self._jit_kwargs.get("in_shardings")
     if s is not None and not isinstance(s, (tuple, list)):
@@ -358,20 +374,26 @@ class Function:
                 if -n <= i < n}
       n_dynamic = n - len(static)
     threaded = self._threaded(mode)
-    jitted = threaded.jitted.get(n_dynamic)
-    if jitted is None:
-      k = len(threaded.keys)
-      traced = functools.partial(self._trace_threaded, mode, k)
-      jitted = jax.jit(self._wrap(traced, k),
-                       **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic, k))
-      threaded.jitted[n_dynamic] = jitted
-      self._refresh(mode)
-    return jitted
+    with self._learn_lock:
+      keys = threaded.keys
+      jitted = threaded.jitted.get(n_dynamic)
+      if jitted is None:
+        k = len(keys)
+        traced = functools.partial(self._trace_threaded, mode, k)
+        jitted = jax.jit(self._wrap(traced, k),
+                         **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic, k))
+        threaded.jitted[n_dynamic] = jitted
+        self._refresh(mode)
+    return keys, jitted
 
   def _refresh(self, mode: str) -> None:
     """Builds or drops ``mode``'s fast dispatch hook after its chains, its
     ``jax.jit`` objects or the shape of its tokens changed."""
     threaded = self._threaded(mode)
+    with self._learn_lock:
+      self._refresh_locked(threaded, mode)
+
+  def _refresh_locked(self, threaded: _Threaded, mode: str) -> None:
     jitted = threaded.jitted.get(None)
     keys = threaded.keys
     if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
@@ -392,11 +414,12 @@ class Function:
 
   def _learn(self, mode: str, err: NeedsTokens) -> None:
     threaded = self._threaded(mode)
-    new = tuple(k for k in err.keys if k not in threaded.keys)
-    if new:   # the jax.jit objects take len(keys) tokens: new ones for more
-      threaded.keys += new
-      threaded.jitted = {}
-    self._refresh(mode)
+    with self._learn_lock:
+      new = tuple(k for k in err.keys if k not in threaded.keys)
+      if new:   # the jax.jit objects take len(keys) tokens: new ones for more
+        threaded.keys += new
+        threaded.jitted = {}
+      self._refresh(mode)
     self._effectful = True
     self._dispatch = self._call_threaded
 
@@ -450,9 +473,9 @@ class Function:
         self._refresh(mode_)
     threaded = self._threaded(mode)
     while True:
-      jitted = threaded.jitted.get(None) or self._threaded_jit(mode, args)
+      keys, jitted = self._keys_and_jit(mode, args)
       try:
-        out, token = _dispatch(state, mode, threaded.keys,
+        out, token = _dispatch(state, mode, keys,
                                threaded.per_device_sharding, jitted, args,
                                kwargs)
       except NeedsTokens as err:
@@ -484,11 +507,11 @@ class Function:
         _strict.on = previous
     mode = _effects.get_ordering()
     while True:
-      keys = self._threaded(mode).keys
+      keys, jitted = self._keys_and_jit(mode, args)
       tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
                      for _ in keys)
       try:
-        traced = self._threaded_jit(mode, args).trace(*tokens, *args, **kwargs)
+        traced = jitted.trace(*tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue

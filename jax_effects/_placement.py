@@ -104,7 +104,9 @@ def running(placement: Placement | None, threaded: bool) -> tuple:
 
 
 def _running_on_stack():
-  frame = sys._getframe(2)
+  # (from this frame: a caller called from C, e.g. by atexit or
+  # _thread.start_new_thread, has no Python frame below it)
+  frame = sys._getframe()
   while frame is not None:
     if frame.f_code in _host_codes:
       return frame.f_locals.get("running")

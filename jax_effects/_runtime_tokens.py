@@ -201,7 +201,17 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     for key in keys:
       if key is not _effects.UNORDERED:
         state.runtime[key] = runtime
-  state.fast_mode = None if state.per_device else state.mode
+  if state.per_device:
+    state.fast_mode = None
+  else:
+    # Only if the thread's mode is still the one of this dispatch: a
+    # set_ordering by another thread while it was in flight cleared
+    # fast_mode (mode_changed), which must not be undone here. (Read after
+    # the store: a switch landing in between clears it, as set_ordering
+    # sets the mode before clearing.)
+    mode = state.fast_mode = state.mode
+    if _effects.get_ordering() != mode:
+      state.fast_mode = None
 
 
 def mode_changed(all_threads: bool) -> None:
@@ -265,7 +275,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
         learn(err)
         token = None
       except Exception as err:  # noqa: BLE001 - an execution error or not
-        _errors.reraise(err, state.reset)
+        dispatch_failed(state, err)
       if token is not None:
         try:
           sharding = token.sharding
@@ -441,6 +451,31 @@ def raise_deferred(state: ThreadTokens) -> None:
   exc = _errors.pop_deferred((state.slot,))
   if exc is not None:
     raise exc.with_traceback(exc.__traceback__)
+
+
+def dispatch_failed(state: ThreadTokens, err: Exception) -> None:
+  """Raises ``err``, raised by the dispatch in progress (see
+  ``_errors.reraise``).
+
+  Errors of callbacks that ran inline before the computation failed (in
+  ``own_errors``) are deferred to the thread's next call or barrier, which
+  raise them before dispatching anything: left in ``own_errors``, the next
+  call would raise them after running (its result discarded for an earlier
+  call's error). An interrupt deferred during the dispatch (``_on_sigint``)
+  is raised instead of ``err`` (with ``err`` as its cause).
+  """
+  own = state.own_errors
+  if own:
+    state.own_errors = []
+    interrupts = [e for e in own if getattr(e, "jax_effects_signal", False)]
+    for exc in own:
+      if exc not in interrupts:
+        _errors.defer(exc, state.slot)
+    if interrupts:
+      if isinstance(err, jax.errors.JaxRuntimeError):
+        state.reset()
+      raise interrupts[0] from err
+  _errors.reraise(err, state.reset)
 
 
 def raise_own(state: ThreadTokens, token) -> None:
