@@ -79,8 +79,11 @@ def check_results(description, results, avals):
   out = []
   for i, (r, aval) in enumerate(zip(results, avals)):
     if type(r) is not np.ndarray:
-      if isinstance(r, (bool, int, float, complex, list, tuple)):
-        # Python scalars and lists take the declared dtype, like literals.
+      if (isinstance(r, (bool, int, float, complex, list, tuple))
+          and not isinstance(r, np.generic)):
+        # Python scalars and lists take the declared dtype, like literals
+        # (not NumPy scalars, even those that are Python floats or complexes:
+        # np.float64 has its own dtype).
         r = np.asarray(r, dtype=aval.dtype)
       else:
         # NumPy scalars, jax.Array, anything with __array__ (whatever its

@@ -65,6 +65,20 @@ def test_array_of_another_dtype_is_still_an_error(run, effects_capture):
     je.effects_barrier()
 
 
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("value", [np.float64(1.5), np.complex128(1j)],
+                         ids=["float64", "complex128"])
+def test_numpy_scalar_of_another_dtype_is_an_error(run, value, effects_capture):
+  # np.float64 is a Python float (and np.complex128 a complex), but a NumPy
+  # scalar has its own dtype: not converted like a Python number.
+  f = run(lambda x: je.callback(lambda v: value, I32, x))
+  with pytest.raises(TypeError, match=rf"result #0 has shape \(\) and dtype "
+                                      rf"{value.dtype}; expected shape \(\) and "
+                                      r"dtype int32"):
+    f(jnp.int32(0))
+    je.effects_barrier()
+
+
 def test_wrong_structure_is_still_an_error():
   f = je.jit(lambda x: je.callback(lambda v: (1, 2, 3), (I32, I32), x))
   with pytest.raises(TypeError, match="returned 3 results where "
