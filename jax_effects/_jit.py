@@ -141,7 +141,7 @@ class _Threaded:
   ``len(keys)`` tokens, by number of dynamic arguments (None unless one
   ``in_shardings`` is given for every argument); dropped when ``keys`` grows.
   """
-  __slots__ = ("keys", "per_device_sharding", "jitted", "fast")
+  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
 
   def __init__(self):
     self.keys: tuple = ()
@@ -151,10 +151,13 @@ class _Threaded:
     #: applies: one ordered chain, scalar tokens, one jax.jit for every call
     #: (see ``Function._refresh``); else None.
     self.fast: Callable | None = None
+    #: Whether launches take ``_runtime_tokens.launch_lock`` (several CPU
+    #: devices: see there).
+    self.launch = _runtime_tokens.LaunchSite()
 
 
 def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
-              kwargs):
+              kwargs, site: _runtime_tokens.LaunchSite):
   """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
 
   First raises the errors earlier computations of this thread deferred
@@ -164,7 +167,9 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   **kwargs)`` and stores the returned token, also when an interrupt lands
   right after the dispatch; raises the errors of callbacks that ran inline
   in this call (``design/errors.md``). Returns ``(outputs, token)``.
-  :class:`NeedsTokens` propagates unchanged.
+  :class:`NeedsTokens` propagates unchanged. A computation over several CPU
+  devices is launched under ``_runtime_tokens.launch_lock`` (``site``: what
+  this call site launched last).
   """
   if _errors.deferred:   # an earlier call's callback failed
     _runtime_tokens.raise_deferred(state)   # before dispatching anything
@@ -174,10 +179,15 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   state.dispatching = True   # (SIGINT here waits for the token's storing)
   try:
     try:
-      out, token = call(*tokens, *args, **kwargs)
+      if _runtime_tokens.serialize_launch(site):
+        with _runtime_tokens.launch_lock:
+          out, token = call(*tokens, *args, **kwargs)
+      else:
+        out, token = call(*tokens, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.dispatch_failed(state, err)
     try:
+      _runtime_tokens.launched(site, token)
       _runtime_tokens.update(state, keys, token)
     except BaseException:
       # KeyboardInterrupt (SIGINT) landing in update, after the computation
@@ -402,7 +412,8 @@ class Function:
       threaded.fast = _runtime_tokens.fast_dispatch(
           mode, keys[0], jitted, fun=self._fun, general=self._call_threaded,
           learn=functools.partial(self._learn, mode), retry=NeedsTokens,
-          per_device=functools.partial(self._per_device, mode))
+          per_device=functools.partial(self._per_device, mode),
+          site=threaded.launch)
     else:
       threaded.fast = None
 
@@ -477,7 +488,7 @@ class Function:
       try:
         out, token = _dispatch(state, mode, keys,
                                threaded.per_device_sharding, jitted, args,
-                               kwargs)
+                               kwargs, threaded.launch)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
@@ -692,6 +703,7 @@ class Compiled(_Stage):
     self._inner = compiled
     self._mode = mode
     self._keys = keys
+    self._launch = _runtime_tokens.LaunchSite()
 
   def as_text(self) -> str:
     return self._inner.as_text()
@@ -726,7 +738,7 @@ class Compiled(_Stage):
       return self._inner(*args, **kwargs)
     # compiled for scalar tokens (see Function.lower): no per-device sharding
     out, _ = _dispatch(_runtime_tokens.thread_state(), self._mode, self._keys,
-                       None, self._inner, args, kwargs)
+                       None, self._inner, args, kwargs, self._launch)
     return out
 
 

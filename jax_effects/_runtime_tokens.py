@@ -229,7 +229,7 @@ def mode_changed(all_threads: bool) -> None:
 
 
 def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
-                  per_device):
+                  per_device, site: "LaunchSite"):
   """The dispatch hook of one function in its common case (``_jit``).
 
   Valid while the function threads one ordered chain ``key`` with scalar
@@ -246,7 +246,8 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
   pending (``ThreadTokens.fast_mode``), ``general``; a trace that finds
   another chain raises ``retry``, given to ``learn`` before ``general`` is
   called; a per-device token returned (a new signature) is stored and given
-  to ``per_device``.
+  to ``per_device``. A computation over several CPU devices is launched under
+  :data:`launch_lock` (``site``: what this hook launched last).
   """
   at_top_level = _compat.at_top_level
   committed, uncommitted = _compat.committed, _compat.uncommitted
@@ -269,8 +270,13 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
     try:
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
-        out, token = (jitted(token, *args, **kwargs) if kwargs
-                      else jitted(token, *args))
+        if site.serialize is False or not serialize_launch(site):
+          out, token = (jitted(token, *args, **kwargs) if kwargs
+                        else jitted(token, *args))
+        else:
+          with launch_lock:
+            out, token = (jitted(token, *args, **kwargs) if kwargs
+                          else jitted(token, *args))
       except retry as err:   # the trace found another chain
         learn(err)
         token = None
@@ -279,6 +285,8 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
       if token is not None:
         try:
           sharding = token.sharding
+          if sharding is not site.sharding:
+            launched(site, token)
           if sharding is not state.last_sharding or state.last_token is None:
             if token.aval.shape:   # a per-device token (a new signature)
               update(state, (key,), token)
@@ -547,6 +555,52 @@ def _install_sigint_handler() -> None:
       signal.signal(signal.SIGINT, _on_sigint)
   except (ValueError, OSError):  # not the main interpreter, no signals
     pass
+
+
+# --- launches over several CPU devices, one at a time ------------------------------
+# XLA's CPU client (jaxlib 0.8 to 0.10) deadlocks when executables that span
+# several devices are launched from several threads at once: the launch of
+# each device's part runs on the client's small thread pool and blocks there
+# while that device has its maximum of computations in flight, and the
+# computations that would free a place wait for a thread of the same pool.
+# Plain JAX hangs the same way (8 threads calling a jitted shard_map over 8 CPU
+# devices; no callback needed). One such launch at a time never did: threaded
+# dispatches of a computation that spans several CPU devices take
+# ``launch_lock`` around the launch (waiting for it releases the GIL).
+
+launch_lock = threading.Lock()
+
+
+class LaunchSite:
+  """What a dispatch site (a function in one mode, a compiled function) last
+  launched: ``serialize`` is None before its first launch (serialized: the
+  devices are not known yet), then whether its last computation spanned
+  several CPU devices; ``sharding`` is that computation's token sharding."""
+  __slots__ = ("serialize", "sharding")
+
+  def __init__(self):
+    self.serialize: bool | None = None
+    self.sharding: Any = None
+
+
+def spans_cpu_devices(sharding) -> bool:
+  devices = sharding.device_set
+  return len(devices) > 1 and next(iter(devices)).platform == "cpu"
+
+
+def launched(site: LaunchSite, token) -> None:
+  """Records the device set of the computation ``site`` just launched."""
+  sharding = token.sharding
+  if sharding is not site.sharding:
+    site.sharding = sharding
+    site.serialize = spans_cpu_devices(sharding)
+
+
+def serialize_launch(site: LaunchSite) -> bool:
+  """Whether ``site``'s next launch takes ``launch_lock``: not inside a host
+  callback (a computation's callback may dispatch a computation: the lock
+  holder can be waiting for the callback's own computation)."""
+  return site.serialize is not False and not in_host_callback()
 
 
 # --- combining per-device tokens ------------------------------------------------

@@ -1,0 +1,77 @@
+"""Several threads dispatching one computation over 8 CPU devices (no hang).
+
+XLA's CPU client deadlocks when executables spanning several devices are
+launched from several threads at once (see ``_runtime_tokens.launch_lock``):
+8 threads calling a ``shard_map`` over the 8 devices hung every time, with
+every dispatching thread inside the launch and the client's thread pool
+blocked on the devices' in-flight limits; so did plain ``jax.jit`` (no
+callback needed). ``jax_effects`` launches such computations one at a time.
+
+Run in a subprocess, bounded: a hang dumps every thread's stack and fails.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax_effects
+
+SCRIPT = textwrap.dedent("""
+    import faulthandler, sys, threading
+    faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_effects as je
+
+    N_THREADS, N = int(sys.argv[1]), int(sys.argv[2])
+    mesh = jax.make_mesh((8,), ("x",))
+    lock = threading.Lock()
+    records = []
+
+    def rec(tid, seq, dev):
+      with lock:
+        records.append((int(tid), int(seq), int(dev)))
+
+    @je.jit
+    def f(tid, seq, x):
+      def body(tid, seq, xs):
+        je.callback(rec, None, tid, seq, jax.lax.axis_index("x"))
+        return xs + 1
+      return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("x")),
+                           out_specs=P("x"))(tid, seq, x)
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+
+    def work(t):
+      for i in range(N):
+        f(np.int32(t), np.int32(i), x)
+      je.effects_barrier()
+
+    threads = [threading.Thread(target=work, args=(t,))
+               for t in range(N_THREADS)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    je.effects_barrier(all_threads=True)
+    expected = 8 * N * N_THREADS
+    assert len(records) == expected, (len(records), expected)
+    print("OK", len(records))
+""")
+
+
+def test_threads_dispatching_over_8_devices_do_not_hang():
+  root = os.path.dirname(os.path.dirname(jax_effects.__file__))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (root, env.get("PYTHONPATH")) if p)
+  n_threads, n, limit_s = 8, 400, 240
+  proc = subprocess.run(
+      [sys.executable, "-c", SCRIPT, str(n_threads), str(n), str(limit_s)],
+      capture_output=True, text=True, timeout=limit_s + 60, env=env)
+  assert proc.returncode == 0 and proc.stdout.startswith("OK"), (
+      f"rc={proc.returncode} (a hang dumps the stacks):\n"
+      f"{proc.stderr[-6000:]}")
