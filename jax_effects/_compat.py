@@ -218,16 +218,31 @@ _top_axis_env = _core.top_axis_env
 if hasattr(_core, "trace_state_strong_ref"):   # JAX 0.10
   _trace_value = _core.trace_state_strong_ref
   _axis_env_value = _core.axis_env_state
+else:   # JAX 0.8, 0.9: attributes of a threading.local, read as ``.value``
+  class _TraceContextValue:
+    __slots__ = ("_name",)
 
-  def at_top_level() -> bool:
-    """True when no JAX transformation or trace is active on this thread."""
-    return (_trace_value.value is _eval_trace
-            and _axis_env_value.value is _top_axis_env)
-else:   # JAX 0.8, 0.9
-  def at_top_level() -> bool:
-    """True when no JAX transformation or trace is active on this thread."""
-    return (_trace_ctx.trace is _eval_trace
-            and _trace_ctx.axis_env is _top_axis_env)
+    def __init__(self, name: str):
+      self._name = name
+
+    @property
+    def value(self):
+      return getattr(_trace_ctx, self._name)
+
+  _trace_value = _TraceContextValue("trace")
+  _axis_env_value = _TraceContextValue("axis_env")
+
+#: ``(trace, axis_env, eval_trace, top_axis_env)``: at the top level when
+#: ``trace.value is eval_trace and axis_env.value is top_axis_env``; for a
+#: caller that inlines :func:`at_top_level` (the dispatch fast path: one
+#: Python frame less per call on JAX 0.10).
+TOP_LEVEL = (_trace_value, _axis_env_value, _eval_trace, _top_axis_env)
+
+
+def at_top_level() -> bool:
+  """True when no JAX transformation or trace is active on this thread."""
+  return (_trace_value.value is _eval_trace
+          and _axis_env_value.value is _top_axis_env)
 
 
 def compiled_dispatch() -> bool:

@@ -249,13 +249,13 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
   to ``per_device``. A computation over several CPU devices is launched under
   :data:`launch_lock` (``site``: what this hook launched last).
   """
-  at_top_level = _compat.at_top_level
+  trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
   committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
 
   def call(*args, **kwargs):
-    if not at_top_level():
-      return fun(*args, **kwargs)
+    if trace.value is not eval_trace or axis_env.value is not top_axis_env:
+      return fun(*args, **kwargs)   # under a trace (_compat.at_top_level)
     try:
       state = _local.state
     except AttributeError:   # the thread's first call
