@@ -270,7 +270,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
     try:
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
-        if site.serialize is False or not serialize_launch(site):
+        if site.serialize is not True or not serialize_launch(site):
           out, token = (jitted(token, *args, **kwargs) if kwargs
                         else jitted(token, *args))
         else:
@@ -573,9 +573,11 @@ launch_lock = threading.Lock()
 
 class LaunchSite:
   """What a dispatch site (a function in one mode, a compiled function) last
-  launched: ``serialize`` is None before its first launch (serialized: the
-  devices are not known yet), then whether its last computation spanned
-  several CPU devices; ``sharding`` is that computation's token sharding."""
+  launched: ``serialize`` is None before its first launch (not serialized:
+  the devices are not known yet, and the first launch also traces and
+  compiles, and may run its computation inline, whose callbacks may wait for
+  other threads' calls), then whether its last computation spanned several
+  CPU devices; ``sharding`` is that computation's token sharding."""
   __slots__ = ("serialize", "sharding")
 
   def __init__(self):
@@ -600,7 +602,7 @@ def serialize_launch(site: LaunchSite) -> bool:
   """Whether ``site``'s next launch takes ``launch_lock``: not inside a host
   callback (a computation's callback may dispatch a computation: the lock
   holder can be waiting for the callback's own computation)."""
-  return site.serialize is not False and not in_host_callback()
+  return site.serialize is True and not in_host_callback()
 
 
 # --- combining per-device tokens ------------------------------------------------

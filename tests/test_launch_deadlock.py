@@ -75,3 +75,47 @@ def test_threads_dispatching_over_8_devices_do_not_hang():
   assert proc.returncode == 0 and proc.stdout.startswith("OK"), (
       f"rc={proc.returncode} (a hang dumps the stacks):\n"
       f"{proc.stderr[-6000:]}")
+
+
+FIRST_CALLS = textwrap.dedent("""
+    import sys, threading
+    import jax
+    import jax.numpy as jnp
+    import jax_effects as je
+
+    # Two threads' first calls of two fresh single-device functions, whose
+    # callbacks (run inline, inside each call) wait for each other: neither
+    # call may hold anything the other's dispatch needs.
+    a_ran, b_ran, gave_up = threading.Event(), threading.Event(), []
+
+    def in_a(v):
+      a_ran.set()
+      if not b_ran.wait(20):
+        gave_up.append("a")
+
+    def in_b(v):
+      b_ran.set()
+      if not a_ran.wait(20):
+        gave_up.append("b")
+
+    fa = je.jit(lambda x: (je.callback(in_a, None, x), x + 1)[1])
+    fb = je.jit(lambda x: (je.callback(in_b, None, x), x + 2)[1])
+    ta = threading.Thread(target=lambda: fa(jnp.zeros(3)))
+    tb = threading.Thread(target=lambda: fb(jnp.zeros(3)))
+    ta.start(); tb.start(); ta.join(); tb.join()
+    je.effects_barrier(all_threads=True)
+    print("gave up " + " ".join(gave_up) if gave_up else "OK")
+""")
+
+
+def test_first_calls_whose_callbacks_wait_for_each_other_do_not_stall():
+  # A first launch (its devices not known yet) must not be serialized: the
+  # computation runs inline, and its callback may wait for another thread.
+  root = os.path.dirname(os.path.dirname(jax_effects.__file__))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (root, env.get("PYTHONPATH")) if p)
+  proc = subprocess.run([sys.executable, "-c", FIRST_CALLS],
+                        capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout.split() == ["OK"], proc.stdout
