@@ -401,15 +401,17 @@ FEATURES = {
 # JAX 0.8 can crash (SIGSEGV in ``pxla.MeshExecutable.from_hlo``) when two
 # threads compile the same new jax.jit computation at once (seen in CI: two
 # threads' first calls of one jax_effects.jit function). On JAX 0.8 the
-# first calls of a jax_effects.jit function (which trace and compile) are
-# serialized by this lock; JAX 0.9 and 0.10 need nothing.
-_first_call_lock = (threading.RLock() if JAX_VERSION < (0, 9)
-                    else contextlib.nullcontext())
+# first calls of one jax_effects.jit function (which trace and compile) are
+# serialized by a lock of that function; JAX 0.9 and 0.10 need nothing. (One
+# lock per function, not one for all: a first call also runs its
+# computation, whose callbacks may wait for another function's first call.)
+_NO_GUARD = contextlib.nullcontext()
 
 
 def first_call_guard():
-  """Context for a jax_effects.jit function's first call (see above)."""
-  return _first_call_lock
+  """A new context for one jax_effects.jit function's first calls (see
+  above): a lock on JAX 0.8, nothing on later lines."""
+  return threading.RLock() if JAX_VERSION < (0, 9) else _NO_GUARD
 
 
 def has_4bit_integers(avals) -> bool:

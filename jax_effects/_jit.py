@@ -230,6 +230,7 @@ class Function:
     self._effectful = False
     self._after_fallback = False
     self._dispatch = self._first_call
+    self._first_call_guard = _compat.first_call_guard()
     self._traces: dict = {}  # see _trace
     self._traces_lock = threading.Lock()
     # Guards each mode's ``keys`` and ``jitted`` (see _keys_and_jit): a
@@ -445,7 +446,7 @@ class Function:
 
   def _first_call(self, *args, **kwargs):
     """Until a call finds the function pure: a pure call that may learn."""
-    with _compat.first_call_guard():   # (JAX 0.8: one compile at a time)
+    with self._first_call_guard:   # (JAX 0.8: one compile at a time)
       return self._learning_call(*args, **kwargs)
 
   def _learning_call(self, *args, **kwargs):
