@@ -187,7 +187,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.dispatch_failed(state, err)
     try:
-      _runtime_tokens.launched(site, token)
+      _runtime_tokens.launched(site, token.sharding)
       _runtime_tokens.update(state, keys, token)
     except BaseException:
       # KeyboardInterrupt (SIGINT) landing in update, after the computation
@@ -347,14 +347,10 @@ class Function:
       # ready, is the new one.
       jax.block_until_ready(runtime)
       out = self._fun(*args, **kwargs)
-      token = (runtime[0] if runtime else
-               _runtime_tokens.initial_token(_runtime_tokens.thread_state()))
-      if not isinstance(token, jax.Array):
-        # the thread's initial token (a NumPy scalar): the hook stores a
-        # jax.Array (it reads its sharding)
-        with _compat.no_user_mesh():
-          token = jnp.asarray(token)
-      return out, token
+      # (the hook stores a jax.Array: it reads its sharding)
+      return out, _runtime_tokens.as_array(
+          runtime[0] if runtime else
+          _runtime_tokens.initial_token(_runtime_tokens.thread_state()))
     closed, dyn, out_tree = self._trace(args, kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
@@ -402,21 +398,18 @@ class Function:
     ``jax.jit`` objects or the shape of its tokens changed."""
     threaded = self._threaded(mode)
     with self._learn_lock:
-      self._refresh_locked(threaded, mode)
-
-  def _refresh_locked(self, threaded: _Threaded, mode: str) -> None:
-    jitted = threaded.jitted.get(None)
-    keys = threaded.keys
-    if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
-        and threaded.per_device_sharding is None and jitted is not None
-        and not self._after_fallback):
-      threaded.fast = _runtime_tokens.fast_dispatch(
-          mode, keys[0], jitted, fun=self._fun, general=self._call_threaded,
-          learn=functools.partial(self._learn, mode), retry=NeedsTokens,
-          per_device=functools.partial(self._per_device, mode),
-          site=threaded.launch)
-    else:
-      threaded.fast = None
+      jitted = threaded.jitted.get(None)
+      keys = threaded.keys
+      if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
+          and threaded.per_device_sharding is None and jitted is not None
+          and not self._after_fallback):
+        threaded.fast = _runtime_tokens.fast_dispatch(
+            mode, keys[0], jitted, fun=self._fun, general=self._call_threaded,
+            learn=functools.partial(self._learn, mode), retry=NeedsTokens,
+            per_device=functools.partial(self._per_device, mode),
+            site=threaded.launch)
+      else:
+        threaded.fast = None
 
   def _per_device(self, mode: str, token) -> None:
     """A call in ``mode`` returned a per-device token (a shard_map program)."""

@@ -72,7 +72,7 @@ class ThreadTokens:
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
     # The sharding of the most recent dispatch's output token, and that token
-    # when it is not in ``output`` yet: the fast path (dispatch_one) replaces
+    # when it is not in ``output`` yet: the fast hook (fast_dispatch) replaces
     # it without hashing a sharding; it is filed into ``output`` when a
     # dispatch on other devices follows (_file_last). Its computation is also
     # that of a runtime token, so the thread-exit finalizer need not see it.
@@ -159,12 +159,22 @@ def initial_token(state: ThreadTokens) -> np.ndarray:
   starting its first stream does no device work of its own, so it never
   waits behind other threads' work on some device (a ``jax.Array`` made
   here would be put on the default device first, and a device busy with
-  other threads' callbacks can hold that up).
+  other threads' callbacks can hold that up). :func:`as_array` where a
+  ``jax.Array`` is needed.
   """
   token = state.initial
   if token is None:
     token = state.initial = TOKEN_DTYPE(state.slot)
   return token
+
+
+def as_array(token) -> jax.Array:
+  """``token`` as a ``jax.Array`` (the initial token is a NumPy scalar),
+  uncommitted, not placed by the user's mesh."""
+  if isinstance(token, jax.Array):
+    return token
+  with _compat.no_user_mesh():
+    return jnp.asarray(token)
 
 
 def update(state: ThreadTokens, keys, token: jax.Array) -> None:
@@ -286,7 +296,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
         try:
           sharding = token.sharding
           if sharding is not site.sharding:
-            launched(site, token)
+            launched(site, sharding)
           if sharding is not state.last_sharding or state.last_token is None:
             if token.aval.shape:   # a per-device token (a new signature)
               update(state, (key,), token)
@@ -414,8 +424,7 @@ def runtime_tokens() -> RuntimeTokens:
   if _effects.get_ordering() == "global":
     token = state.runtime.get(_effects.GLOBAL)
     if token is None:   # (a jax.Array, as every other token in the snapshot)
-      with _compat.no_user_mesh():
-        token = jnp.asarray(initial_token(state))
+      token = as_array(initial_token(state))
     effects = {_effects.GLOBAL: token}
   else:
     effects = dict(state.runtime)
@@ -472,13 +481,8 @@ def dispatch_failed(state: ThreadTokens, err: Exception) -> None:
   call's error). An interrupt deferred during the dispatch (``_on_sigint``)
   is raised instead of ``err`` (with ``err`` as its cause).
   """
-  own = state.own_errors
-  if own:
-    state.own_errors = []
-    interrupts = [e for e in own if getattr(e, "jax_effects_signal", False)]
-    for exc in own:
-      if exc not in interrupts:
-        _errors.defer(exc, state.slot)
+  if state.own_errors:
+    interrupts = _defer_own_errors(state)
     if interrupts:
       if isinstance(err, jax.errors.JaxRuntimeError):
         state.reset()
@@ -486,21 +490,32 @@ def dispatch_failed(state: ThreadTokens, err: Exception) -> None:
   _errors.reraise(err, state.reset)
 
 
+def _is_interrupt(exc: BaseException) -> bool:
+  """An interrupt deferred during a dispatch (:func:`_on_sigint`)."""
+  return getattr(exc, "jax_effects_signal", False)
+
+
+def _defer_own_errors(state: ThreadTokens) -> list:
+  """Moves the callbacks' errors in ``state.own_errors`` to the thread's
+  deferred errors (its next call or barrier raises them before dispatching);
+  returns the interrupts that were there."""
+  own, state.own_errors = state.own_errors, []
+  for exc in own:
+    if not _is_interrupt(exc):
+      _errors.defer(exc, state.slot)
+  return [exc for exc in own if _is_interrupt(exc)]
+
+
 def raise_own(state: ThreadTokens, token) -> None:
   """Raises the errors of the call that just returned (callbacks that ran
   inline), with every other error of the thread pending once that call's
   computation has completed: one report."""
-  own = state.own_errors
-  state.own_errors = []
-  interrupts = [e for e in own if getattr(e, "jax_effects_signal", False)]
-  if interrupts:
+  if any(_is_interrupt(exc) for exc in state.own_errors):
     # Ctrl-C during the dispatch (_on_sigint): raised now, without waiting
     # for the computation (its token is stored); the callbacks' errors stay
     # for the thread's next call or barrier.
-    for exc in own:
-      if exc not in interrupts:
-        _errors.defer(exc, state.slot)
-    raise interrupts[0]
+    raise _defer_own_errors(state)[0]
+  own, state.own_errors = state.own_errors, []
   try:
     token.block_until_ready()
   except Exception:  # noqa: BLE001 - not ours to report here
@@ -590,9 +605,9 @@ def spans_cpu_devices(sharding) -> bool:
   return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
-def launched(site: LaunchSite, token) -> None:
-  """Records the device set of the computation ``site`` just launched."""
-  sharding = token.sharding
+def launched(site: LaunchSite, sharding) -> None:
+  """Records the device set of the computation ``site`` just launched (the
+  sharding of its token)."""
   if sharding is not site.sharding:
     site.sharding = sharding
     site.serialize = spans_cpu_devices(sharding)
