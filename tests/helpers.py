@@ -8,6 +8,7 @@
   (each has its own token state), bounded by :data:`JOIN_TIMEOUT_S`.
 """
 import threading
+import time
 
 import jax
 import numpy as np
@@ -33,6 +34,48 @@ def scale(default, slow):
 
 class Boom(Exception):
   """Raised by test callbacks."""
+
+
+class FailingRecorder:
+  """A callback recording its arguments as an int tuple (the *key*); every
+  ``fail_every``-th call (none if 0) raises ``Boom(key)`` instead, kept in
+  ``raised[key]``. ``delay`` (seconds) keeps calls in flight (never a timing
+  assertion)."""
+
+  def __init__(self, fail_every, delay=0.0):
+    self.lock = threading.Lock()
+    self.calls = 0
+    self.fail_every = fail_every
+    self.delay = delay
+    self.records = []
+    self.raised = {}   # key -> the Boom instance raised for it
+
+  def __call__(self, *key):
+    key = tuple(int(k) for k in key)
+    if self.delay:
+      time.sleep(self.delay)
+    with self.lock:
+      self.calls += 1
+      fail = self.fail_every and self.calls % self.fail_every == 0
+      if fail:
+        exc = self.raised[key] = Boom(key)
+      else:
+        self.records.append(key)
+    if fail:
+      raise exc
+
+
+def two_effects(prefix: str):
+  """``(f, a, b)``: a ``je.jit`` function printing ``a{x}`` on Effect ``a``
+  and ``b{x}`` on Effect ``b`` (named ``prefix-a``/``prefix-b``)."""
+  a, b = je.Effect(f"{prefix}-a"), je.Effect(f"{prefix}-b")
+
+  @je.jit
+  def f(x):
+    je.print("a{}", x, effect=a)
+    je.print("b{}", x, effect=b)
+    return x + 1
+  return f, a, b
 
 
 class Recorder:

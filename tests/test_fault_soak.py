@@ -19,37 +19,15 @@ from jax.sharding import PartitionSpec as P
 import jax_effects as je
 from jax_effects import _errors
 import helpers
-from helpers import run_threads
+from helpers import Boom, FailingRecorder, run_threads
 
 N = 8
 
 
-class Boom(Exception):
-  pass
-
-
-class Recorder:
-  """Records ``(tid, seq, device)``; raises ``Boom`` for chosen keys."""
-
-  def __init__(self, fail_every=0):
-    self.lock = threading.Lock()
-    self.records = []
-    self.raised = {}
-    self.calls = 0
-    self.fail_every = fail_every
-
-  def __call__(self, tid, seq, dev):
-    key = (int(tid), int(seq), int(dev))
-    time.sleep(0.0005)   # keeps calls in flight (not a timing assertion)
-    with self.lock:
-      self.calls += 1
-      fail = self.fail_every and self.calls % self.fail_every == 0
-      if fail:
-        exc = self.raised[key] = Boom(key)
-      else:
-        self.records.append(key)
-    if fail:
-      raise exc
+def Recorder(fail_every=0):
+  """Records ``(tid, seq, device)``; raises ``Boom`` on every
+  ``fail_every``-th call; calls stay in flight a little."""
+  return FailingRecorder(fail_every, delay=0.0005)
 
 
 def make_functions(rec, mesh, effect=None):

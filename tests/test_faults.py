@@ -29,36 +29,13 @@ from jax.sharding import PartitionSpec as P
 import jax_effects as je
 from jax_effects import _errors
 import helpers
-from helpers import Boom, run_threads
+from helpers import Boom, FailingRecorder, run_threads
 
 N_THREADS = 8
 N_DEFAULT = 1_000
 N_SLOW = 10_000
 N = helpers.scale(N_DEFAULT, N_SLOW)
 FAIL_EVERY = 97
-
-
-class FailingRecorder:
-  """Records ``key`` tuples; raises ``Boom(key)`` on every 97th call."""
-
-  def __init__(self, fail_every=FAIL_EVERY):
-    self.lock = threading.Lock()
-    self.calls = 0
-    self.fail_every = fail_every
-    self.records = []
-    self.raised = {}   # key -> the Boom instance raised for it
-
-  def __call__(self, *key):
-    key = tuple(int(k) for k in key)
-    with self.lock:
-      self.calls += 1
-      fail = self.calls % self.fail_every == 0
-      if fail:
-        exc = self.raised[key] = Boom(key)
-      else:
-        self.records.append(key)
-    if fail:
-      raise exc
 
 
 def _booms(exc):
@@ -134,7 +111,7 @@ def check(rec: FailingRecorder, caught: dict, expected_keys, tid_of):
 
 
 def _faults_threads(n):
-  rec = FailingRecorder()
+  rec = FailingRecorder(FAIL_EVERY)
 
   @je.jit
   def f(tid, seq):
@@ -164,7 +141,7 @@ def test_error_is_raised_once_and_next_calls_work():
   # Single thread, exact positions: the failing call raises the original
   # exception (with the callback's frame in its traceback); later calls and a
   # barrier raise nothing; effects before and after are delivered in order.
-  rec = FailingRecorder(fail_every=3)
+  rec = FailingRecorder(3)
 
   @je.jit
   def f(seq):
@@ -184,8 +161,8 @@ def test_error_is_raised_once_and_next_calls_work():
   je.effects_barrier(all_threads=True)
   assert [e.args[0] for e in caught] == [(0, 2), (0, 5), (0, 8)]
   assert all(rec.raised[e.args[0]] is e for e in caught)
-  assert any(fr.name == "__call__" and fr.filename == __file__
-             for fr in _frames(caught[0].__traceback__))
+  assert any(fr.name == "__call__" and fr.filename == helpers.__file__
+             for fr in _frames(caught[0].__traceback__))   # the recorder's
   assert rec.records == [(0, i) for i in (0, 1, 3, 4, 6, 7)]
 
 
@@ -197,7 +174,7 @@ def _frames(tb):
 def test_error_does_not_leak_into_other_effect_streams():
   # A failure on one named effect leaves another named effect's stream and
   # another thread's stream untouched.
-  rec = FailingRecorder(fail_every=4)
+  rec = FailingRecorder(4)
   other = []
 
   @je.jit
@@ -230,7 +207,7 @@ def _mesh():
 
 def _faults_shard_map(n, *, barrier_each_call, n_threads=1):
   mesh = _mesh()
-  rec = FailingRecorder()
+  rec = FailingRecorder(FAIL_EVERY)
 
   @je.jit
   def f(tid, seq, x):

@@ -7,18 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_effects as je
+import helpers
 from helpers import in_thread
 
 
 def _two_effects():
-  a, b = je.Effect("snapshot-a"), je.Effect("snapshot-b")
-
-  @je.jit
-  def f(x):
-    je.print("a{}", x, effect=a)
-    je.print("b{}", x, effect=b)
-    return x + 1
-  return f, a, b
+  return helpers.two_effects("snapshot")
 
 
 def test_global_block_snapshot_has_exactly_the_global_entry(effects_capture):

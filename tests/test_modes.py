@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
+import helpers
 from helpers import in_thread
 
 
@@ -93,14 +94,7 @@ def test_named_effects_are_separate_streams():
 # --- ordering modes -------------------------------------------------------------
 
 def _two_effects():
-  a, b = je.Effect("modes-g-a"), je.Effect("modes-g-b")
-
-  @je.jit
-  def f(x):
-    je.print("a{}", x, effect=a)
-    je.print("b{}", x, effect=b)
-    return x + 1
-  return f, a, b
+  return helpers.two_effects("modes-g")
 
 
 def test_global_mode_uses_one_runtime_token(effects_capture):
