@@ -105,8 +105,9 @@ callback_op_sharding = _callback._callback_op_sharding
 # annotation to the op (``mlir.set_sharding`` differs, shim below). JAX
 # 0.8-0.10.
 from jax._src.interpreters import mlir as _mlir  # noqa: E402
-# Shardy's per-value sharding, for ``replicated`` below (its fields
-# mesh_shape and dim_shardings are the same on JAX 0.8-0.10).
+# Shardy's per-value sharding, for ``replicated`` and ``on_first_device``
+# below (its fields mesh_shape, dim_shardings and logical_device_ids are the
+# same on JAX 0.8-0.10).
 from jax._src.sharding_impls import SdyArray  # noqa: E402
 
 # A replicated sharding annotation (``Sharding`` custom call or
@@ -130,6 +131,22 @@ def replicated(ctx, value, aval):
         dim_shardings=tuple(SdyDim(axes=(), is_open=False) for _ in aval.shape))
   else:
     sharding = _xc.HloSharding.replicate().to_proto()
+  return wrap_with_sharding_op(ctx, value, aval, sharding)
+
+
+def on_first_device(ctx, value, aval):
+  """``value`` (of ``aval``) annotated as held by the computation's first
+  device only (``MAXIMAL`` on device 0, the sharding JAX gives a callback's
+  results under automatic partitioning): where the partitioner needs it on
+  other devices it broadcasts it from there. Used by ``_primitives``."""
+  import jax
+  if jax.config.jax_use_shardy_partitioner:
+    sharding = SdyArray(mesh_shape=(), dim_shardings=(),
+                        logical_device_ids=(0,))
+  else:
+    sharding = _xc.OpSharding()
+    sharding.type = _xc.OpSharding.Type.MAXIMAL
+    sharding.tile_assignment_devices = [0]
   return wrap_with_sharding_op(ctx, value, aval, sharding)
 
 

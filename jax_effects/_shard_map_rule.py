@@ -11,7 +11,9 @@ the carriers of the chains used inside as extra operands and results::
 
 * A scalar carrier enters replicated (``P()``): every device's first effect
   depends on the chain's previous effect (the runtime token, or the last
-  effect before the ``shard_map``). Inside, it is cast to *varying* over the
+  effect before the ``shard_map``; after an effect that ran once, only the
+  first device's copy is current and it is broadcast from there,
+  ``_primitives.from_first_device_p``). Inside, it is cast to *varying* over the
   manual axes (under ``check_vma``), which is what it is: each device threads
   its own chain.
 * Each device's final carrier leaves as its element of a ``(n_devices,)``
@@ -41,6 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
+from jax_effects import _primitives
 from jax_effects import _token_pass
 
 
@@ -63,10 +66,16 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   keys = _token_pass.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
+  # A chain's runtime token (or a chain starting here) is the same on every
+  # device; after an effect that ran once (on the first device of several,
+  # _primitives._on_first_device) only device 0's copy is current.
+  after_once = [k in chains.carriers and k not in chains.entries for k in keys]
   carriers_in = []
-  for c in chains.take(keys):
+  for c, once in zip(chains.take(keys), after_once):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh
       c = jnp.max(c)
+    elif once and not c.shape:
+      c = _primitives.from_first_device_p.bind(c)
     carriers_in.append(c)
 
   def body(carriers, *args):

@@ -223,13 +223,20 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # that runs once, on one device: it follows every device's effects. The
     # callback takes their max, a scalar, so XLA need not move the sharded
     # vector whole to the callback's device and back ("[SPMD] Involuntary
-    # full rematerialization", a warning JAX's program does not get). The
-    # chain's carrier keeps its shape (a loop's carry must).
+    # full rematerialization", a warning JAX's program does not get).
     carrier = jnp.max(carrier)
   token, carrier, *results = _primitives.threaded_effect_p.bind(
       token, carrier, *invals, host_callback=host_callback, entry=entry)
   if shape:
-    carrier = jnp.broadcast_to(carrier, shape)
+    # The chain stays per device (a loop's carry must keep its type; at the
+    # top level the token stays one element per device, so the deterministic
+    # view releases at its combination): every element is the effect's
+    # carrier, from the device that ran it (the others' copies are stale, see
+    # _primitives._on_first_device), so each device's later effects, in this
+    # execution or the next, follow this one. Only here, where an effect that
+    # runs once meets per-device ones, do the devices wait for a callback.
+    carrier = jnp.broadcast_to(
+        _primitives.from_first_device_p.bind(carrier), shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
   return results
@@ -485,5 +492,13 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # were skipped) and so may the token: the next computation's entries clear
   # it (Chains); the error itself is reported by the dispatching thread
   # (design/errors.md).
+  if any(jnp.shape(c) for c in finals):
+    # A per-device token: a chain whose last effect ran once contributes the
+    # carrier of the device that ran it to every device's element (the
+    # others' copies are stale, see _primitives._on_first_device; a runtime
+    # token no effect took is the same everywhere).
+    finals = [c if jnp.shape(c) or k in chains.entries
+              else _primitives.from_first_device_p.bind(c)
+              for k, c in chains.carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token

@@ -1,4 +1,4 @@
-"""Several threads dispatching one computation over 8 CPU devices (no hang).
+"""Several threads dispatching computations over 8 CPU devices (no hang).
 
 XLA's CPU client deadlocks when executables spanning several devices are
 launched from several threads at once (see ``_runtime_tokens.launch_lock``):
@@ -6,6 +6,9 @@ launched from several threads at once (see ``_runtime_tokens.launch_lock``):
 every dispatching thread inside the launch and the client's thread pool
 blocked on the devices' in-flight limits; so did plain ``jax.jit`` (no
 callback needed). ``jax_effects`` launches such computations one at a time.
+A callback that runs once in such a computation adds no collective in which
+the other devices wait for it (``_primitives._on_first_device``): with one,
+the rendezvous stalled under this load and XLA aborted the process.
 
 Run in a subprocess, bounded: a hang dumps every thread's stack and fails.
 """
@@ -43,11 +46,19 @@ SCRIPT = textwrap.dedent("""
       return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("x")),
                            out_specs=P("x"))(tid, seq, x)
 
+    @je.jit
+    def g(tid, seq, x):
+      # Runs once (automatic partitioning), on the first device: nothing of
+      # ours makes the other devices wait for it (no collective).
+      je.callback(rec, None, tid, seq, -1)
+      return x * 2
+
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
 
     def work(t):
       for i in range(N):
         f(np.int32(t), np.int32(i), x)
+        g(np.int32(t), np.int32(i), x)
       je.effects_barrier()
 
     threads = [threading.Thread(target=work, args=(t,))
@@ -57,8 +68,14 @@ SCRIPT = textwrap.dedent("""
     for t in threads:
       t.join()
     je.effects_barrier(all_threads=True)
-    expected = 8 * N * N_THREADS
+    expected = (8 + 1) * N * N_THREADS
     assert len(records) == expected, (len(records), expected)
+    for t in range(N_THREADS):   # each thread's calls in its program order
+      mine = [(seq, dev) for tid, seq, dev in records if tid == t]
+      for i in range(N):
+        call = mine[9 * i:9 * (i + 1)]
+        assert sorted(call[:8]) == [(i, d) for d in range(8)], (t, i, call)
+        assert call[8] == (i, -1), (t, i, call)
     print("OK", len(records))
 """)
 

@@ -45,7 +45,8 @@ def _program(mesh):
 
   @je.jit
   def once(x):
-    je.print("once {}", x.sum())
+    # (x whole: under an explicit mesh its type says it is sharded)
+    je.print("once {} {}", x.sum(), x)
     return x.sum()
 
   @je.jit

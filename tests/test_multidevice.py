@@ -1,9 +1,15 @@
 """Ordered effects across devices: token placement, sharded jit (8 CPU devices)."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_effects as je
 
@@ -88,12 +94,150 @@ def test_sharded_jit_callback_placement_is_first_device(mesh):
   assert where == [(je.Placement(mesh.devices.flat[0].id, None, 0), (N,))]
 
 
-def test_sharded_jit_lowering_replicates_tokens(mesh):
-  x = jax.ShapeDtypeStruct((N,), jnp.float32, sharding=NamedSharding(mesh, P("i")))
-  f = je.jit(lambda x: (je.print("{}", x), x)[1])
-  text = f.lower(x).as_text()
-  assert "maximal" in text      # the callback runs once (on one device)
+#: What a compiled program's collectives look like in XLA's HLO text.
+COLLECTIVES = ("all-reduce(", "all-gather(", "collective-permute(",
+               "all-to-all(", "reduce-scatter(")
+
+
+def _once_top(x):
+  je.print("top")
+  je.callback(lambda: None, None)
+  return x * 2
+
+
+def _once_fori(x):
+  def step(i, c):
+    je.print("i={}", i)
+    jax.lax.cond(i % 2 == 0, lambda: je.print("even {}", i),
+                 lambda: je.print("odd {}", i))
+    return c + 1
+  return jax.lax.fori_loop(0, 3, step, x)
+
+
+def _once_while(x):
+  def step(c):
+    je.print("i={}", c[0])
+    return c[0] + 1, c[1] * 2
+  return jax.lax.while_loop(lambda c: c[0] < 3, step, (0, x))[1]
+
+
+def _once_scan(x):
+  def step(c, i):
+    je.print("i={}", i)
+    return c + i, None
+  return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+
+ONCE = {"top": _once_top, "fori_cond": _once_fori, "while": _once_while,
+        "scan": _once_scan}
+
+
+@pytest.mark.parametrize("name", sorted(ONCE))
+def test_once_effects_over_devices_add_no_collective(mesh, name, effects_capture):
+  # Effects that run once in a program over 8 devices (on the first one) must
+  # not make the other devices wait for them: no collective of ours (the
+  # program itself has none), so a slow callback cannot stall or abort them.
+  x = jax.device_put(jnp.arange(N, dtype=jnp.float32),
+                     NamedSharding(mesh, P("i")))
+  f = je.jit(ONCE[name])
+  text = f.lower(x).compile().as_text()
   assert "xla_ffi_python_cpu_callback" in text
+  assert [l.strip() for l in text.splitlines()
+          if any(c in l for c in COLLECTIVES)] == []
+  out = f(x)
+  got = effects_capture.printed
+  with jax.disable_jit():   # the same program, eagerly: the same lines
+    expected_out = ONCE[name](jnp.arange(N, dtype=jnp.float32))
+  assert got and effects_capture.printed == got * 2
+  np.testing.assert_array_equal(out, expected_out)
+
+
+def test_once_callback_results_reach_every_device(mesh):
+  # A callback's results are the first device's; the others get them too.
+  x = jax.device_put(jnp.arange(N, dtype=jnp.float32),
+                     NamedSharding(mesh, P("i")))
+  sds = jax.ShapeDtypeStruct((), jnp.float32)
+
+  def f(x):
+    x = x + je.callback(lambda: np.float32(100), sds)
+    return jax.lax.fori_loop(
+        0, 3, lambda i, c: c + je.callback(lambda i: np.float32(10 * i), sds, i),
+        x)
+
+  out = je.jit(f)(x)
+  np.testing.assert_array_equal(out, np.arange(N) + 130)
+  assert out.sharding.spec == P("i")
+
+
+@pytest.mark.parametrize("order", ["mesh", "reversed"])
+def test_once_effect_then_another_device_keeps_order(devices, order):
+  # The next computation, on a device that did not run the callback, still
+  # follows it: the runtime token is the running device's copy.
+  mesh = Mesh(np.array(devices if order == "mesh" else devices[::-1]), ("i",))
+  x = jax.device_put(jnp.arange(N, dtype=jnp.float32),
+                     NamedSharding(mesh, P("i")))
+  seen = []
+
+  def slow():
+    time.sleep(0.2)
+    seen.append("multi")
+
+  def quick():
+    seen.append("single")
+
+  multi = je.jit(lambda x: (je.callback(slow, None), x * 2)[1])
+  single = je.jit(lambda y: (je.callback(quick, None), y + 1)[1])
+  for _ in range(3):
+    multi(x)
+    single(jax.device_put(jnp.float32(1), devices[5]))
+  je.effects_barrier()
+  assert seen == ["multi", "single"] * 3
+
+
+SLOW_CALLBACK = textwrap.dedent("""
+    import os, sys, time
+    # XLA aborts the process when a collective's participants wait longer
+    # than this (40 s by default: a callback in a debugger).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
+        + " --xla_cpu_collective_call_terminate_timeout_seconds=2")
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_effects as je
+
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+
+    def top(x):
+      je.callback(lambda: time.sleep(4), None)
+      return x * 2
+
+    def loop(x):
+      def step(i, c):
+        je.callback(lambda: time.sleep(3), None)
+        return c + 1
+      return jax.lax.fori_loop(0, 2, step, x)
+
+    for f in (top, loop):
+      print(je.jit(f)(x).sum())
+      je.effects_barrier()
+    print("OK")
+""")
+
+
+def test_callback_slower_than_xla_collective_timeout_does_not_abort():
+  root = os.path.dirname(os.path.dirname(je.__file__))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (root, env.get("PYTHONPATH")) if p)
+  proc = subprocess.run([sys.executable, "-c", SLOW_CALLBACK],
+                        capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 0 and proc.stdout.split() == ["56.0", "44.0", "OK"], (
+      f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
 
 
 def test_sharded_jit_callback_error_reported_once_then_works(mesh, effects_capture):
