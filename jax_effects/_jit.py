@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util
 from jax.extend import core as jex_core
 
@@ -156,6 +157,25 @@ class _Threaded:
     self.launch = _runtime_tokens.LaunchSite()
 
 
+def _launch(site: _runtime_tokens.LaunchSite, call, tokens, args, kwargs):
+  """``call(*tokens, *args, **kwargs)``, under the launch lock where
+  ``site`` needs it. (SIGINT landing here, as the call returns, is deferred
+  like in ``_dispatch``: registered below.)"""
+  if _runtime_tokens.serialize_launch(site):
+    with _runtime_tokens.launch_lock:
+      return call(*tokens, *args, **kwargs)
+  return call(*tokens, *args, **kwargs)
+
+
+def _placed_elsewhere(err: ValueError, tokens) -> bool:
+  """Whether ``err`` is JAX refusing a runtime token kept on other devices
+  than those of the computation (it names the token's parameter)."""
+  message = str(err)
+  return ("incompatible devices" in message and TOKENS_KW in message
+          and any(not isinstance(t, np.generic)
+                  and _runtime_tokens.kept_on_devices(t) for t in tokens))
+
+
 def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
               kwargs, site: _runtime_tokens.LaunchSite):
   """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
@@ -178,14 +198,25 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
   state.dispatching = True   # (SIGINT here waits for the token's storing)
   try:
+    elsewhere = False
     try:
-      if _runtime_tokens.serialize_launch(site):
-        with _runtime_tokens.launch_lock:
-          out, token = call(*tokens, *args, **kwargs)
-      else:
-        out, token = call(*tokens, *args, **kwargs)
+      out, token = _launch(site, call, tokens, args, kwargs)
+    except ValueError as err:
+      if not _placed_elsewhere(err, tokens):
+        _runtime_tokens.dispatch_failed(state, err)
+      elsewhere = True
     except Exception as err:  # noqa: BLE001 - an execution error or not
       _runtime_tokens.dispatch_failed(state, err)
+    if elsewhere:
+      # A token kept on the devices of this function's last computation
+      # (_runtime_tokens.kept_on_devices), while this call's arguments put
+      # the computation on others: JAX refused it before running anything.
+      # Its first device's copy (or combination) goes instead.
+      tokens = _runtime_tokens.tokens_for(state, keys, None)
+      try:
+        out, token = _launch(site, call, tokens, args, kwargs)
+      except Exception as err:  # noqa: BLE001 - an execution error or not
+        _runtime_tokens.dispatch_failed(state, err)
     try:
       _runtime_tokens.launched(site, token.sharding)
       _runtime_tokens.update(state, keys, token)
@@ -202,6 +233,7 @@ def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
 
 
 _runtime_tokens.interrupts_deferred_in(_dispatch)
+_runtime_tokens.interrupts_deferred_in(_launch)
 
 
 class Function:
@@ -486,7 +518,7 @@ class Function:
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      if token.aval.shape:
+      if _runtime_tokens.kept_on_devices(token):
         threaded.per_device_sharding = token.sharding
         self._refresh(mode)
       if threaded.fast is not None:

@@ -31,8 +31,9 @@ def Recorder(fail_every=0):
 
 
 def make_functions(rec, mesh, effect=None):
-  """A per-device function (8 records per call) and a single-device one
-  (one record, device -1), each ``f(tid, seq, x)``."""
+  """A per-device function (8 records per call) and a single one (one
+  record, device -1: on one device, or once over several), each
+  ``f(tid, seq, x)``."""
   def body(tid, seq, v):
     je.callback(rec, None, tid, seq, jax.lax.axis_index("i"), effect=effect)
     return v
@@ -75,7 +76,10 @@ def run_load(mesh, *, n_threads, n_calls, n_switches, fail_every, effects):
         while True:
           try:
             fn = fns[i % len(fns)]
-            fn(np.int32(tid), np.int32(i), x if i % 2 == 0 else xs[tid])
+            # per-device calls on the 8 devices; single-device ones on the
+            # thread's device or, every other time, once over the 8 devices
+            fn(np.int32(tid), np.int32(i),
+               x if i % 2 == 0 or (i // 2) % 2 else xs[tid])
             progress[0] += 1
             break
           except (Boom, BaseExceptionGroup) as exc:

@@ -78,9 +78,12 @@ def test_sharded_jit_prints_once_on_full_value_in_order(mesh, effects_capture):
   assert effects_capture.printed == [
       f"x={np.arange(N) * 2 ** c} sum={sum(range(N)) * 2 ** c}"
       for c in range(3)]
-  # The token covers all 8 devices; the runtime token is its first shard.
+  # The token covers all 8 devices and stays there as the runtime token, for
+  # the next call over them (as a shard_map program's per-device token does;
+  # a computation elsewhere gets the first device's copy).
   assert set(je.runtime_tokens().devices) == set(mesh.devices.flat)
-  assert len(je.runtime_tokens().effects[je.DEFAULT].devices()) == 1
+  assert je.runtime_tokens().effects[je.DEFAULT].devices() == set(
+      mesh.devices.flat)
 
 
 def test_sharded_jit_callback_placement_is_first_device(mesh):
@@ -192,6 +195,28 @@ def test_once_effect_then_another_device_keeps_order(devices, order):
     single(jax.device_put(jnp.float32(1), devices[5]))
   je.effects_barrier()
   assert seen == ["multi", "single"] * 3
+
+
+def test_one_function_over_devices_in_two_orders_keeps_order(devices):
+  # The token a call leaves on its devices is the first device's (of that
+  # call's device order); a call with the devices in another order, so
+  # another first device, follows it all the same.
+  meshes = [Mesh(np.array(devices), ("i",)), Mesh(np.array(devices[::-1]), ("i",))]
+  xs = [jax.device_put(jnp.arange(N, dtype=jnp.float32),
+                       NamedSharding(m, P("i"))) for m in meshes]
+  seen = []
+
+  def record(tag):
+    if tag == 0:
+      time.sleep(0.1)
+    seen.append((int(tag), je.placement().device_id))
+
+  f = je.jit(lambda x, tag: (je.callback(record, None, tag), x * 2)[1])
+  for _ in range(3):
+    f(xs[0], 0)
+    f(xs[1], 1)
+  je.effects_barrier()
+  assert seen == [(0, devices[0].id), (1, devices[-1].id)] * 3
 
 
 SLOW_CALLBACK = textwrap.dedent("""
