@@ -518,7 +518,8 @@ class Function:
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      if _runtime_tokens.kept_on_devices(token):
+      if (token.sharding is not threaded.per_device_sharding
+          and _runtime_tokens.kept_on_devices(token)):
         threaded.per_device_sharding = token.sharding
         self._refresh(mode)
       if threaded.fast is not None:

@@ -28,6 +28,10 @@ Measurements (per call unless noted):
     bare callback per device; ours with an ordered no-op
     ``jax_effects.callback`` per device; ours with per-device
     ``jax_effects.log``; JAX's *unordered* ``jax.debug.callback`` per device;
+(j) on 8 (simulated) devices, a ``jit`` over a sharded array (automatic
+    partitioning): plain; ours with one ordered no-op
+    ``jax_effects.callback``, which runs once; JAX's unordered
+    ``jax.debug.callback`` (reported, no target);
 (h) resident memory after 100,000 ordered calls minus after 1,000.
 
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
@@ -423,20 +427,32 @@ def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
 
 # --- (g): per-device logging under shard_map --------------------------------------
 
+def _sharded_input():
+  """``(mesh, x)``: a one-axis mesh over 8 devices and an array sharded on
+  it; ``(None, None)`` with fewer devices."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  devices = jax.devices()
+  if len(devices) < N_DEVICES:
+    devices = jax.devices("cpu")
+  if len(devices) < N_DEVICES:
+    return None, None
+  mesh = jax.sharding.Mesh(devices[:N_DEVICES], ("d",))
+  return mesh, jax.device_put(jnp.arange(N_DEVICES * 16, dtype=jnp.float32),
+                              NamedSharding(mesh, P("d")))
+
+
 def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   import jax_effects
 
-  devices = jax.devices()
-  if len(devices) < N_DEVICES:
-    devices = jax.devices("cpu")
-  if len(devices) < N_DEVICES:
-    return {"g_skipped": f"only {len(devices)} devices"}, {}
-  mesh = jax.sharding.Mesh(devices[:N_DEVICES], ("d",))
-  x = jax.device_put(jnp.arange(N_DEVICES * 16, dtype=jnp.float32),
-                     NamedSharding(mesh, P("d")))
+  mesh, x = _sharded_input()
+  if mesh is None:
+    return {"g_skipped": f"only {len(jax.devices())} devices"}, {}
 
   floor_p = floor_primitive()
 
@@ -493,6 +509,44 @@ def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
       "g_jax/ours": _ratio(samples, "g_jax_debug_callback", "g_ours_callback"),
       "g_log/ii": _ratio(samples, "g_ours_log", "g_floor_per_device"),
       "g_ii/plain": _ratio(samples, "g_floor_per_device", "g_shard_map_plain"),
+  }
+
+
+# --- (j): one callback in a jit over 8 devices (automatic partitioning) -----------
+
+def bench_partitioned(rounds: int, calls: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+  import jax_effects
+
+  mesh, x = _sharded_input()
+  if mesh is None:
+    return {"j_skipped": f"only {len(jax.devices())} devices"}, {}
+
+  def step(v):
+    return jnp.tanh(v * 1.5) * 0.5
+
+  def ours_step(v):
+    jax_effects.callback(_noop, None)   # runs once, on the first device
+    return step(v)
+
+  def jax_step(v):
+    jax.debug.callback(_noop)
+    return step(v)
+
+  plain = jax.jit(step)
+  ours = jax_effects.jit(ours_step)
+  theirs = jax.jit(jax_step)
+  with _quiet_output():
+    samples = interleave({
+        "j_plain": (lambda: plain(x), calls),
+        "j_ours_callback": (lambda: ours(x), calls),
+        "j_jax_debug_callback": (lambda: theirs(x), calls),
+    }, rounds)
+  results = {k: _summary(v) for k, v in samples.items()}
+  return results, {
+      "j_jax/ours": _ratio(samples, "j_jax_debug_callback", "j_ours_callback"),
+      "j_ours/plain": _ratio(samples, "j_ours_callback", "j_plain"),
   }
 
 
@@ -565,6 +619,8 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     "g_jax/ours": (">=", 3.0, "shard_map step, JAX's unordered debug.callback / ours"),
     "g_log/ii": ("=", None, "shard_map step, per-device ordered log / floor (ii)"),
     "g_ii/plain": ("=", None, "floor (ii) / plain shard_map step"),
+    "j_jax/ours": ("=", None, "jit over 8 devices, JAX's unordered debug.callback / ours (once)"),
+    "j_ours/plain": ("=", None, "jit over 8 devices, ours with one callback / plain"),
     "h_growth_mb": ("<", 1.0, "RSS growth (MB), 100k vs 1k ordered calls"),
 }
 
@@ -639,7 +695,7 @@ def main(argv=None) -> int:
   parser.add_argument("--compile-rounds", type=int, help="compiles per side in (f)")
   parser.add_argument("--memory-calls", type=int,
                       help="total ordered calls for (h) (base: 1/100 of it)")
-  parser.add_argument("--only", default="abcdefgh",
+  parser.add_argument("--only", default="abcdefghj",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -665,6 +721,7 @@ def main(argv=None) -> int:
       ("abcd", lambda: bench_dispatch(rounds, calls, jax_calls)),
       ("e", lambda: bench_loop(max(3, rounds // 3), loop_n)),
       ("g", lambda: bench_shard_map(rounds, max(10, calls // 4))),
+      ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
   ]
   for letters, run in steps:
