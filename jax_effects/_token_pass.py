@@ -359,7 +359,7 @@ def _scan_rule(eqn, invals, chains: Chains, mode: str):
   init = invals[n_consts:n_consts + n_carry]
   xs = invals[n_consts + n_carry:]
   keys = chain_keys(eqn.effects, mode)
-  body_fn = region(p["jaxpr"], keys, mode, consts)
+  body_fn = region(p["jaxpr"], keys, mode, consts, kind="loop")
 
   def body(carry, x):
     carriers, c = carry
