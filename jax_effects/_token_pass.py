@@ -117,6 +117,9 @@ class _Context(threading.local):
   def __init__(self):
     self.kind = "top"
     self.masks: tuple = ()
+    # The chain keys with per-device (shard_map) effects in the program being
+    # threaded (None: not known, taken as every key); see _bind_threaded.
+    self.per_device: set | None = None
 
 
 _context = _Context()
@@ -235,8 +238,13 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # _primitives._on_first_device), so each device's later effects, in this
     # execution or the next, follow this one. Only here, where an effect that
     # runs once meets per-device ones, do the devices wait for a callback.
-    carrier = jnp.broadcast_to(
-        _primitives.from_first_device_p.bind(carrier), shape)
+    # A chain with no per-device effect in the program keeps device 0's copy
+    # in device 0's element (the others are stale, never read: its next once
+    # effect takes the max of the elements), with no collective in which
+    # every device would wait for this callback.
+    if _context.per_device is None or key in _context.per_device:
+      carrier = _primitives.from_first_device_p.bind(carrier)
+    carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
   return results
@@ -359,7 +367,7 @@ def _scan_rule(eqn, invals, chains: Chains, mode: str):
   init = invals[n_consts:n_consts + n_carry]
   xs = invals[n_consts + n_carry:]
   keys = chain_keys(eqn.effects, mode)
-  body_fn = region(p["jaxpr"], keys, mode, consts)
+  body_fn = region(p["jaxpr"], keys, mode, consts, kind="loop")
 
   def body(carry, x):
     carriers, c = carry
@@ -474,6 +482,19 @@ def refusal(eqn) -> NotImplementedError:
 
 # --- top level -----------------------------------------------------------------
 
+def _per_device_keys(jaxpr, mode: str) -> set:
+  """The chain keys with an effect inside a ``shard_map`` (per device)
+  anywhere in ``jaxpr``."""
+  keys = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is _compat.shard_map_p:
+      keys.update(chain_keys(eqn.effects, mode))
+    elif has_marker(eqn.effects) or eqn.primitive.name in HIDES_EFFECTS:
+      for sub in _compat.jaxprs_in_params(eqn.params):
+        keys |= _per_device_keys(sub, mode)
+  return keys
+
+
 def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   runtime_tokens: dict, mode: str):
   """Threads a whole program; returns ``(outs, token)``.
@@ -484,7 +505,12 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   this computation has run. It is None when there is nothing to combine.
   """
   chains = Chains(runtime_tokens, entries=runtime_tokens)
-  outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+  per_device = _per_device_keys(closed.jaxpr, mode)
+  saved, _context.per_device = _context.per_device, per_device
+  try:
+    outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+  finally:
+    _context.per_device = saved
   finals = list(chains.carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
@@ -496,8 +522,14 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # A per-device token: a chain whose last effect ran once contributes the
     # carrier of the device that ran it to every device's element (the
     # others' copies are stale, see _primitives._on_first_device; a runtime
-    # token no effect took is the same everywhere).
-    finals = [c if jnp.shape(c) or k in chains.entries
+    # token no effect took is the same everywhere), so that the next call's
+    # per-device effects of that chain follow it. A chain with no per-device
+    # effect in this program keeps its scalar: device 0's element holds its
+    # real carrier, which is what its next once effect (the max of the
+    # elements) and the combination for any other computation read; a
+    # broadcast would make every device wait for that chain's callbacks at
+    # the end of the execution, for no effect of theirs.
+    finals = [c if jnp.shape(c) or k in chains.entries or k not in per_device
               else _primitives.from_first_device_p.bind(c)
               for k, c in chains.carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None

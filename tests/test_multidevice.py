@@ -310,3 +310,64 @@ def test_multi_to_single_to_multi_device(mesh, devices, effects_capture):
     f(jax.device_put(jnp.arange(2), devices[7 - r]))
     assert je.runtime_tokens().effects[je.DEFAULT].devices() == {devices[7 - r]}
   assert effects_capture.printed == ["n=8", "n=2"] * 3
+
+
+
+TWO_CHAINS = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
+        + " --xla_cpu_collective_call_terminate_timeout_seconds=2")
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_effects as je
+
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    a, b = je.Effect("chain_a"), je.Effect("chain_b")
+    seen = []
+
+    def f(x):
+      je.callback(lambda: seen.append("b1"), None, effect=b)
+      y = jax.shard_map(
+          lambda v: (je.callback(lambda v: seen.append(("a", int(v[0]))),
+                                 None, v, effect=a), v + 1)[1],
+          mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+      je.callback(lambda: (time.sleep(4), seen.append("b2")), None, effect=b)
+      return y
+
+    jf = je.jit(f)
+    for _ in range(2):   # the second call gets the per-device token
+      print(jf(x).sum())
+      je.effects_barrier()
+    je.jit(lambda x: (je.callback(lambda: seen.append("next"), None,
+                                  effect=b), x)[1])(x)
+    je.effects_barrier()
+    ones = [s for s in seen if isinstance(s, str)]
+    assert ones == ["b1", "b2", "b1", "b2", "next"], seen
+    assert sorted(s for s in seen if not isinstance(s, str)) == sorted(
+        [("a", d) for d in range(8)] * 2), seen
+    print("OK")
+""")
+
+
+def test_once_effect_of_a_chain_without_per_device_effects_waits_for_none():
+  # Effect b runs once, effect a per device (shard_map): independent chains,
+  # so no device waits for b's callbacks. The token returned is per device
+  # (a's); b's carrier used to be broadcast from device 0 into it (at the
+  # end, and after b's effect in the next call, which gets that token), a
+  # collective in which every device waited for b's slow callback: XLA
+  # aborted. Now b's real carrier stays in device 0's element, which b's next
+  # effect (the max of the elements) and any other computation read.
+  root = os.path.dirname(os.path.dirname(je.__file__))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (root, env.get("PYTHONPATH")) if p)
+  proc = subprocess.run([sys.executable, "-c", TWO_CHAINS],
+                        capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 0 and proc.stdout.split() == ["36.0", "36.0", "OK"], (
+      f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")

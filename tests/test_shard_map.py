@@ -297,3 +297,32 @@ def test_partially_manual_shard_map_is_a_clear_error():
                            axis_names={"a"}))
   with pytest.raises(NotImplementedError, match="manually"):
     f(jnp.zeros((2, 4)))
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_shard_map_in_scan_body_after_once_effect(mesh, effects_capture, loop):
+  # A scan body (and a fori_loop with static bounds, a scan) is a loop: the
+  # shard_map's per-device carriers are reduced to the scalar carry there
+  # (the pass treated a top-level scan's body as the top level and kept them
+  # per device: "carry input and carry output must have equal types").
+  def body(i, x):
+    je.print("once {}", i)
+    return jax.shard_map(lambda v: (je.print("dev {} {}", i, v[0]), v + 1)[1],
+                         mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+
+  if loop == "scan":
+    f = je.jit(lambda x: jax.lax.scan(
+        lambda c, i: (body(i, c), None), x, jnp.arange(3))[0])
+  else:
+    f = je.jit(lambda x: jax.lax.fori_loop(0, 3, body, x))
+  expected = []
+  for call in range(2):
+    for i in range(3):
+      expected.append(f"once {i}")
+      expected += [f"[device {d} shard {d} process 0] dev {i} {d + i + 3 * call}"
+                   for d in range(N)]
+  with je.deterministic():
+    for call in range(2):
+      out = f(jnp.arange(N, dtype=jnp.int32) + 3 * call)
+      np.testing.assert_array_equal(out, np.arange(N) + 3 * call + 3)
+  assert effects_capture.printed == expected
