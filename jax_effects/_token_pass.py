@@ -504,8 +504,16 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   every runtime-token argument): it is ready only once every side effect of
   this computation has run. It is None when there is nothing to combine.
   """
-  chains = Chains(runtime_tokens, entries=runtime_tokens)
   per_device = _per_device_keys(closed.jaxpr, mode)
+  # A chain with no per-device effect here whose runtime token comes per
+  # device (another chain's shard_map made it so) takes it as one scalar
+  # first: one all-reduce as the execution starts, before any of its
+  # callbacks, instead of a vector carried through its loops (reduced around
+  # every once effect there: an all-reduce per iteration in which every
+  # device waits for the callback before it).
+  runtime_tokens = {k: t if jnp.ndim(t) == 0 or k in per_device
+                    else jnp.max(t) for k, t in runtime_tokens.items()}
+  chains = Chains(runtime_tokens, entries=runtime_tokens)
   saved, _context.per_device = _context.per_device, per_device
   try:
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)

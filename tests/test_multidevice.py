@@ -351,6 +351,32 @@ TWO_CHAINS = textwrap.dedent("""
     assert ones == ["b1", "b2", "b1", "b2", "next"], seen
     assert sorted(s for s in seen if not isinstance(s, str)) == sorted(
         [("a", d) for d in range(8)] * 2), seen
+
+    # b's once effects in a loop, after a's shard_map: from the second call
+    # the token comes per device; b takes it as one scalar at the start, not
+    # a vector reduced around its effect in every iteration.
+    seen.clear()
+    delay = [0.0]
+
+    def slow_b(i):
+      if i == 0:   # (the next iteration's effect used to wait for it)
+        time.sleep(delay[0])
+      seen.append(("b", int(i)))
+
+    def g(x):
+      y = jax.shard_map(
+          lambda v: (je.callback(lambda v: None, None, v, effect=a), v)[1],
+          mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+      return jax.lax.fori_loop(
+          0, 2, lambda i, c: (je.callback(slow_b, None, i, effect=b), c + 1)[1],
+          y)
+
+    jg = je.jit(g)
+    jg(x)
+    delay[0] = 4.0
+    print(jg(x).sum())
+    je.effects_barrier()
+    assert seen == [("b", 0), ("b", 1)] * 2, seen
     print("OK")
 """)
 
@@ -369,5 +395,5 @@ def test_once_effect_of_a_chain_without_per_device_effects_waits_for_none():
       p for p in (root, env.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, "-c", TWO_CHAINS],
                         capture_output=True, text=True, timeout=120, env=env)
-  assert proc.returncode == 0 and proc.stdout.split() == ["36.0", "36.0", "OK"], (
+  assert proc.returncode == 0 and proc.stdout.split() == ["36.0", "36.0", "44.0", "OK"], (
       f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
