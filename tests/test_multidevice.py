@@ -254,13 +254,19 @@ SLOW_CALLBACK = textwrap.dedent("""
 """)
 
 
-def test_callback_slower_than_xla_collective_timeout_does_not_abort():
+def _run(script: str) -> subprocess.CompletedProcess:
+  """Runs ``script`` in a fresh interpreter (XLA's flags are read at start;
+  an abort must not take the test process), with this package importable."""
   root = os.path.dirname(os.path.dirname(je.__file__))
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", SLOW_CALLBACK],
-                        capture_output=True, text=True, timeout=120, env=env)
+  return subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, timeout=120, env=env)
+
+
+def test_callback_slower_than_xla_collective_timeout_does_not_abort():
+  proc = _run(SLOW_CALLBACK)
   assert proc.returncode == 0 and proc.stdout.split() == ["56.0", "44.0", "OK"], (
       f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
 
@@ -389,11 +395,6 @@ def test_once_effect_of_a_chain_without_per_device_effects_waits_for_none():
   # collective in which every device waited for b's slow callback: XLA
   # aborted. Now b's real carrier stays in device 0's element, which b's next
   # effect (the max of the elements) and any other computation read.
-  root = os.path.dirname(os.path.dirname(je.__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", TWO_CHAINS],
-                        capture_output=True, text=True, timeout=120, env=env)
+  proc = _run(TWO_CHAINS)
   assert proc.returncode == 0 and proc.stdout.split() == ["36.0", "36.0", "44.0", "OK"], (
       f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
