@@ -53,7 +53,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import tree_util
 from jax.extend import core as jex_core
 
@@ -172,8 +171,7 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
   than those of the computation (it names the token's parameter)."""
   message = str(err)
   return ("incompatible devices" in message and TOKENS_KW in message
-          and any(not isinstance(t, np.generic)
-                  and _runtime_tokens.kept_on_devices(t) for t in tokens))
+          and any(_runtime_tokens.kept_on_devices(t) for t in tokens))
 
 
 def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,

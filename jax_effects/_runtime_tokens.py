@@ -298,8 +298,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
           if sharding is not site.sharding:
             launched(site, sharding)
           if sharding is not state.last_sharding or state.last_token is None:
-            if token.aval.shape or len(sharding.device_set) > 1:
-              # a per-device token (a new signature)
+            if kept_on_devices(token):   # a per-device token (a new signature)
               update(state, (key,), token)
               per_device(token)
               sharding = None
@@ -374,8 +373,11 @@ def kept_on_devices(token) -> bool:
   others' copies are stale, see ``_primitives._on_first_device``, and only
   that program's devices other than the first read them, to pass them
   through). Passing it back whole spares copying the first device's copy to
-  the others before every call (a third of a call on 8 CPU devices).
+  the others before every call (a third of a call on 8 CPU devices). A
+  thread's initial token (a NumPy scalar) is on no device.
   """
+  if isinstance(token, np.generic):
+    return False
   return bool(token.ndim) or len(token.sharding.device_set) > 1
 
 
@@ -410,13 +412,12 @@ def per_device_tokens(state: ThreadTokens, keys, tokens: tuple,
   """
   out = []
   for key, token in zip(keys, tokens):
-    if (not isinstance(token, np.generic) and kept_on_devices(token)
-        and (sharding is None or token.sharding != sharding)):
+    if kept_on_devices(token) and (sharding is None
+                                   or token.sharding != sharding):
       token = state.runtime[key] = (combine_per_device(token) if token.ndim
                                     else _compat.uncommitted(token))
     out.append(token)
-  state.per_device = any(kept_on_devices(t) for t in state.runtime.values()
-                         if not isinstance(t, np.generic))
+  state.per_device = any(kept_on_devices(t) for t in state.runtime.values())
   return tuple(out)
 
 

@@ -219,10 +219,11 @@ def test_one_function_over_devices_in_two_orders_keeps_order(devices):
   assert seen == [(0, devices[0].id), (1, devices[-1].id)] * 3
 
 
-SLOW_CALLBACK = textwrap.dedent("""
+#: Start of a script run by _run: XLA's collective timeout lowered (XLA
+#: aborts the process when a collective's participants wait longer than
+#: this: 40 s by default, a callback in a debugger), 8 devices, ``x`` sharded.
+SHORT_COLLECTIVE_TIMEOUT = textwrap.dedent("""
     import os, sys, time
-    # XLA aborts the process when a collective's participants wait longer
-    # than this (40 s by default: a callback in a debugger).
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
@@ -236,7 +237,9 @@ SLOW_CALLBACK = textwrap.dedent("""
 
     mesh = Mesh(np.array(jax.devices()), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+""")
 
+SLOW_CALLBACK = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
     def top(x):
       je.callback(lambda: time.sleep(4), None)
       return x * 2
@@ -319,21 +322,7 @@ def test_multi_to_single_to_multi_device(mesh, devices, effects_capture):
 
 
 
-TWO_CHAINS = textwrap.dedent("""
-    import os, sys, time
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
-        + " --xla_cpu_collective_call_terminate_timeout_seconds=2")
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import jax_effects as je
-
-    mesh = Mesh(np.array(jax.devices()), ("i",))
-    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
     a, b = je.Effect("chain_a"), je.Effect("chain_b")
     seen = []
 
