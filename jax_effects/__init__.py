@@ -13,6 +13,7 @@ Public API (everything else is private):
 * :func:`ordering`, :func:`set_ordering` - "per_effect" or "global" order.
 * :func:`effects_barrier` - wait for dispatched effects.
 * :func:`runtime_tokens` - a snapshot of the calling thread's tokens.
+* :func:`progress` - progress bars for compiled loops.
 
 Layers, each importing only from the ones above it (``design/architecture.md``):
 
@@ -23,12 +24,14 @@ Layers, each importing only from the ones above it (``design/architecture.md``):
    ``_output`` (sinks, deterministic view), ``_runtime_tokens`` (per-thread
    runtime and output tokens, the barrier);
 3. primitives: ``_host`` (host functions, the primitives' parameter),
+   ``_counters`` (device-side counts the pass threads, ``counter_p``),
    ``_primitives`` (``effect_p``/``threaded_effect_p`` with all their rules)
    and ``_control_flow_batching`` (JAX's vmap rules of cond/while, wrapped);
 4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``,
    ``_adopted``: JAX's own callbacks converted);
 5. dispatch and switching: ``_jit``, ``_modes``;
-6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``;
+6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``,
+   ``_progress``;
 7. tools (``_tools``: demo, bench, multi-process launcher, pytest plugin).
 """
 from jax_effects._callback import callback
@@ -39,6 +42,7 @@ from jax_effects._modes import deterministic, ordering, set_ordering
 from jax_effects._placement import Placement
 from jax_effects._placement import current as placement
 from jax_effects._printing import print  # noqa: A004
+from jax_effects._progress import progress
 from jax_effects._runtime_tokens import RuntimeTokens, effects_barrier, runtime_tokens
 from jax_effects import _control_flow_batching  # noqa: F401  (vmap of cond/while)
 from jax_effects import _shard_map_rule  # noqa: F401  (registers the shard_map rule)
@@ -49,5 +53,5 @@ __all__ = [
     "DEFAULT", "GLOBAL", "Effect", "RuntimeTokens", "callback",
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
-    "Placement", "deterministic", "log", "placement",
+    "Placement", "deterministic", "log", "placement", "progress",
 ]

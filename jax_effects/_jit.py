@@ -347,7 +347,7 @@ class Function:
   def _trace_pure(self, args, kwargs):
     closed, dyn, out_tree = self._trace(args, kwargs)
     mode = _effects.get_ordering()
-    keys = _token_pass.chain_keys(closed.effects, mode)
+    keys = _token_pass.runtime_chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
       # (unordered effects get a token too: the thread's initial token, never
       # stored back, so their carrier holds the thread's slot for errors)
@@ -383,8 +383,9 @@ class Function:
           _runtime_tokens.initial_token(_runtime_tokens.thread_state()))
     closed, dyn, out_tree = self._trace(args, kwargs)
     known = self._threaded(mode).keys
-    missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
-                    if k not in known)
+    missing = tuple(
+        k for k in _token_pass.runtime_chain_keys(closed.effects, mode)
+        if k not in known)
     if missing or len(runtime) != len(known):
       raise NeedsTokens(missing)
     outs, token = _token_pass.thread_program(
