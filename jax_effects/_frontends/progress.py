@@ -11,7 +11,7 @@ with ``print``, ``log``, ``callback`` and adopted ``jax.debug`` callbacks):
   loop, one bar per device in ``shard_map``);
 * ``bar.update(n)``: *advance* by the count of updates since the last
   advance. With ``every=1`` each update is one host call. With ``every=k``
-  the updates are counted on the device, in a :class:`~jax_effects._counters.Counter`
+  the updates are counted on the device, in a :class:`~jax_effects._primitives.counter.Counter`
   (a count the token-threading pass carries through the loops, like an
   effect chain's carrier), and a ``lax.cond`` makes the host call only when
   ``k`` of them are pending;
@@ -23,12 +23,12 @@ the token and carrier to each host call), plus the counter's chain, which
 has no runtime token.
 
 Where it runs: per device inside ``shard_map``/``pmap`` (each device opens its
-own bar, labelled with ``print``'s device prefix, ``_placement``), once
+own bar, labelled with ``print``'s device prefix, ``_runtime.placement``), once
 otherwise. Under ``vmap`` the host calls run once for the whole batch
 (``HostCallback.batch_once``): one bar for the batch. Under ``grad`` they are
 part of the forward computation only (as every effect, see
 ``design/transformations.md``). Drawing is an output action
-(``_output.deliver``): held and sorted in the deterministic view like
+(``_runtime.output.deliver``): held and sorted in the deterministic view like
 printed lines.
 
 Drawing: ``tqdm`` when it is installed (``tqdm.auto`` when ``file`` is None,
@@ -52,12 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_effects import _counters
-from jax_effects import _effects
-from jax_effects import _output
-from jax_effects import _placement
-from jax_effects import _primitives
-from jax_effects import _token_pass  # noqa: F401  (the pass's counter rule)
+from jax_effects._core import effects as _effects
+from jax_effects._pass import token_pass as _token_pass  # noqa: F401  (counter rule)
+from jax_effects._primitives import counter as _counters
+from jax_effects._primitives import effect as _primitives
+from jax_effects._runtime import output as _output
+from jax_effects._runtime import placement as _placement
 
 __all__ = ["progress", "Progress"]
 

@@ -17,7 +17,7 @@ lowered, from the lowering's axis context (:func:`at_lowering`):
 * Eagerly (outside any compiled computation) there is no placement:
   :func:`current` returns None.
 
-While the host function runs (``_host``), :func:`current` returns its
+While the host function runs (``_primitives.host_functions``), :func:`current` returns its
 placement: from :data:`site` (a thread-local: XLA may run the callbacks of
 several devices at the same time on different threads), which the host
 functions of ``print``/``log`` set, or else from the innermost host-function
@@ -84,7 +84,7 @@ class _Site(threading.local):
 #: ``_Site``; :func:`running` builds the value).
 site = _Site()
 
-# Code objects of host functions (``_host``) that do not set ``site``: a
+# Code objects of host functions (``_primitives.host_functions``) that do not set ``site``: a
 # callback's host function costs no store per run; a rare query (the user's
 # ``placement()``, a barrier refusing to run in a callback) finds the
 # innermost such frame on the stack and reads its ``running`` local.

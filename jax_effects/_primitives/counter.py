@@ -18,7 +18,7 @@ for it), and orders nothing: an effect that must follow a count takes the
 count as an operand. Inside ``shard_map`` each device counts on its own.
 
 Each equation carries a :class:`CounterEffect` marker, registered like the
-effects' markers (``_effects``), so JAX keeps it through its
+effects' markers (``_core.effects``), so JAX keeps it through its
 transformations: never removed as dead code, kept in the forward ("known")
 computation of a derivative, never run again by rematerialization. Rules:
 
@@ -51,10 +51,10 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _host
-from jax_effects import _placement
-from jax_effects import _primitives
+from jax_effects._core import effects as _effects
+from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._runtime import placement as _placement
 
 __all__ = ["Counter", "CounterEffect", "counter_p", "set_count", "add_count",
            "is_counter_effect"]
@@ -174,7 +174,7 @@ def _fallback_lowering(ctx, x, *, counter, op):
   through the program, so each ``counter_p`` is an ordered host callback
   (JAX threads its tokens: ``PLAIN_JIT_ORDER``) keeping the count on the
   host, per device. Correct, and one host call per operation."""
-  host = _host.HostCallback(
+  host = _host_callback.HostCallback(
       functools.partial(_host_count, counter, op),
       f"{counter.description} (its count, kept on the host under plain "
       f"jax.jit)", (jax.core.ShapedArray((), COUNT_DTYPE),))
