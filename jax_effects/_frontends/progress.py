@@ -45,6 +45,7 @@ import itertools
 import sys
 import threading
 import time
+import types
 from typing import Any, Callable, TextIO
 
 import jax
@@ -361,7 +362,9 @@ class Progress:
     elif int(pending) >= every:   # eager
       flush(pending)
 
-  def __exit__(self, exc_type, exc, tb) -> None:
+  def __exit__(self, exc_type: type[BaseException] | None,
+               exc: BaseException | None,
+               tb: types.TracebackType | None) -> None:
     if self._state != "open":
       return
     self._state = "closed"
