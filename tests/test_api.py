@@ -212,7 +212,7 @@ def test_lower_chains_callbacks_through_the_carrier():
   # carrier operand of callback i+1 is the carrier result of callback i (the
   # data dependency that orders them), and the last one's is the token the
   # computation returns. No custom call takes or returns a !stablehlo.token
-  # (the carrier orders them; see _primitives._threaded_lowering).
+  # (the carrier orders them; see threaded._threaded_lowering).
   signature = _main_signature(text)
   assert signature.startswith("%arg0: tensor<i32>")
   prev = "%arg0"

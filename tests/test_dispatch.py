@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
-from jax_effects import _effects
+from jax_effects._core import effects as _effects
 from helpers import in_thread as run_in_thread
 
 

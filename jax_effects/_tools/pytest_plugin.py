@@ -291,7 +291,7 @@ class EffectsCapture:
 @pytest.fixture
 def effects_capture():
   """Captures jax_effects.print lines and jax_effects.log records."""
-  from jax_effects import _output
+  from jax_effects._runtime import output as _output
 
   cap = EffectsCapture()
   _output.add_line_listener(cap._on_line)

@@ -7,7 +7,7 @@ bit for bit, ``tests/test_vmap_cond.py``).
 
 * **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
   for every element and selects. Here too, but each branch's effects get
-  ``index == i`` as an extra batched operand (``_host.MaskedHost``), at any
+  ``index == i`` as an extra batched operand (``_host_callback.MaskedHost``), at any
   depth (:func:`_eval_masked` re-expresses control flow inside the branch),
   so an element runs only the effects of the branch it took, in batch order,
   branch after branch.
@@ -15,7 +15,7 @@ bit for bit, ``tests/test_vmap_cond.py``).
   the body and ``cond_fun`` of a loop whose predicate is batched, every
   effect there is batched per element even with no batched operand
   (``_primitives.control_dependent``), so the pass can run it only for the
-  elements still iterating (``_host.masked``).
+  elements still iterating (``_host_callback.masked``).
 
 Part of the token calling convention: none directly. These rules act when
 the user's function is traced; the effects they produce are ordinary
@@ -27,17 +27,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
 from jax.interpreters import batching
+import jax.numpy as jnp
+import numpy as np
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _host
-from jax_effects import _jaxpr_eval
-from jax_effects import _primitives
+from jax_effects._core import effects as _effects
+from jax_effects._core import jaxpr_eval as _jaxpr_eval
+from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import host_callback as _host_callback
 
 effect_p = _primitives.effect_p
 
@@ -87,7 +87,7 @@ batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
 def _masked_effect(eqn, mask, invals):
   hc = eqn.params["host_callback"]
   masked = dataclasses.replace(
-      hc, fn=_host.MaskedHost(hc.fn, tuple(hc.result_avals)),
+      hc, fn=_host_callback.MaskedHost(hc.fn, tuple(hc.result_avals)),
       traced_in_branch=False, eager=None)
   return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
 
@@ -117,7 +117,7 @@ def _closed_fn(closed, mask, leading=()):
 
 
 #: Call-like primitives whose equation does not report their callee's
-#: effects (they are inlined like every ``_jaxpr_eval.CALLEES`` primitive).
+#: effects (they are inlined like every ``_core.jaxpr_eval.CALLEES`` primitive).
 _HIDES_EFFECTS = ("composite", "linear_call")
 
 
@@ -181,7 +181,7 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
 
   JAX's rule then evaluates every branch for every element and selects. Here
   too, but each branch's effects get ``index == i`` as an extra (batched)
-  operand (:class:`~jax_effects._host.MaskedHost`), so an element runs only the effects of the
+  operand (:class:`~jax_effects._host_callback.MaskedHost`), so an element runs only the effects of the
   branch it took, in batch order, branch after branch.
   """
   if (dims[0] is None or "branches_platforms" in params

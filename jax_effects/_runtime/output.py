@@ -4,7 +4,7 @@ Every line written by :func:`jax_effects.print` and every record emitted by
 :func:`jax_effects.log` is handed over here by its host callback
 (:func:`deliver_line` / :func:`deliver_record`) on whichever thread runs the
 callback. A line of a per-device callback gets its placement prefix
-(``[device D shard S process P] ``, see ``_placement``).
+(``[device D shard S process P] ``, see ``_runtime.placement``).
 
 Sinks: lines go to ``sys.stdout`` (one lock keeps each line whole), records
 to their logger. Listeners (the pytest plugin's ``effects_capture``) observe
@@ -26,7 +26,7 @@ output changes from run to run. While holding, the ordered output of
 per-device callbacks of token-threaded code is *held*, and released sorted by
 (position in its device's sequence, device id) when the dispatch's
 per-device token is combined into the next runtime token
-(``_runtime_tokens.combine_per_device``: a host callback that runs after
+(``_per_device.combine``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
 (which follows them by data dependency), or when the view ends.
 """
@@ -37,7 +37,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from jax_effects import _placement
+from jax_effects._runtime import placement as _placement
 
 # --- listeners ---------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ def stop_holding() -> None:
 
 
 def _run(thunk: Callable[[], None]) -> None:
-  """Runs a delivery (sinks, handlers: user code) with ``_placement.site``
+  """Runs a delivery (sinks, handlers: user code) with ``_runtime.placement.site``
   cleared: a ``placement()`` there finds the innermost host function on the
   stack (this callback's, or that of jitted code a handler runs inline)."""
   site = _placement.site

@@ -19,10 +19,10 @@ token-threading pass into ``threaded_effect_p`` equations, like
   ``ordered=True``) prints in program order by changing only its ``jit``;
 * the host side is JAX's own (the debug primitives' impl, io_callback's
   host implementation), so arguments, formatting and results are exactly JAX's;
-  where it runs is ours (``_placement``: once per device inside
+  where it runs is ours (``_runtime.placement``: once per device inside
   ``shard_map``/``pmap``, once otherwise), so it works on several devices and
   in ``shard_map``, where JAX refuses ordered callbacks, and an exception
-  reaches the caller as itself, once (``_errors``);
+  reaches the caller as itself, once (``_runtime.errors``);
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
@@ -46,8 +46,8 @@ import jax
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _host
+from jax_effects._core import effects as _effects
+from jax_effects._primitives import host_callback as _host_callback
 
 #: JAX effect types of adopted callbacks -> whether JAX orders them.
 _EFFECT_TYPES = {
@@ -96,7 +96,7 @@ def adopt(eqn):
   """``(host_callback, jax_effect)`` for an adoptable equation, or None if
   the equation stays JAX's.
 
-  A new :class:`~jax_effects._host.HostCallback` per pass run (the pass runs
+  A new :class:`~jax_effects._host_callback.HostCallback` per pass run (the pass runs
   once per trace of the function).
   """
   prim = eqn.primitive
@@ -108,7 +108,7 @@ def adopt(eqn):
     name = _DEBUG_NAMES[prim]
     if prim is _compat.debug_print_p:
       name = f"jax.debug.print({params['fmt']!r})"
-    host = _host.HostCallback(
+    host = _host_callback.HostCallback(
         functools.partial(_debug_host, prim, dict(params)),
         f"{name} (adopted by jax_effects.jit)")
     return host, effect
@@ -116,7 +116,7 @@ def adopt(eqn):
     result_avals = tuple(params["result_avals"])
     host_params = dict(callback=params["callback"], result_avals=result_avals,
                        sharding=None, ordered=params["ordered"])
-    host = _host.HostCallback(
+    host = _host_callback.HostCallback(
         functools.partial(_io_host, host_params),
         "jax.experimental.io_callback (adopted by jax_effects.jit)",
         result_avals)

@@ -25,7 +25,7 @@ effects) the current *compiler token* and the current *carrier*.
 
 Higher-order primitives are handled by rules, registered with
 :func:`register_rule` under each rule's definition (here, and in
-``_shard_map_rule``). A rule gets the equation, its input values, the chains
+``_pass.shard_map_rule``). A rule gets the equation, its input values, the chains
 and the ordering mode, and returns the equation's outputs. A higher-order
 primitive with a marked effect inside and no rule is an error naming the
 effect, the primitive and why (:data:`REFUSED`, or a generic reason);
@@ -40,19 +40,20 @@ import functools
 import threading
 from typing import Any, Callable, Sequence
 
-import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
+import jax.numpy as jnp
 
-from jax_effects import _adopted
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _errors
-from jax_effects import _host
-from jax_effects import _jaxpr_eval
-from jax_effects import _primitives
-from jax_effects import _runtime_tokens
+from jax_effects._core import effects as _effects
+from jax_effects._core import jaxpr_eval as _jaxpr_eval
+from jax_effects._pass import adopted as _adopted
+from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import first_device as _first_device
+from jax_effects._primitives import threaded as _threaded
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._runtime import errors as _errors
 
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
 Rule = Callable[..., Sequence[Any]]
@@ -92,7 +93,7 @@ class Chains:
   def carrier(self, key):
     c = self.carriers.get(key)
     if c is None:  # an unordered chain starting here
-      c = self.carriers[key] = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
+      c = self.carriers[key] = jnp.zeros((), _errors.TOKEN_DTYPE)
     elif key in self.entries:   # a runtime token: an earlier FAILED is stale
       self.entries.discard(key)
       c = self.carriers[key] = jnp.bitwise_and(c, _errors.SLOT_MASK)
@@ -146,7 +147,7 @@ def _in_region(kind: str | None = None, mask=None):
 def chain_keys(effects, mode: str) -> tuple:
   """Chain keys of the markers in a set of JAX effects, in a stable order.
 
-  JAX's own callback effects the pass adopts (``_adopted``) count too.
+  JAX's own callback effects the pass adopts (``_pass.adopted``) count too.
   """
   keys = {_effects.chain_key(e, mode) for e in effects
           if isinstance(e, _effects.TraceEffect)}
@@ -202,7 +203,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _primitives.branch_vmapped_error(host_callback)
   if _context.masks:
-    host_callback, masks = _host.masked(host_callback, _context.masks)
+    host_callback, masks = _host_callback.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
   return _bind_threaded(key, host_callback, invals, chains)
 
@@ -228,14 +229,14 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # vector whole to the callback's device and back ("[SPMD] Involuntary
     # full rematerialization", a warning JAX's program does not get).
     carrier = jnp.max(carrier)
-  token, carrier, *results = _primitives.threaded_effect_p.bind(
+  token, carrier, *results = _threaded.threaded_effect_p.bind(
       token, carrier, *invals, host_callback=host_callback, entry=entry)
   if shape:
     # The chain stays per device (a loop's carry must keep its type; at the
     # top level the token stays one element per device, so the deterministic
     # view releases at its combination): every element is the effect's
     # carrier, from the device that ran it (the others' copies are stale, see
-    # _primitives._on_first_device), so each device's later effects, in this
+    # first_device.on_first_device), so each device's later effects, in this
     # execution or the next, follow this one. Only here, where an effect that
     # runs once meets per-device ones, do the devices wait for a callback.
     # A chain with no per-device effect in the program keeps device 0's copy
@@ -243,7 +244,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # effect takes the max of the elements), with no collective in which
     # every device would wait for this callback.
     if _context.per_device is None or key in _context.per_device:
-      carrier = _primitives.from_first_device_p.bind(carrier)
+      carrier = _first_device.from_first_device_p.bind(carrier)
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
@@ -337,7 +338,7 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
   As JAX's own lowering does, the body runs while any element is live and a
   finished element keeps its carry (a select); in addition, the effects of
   the body and of ``cond_fun`` get the live mask, so they run only for the
-  elements still iterating (``_host.masked``).
+  elements still iterating (``_host_callback.masked``).
   """
   def cond(carriers, vals):
     c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
@@ -385,7 +386,7 @@ register_rule(jex_prims.scan_p, _scan_rule)
 
 
 def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
-  """Call-like primitives (``_jaxpr_eval.CALLEES``: jit, checkpoint,
+  """Call-like primitives (``_core.jaxpr_eval.CALLEES``: jit, checkpoint,
   custom_jvp/vjp/vmap, closed_call, composite, linear_call).
 
   Inlined: the callee is evaluated in the caller's trace with the caller's
@@ -529,7 +530,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   if any(jnp.shape(c) for c in finals):
     # A per-device token: a chain whose last effect ran once contributes the
     # carrier of the device that ran it to every device's element (the
-    # others' copies are stale, see _primitives._on_first_device; a runtime
+    # others' copies are stale, see first_device.on_first_device; a runtime
     # token no effect took is the same everywhere), so that the next call's
     # per-device effects of that chain follow it. A chain with no per-device
     # effect in this program keeps its scalar: device 0's element holds its
@@ -538,7 +539,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # broadcast would make every device wait for that chain's callbacks at
     # the end of the execution, for no effect of theirs.
     finals = [c if jnp.shape(c) or k in chains.entries or k not in per_device
-              else _primitives.from_first_device_p.bind(c)
+              else _first_device.from_first_device_p.bind(c)
               for k, c in chains.carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token
