@@ -224,6 +224,33 @@ def shard_map_manual_axes(params) -> frozenset:
     return frozenset(params["newly_manual_axes"])
   return frozenset(params["manual_axes"])
 
+# Whether JAX's backends are initialised (the pytest plugin sets the number
+# of CPU devices and must know whether that can still take effect). No
+# public query: ``jax.devices()`` would initialise them. JAX 0.8-0.10.
+from jax._src.xla_bridge import backends_are_initialized  # noqa: E402
+# Effects JAX's own vmap rule of ``cond`` refuses in a branch whose predicate
+# is batched (io_callback's, and Ref effects): a cond holding one is left to
+# JAX's rule and its error (``_primitives.control_flow_batching``). The
+# Ref effect type has no public handle. JAX 0.8-0.10.
+from jax._src.state.types import RefEffect  # noqa: E402
+
+
+def refused_by_jax_in_batched_cond(effect) -> bool:
+  """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
+  whose predicate is batched (see the imports above)."""
+  return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
+
+
+def in_cond_branch(name_stack) -> bool:
+  """Whether an op lowered under ``name_stack`` is inside a ``cond`` branch.
+
+  JAX's cond lowering names each branch's ops ``branch_<i>_fun`` in the name
+  stack (``jax/_src/lax/control_flow/conditionals.py``, JAX 0.8-0.10); a
+  branch vmap inlined into a ``select`` has no such name. No public handle.
+  """
+  return "_fun" in str(name_stack)
+
+
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by
 # partition id into the mesh; sharding context = one call on the first device

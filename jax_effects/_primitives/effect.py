@@ -117,9 +117,9 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   threads runtime tokens between dispatches, so program order holds, through
   JAX's slower dispatch path. Unordered effects get no token.
   """
-  if host_callback.traced_in_branch and "_fun" not in str(ctx.name_stack):
-    # A cond branch that vmap inlined (its predicate is batched): the cond
-    # lowering names each branch's ops "branch_<i>_fun"; these have no branch.
+  if (host_callback.traced_in_branch
+      and not _compat.in_cond_branch(ctx.name_stack)):
+    # A cond branch that vmap inlined (its predicate is batched).
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(
