@@ -321,6 +321,31 @@ def test_vmap_of_a_while_loop_with_a_batched_predicate_counts_its_iterations(
                            for e in model("w", 0, every, 5)]
 
 
+def test_vmap_a_bar_per_element_when_asked(streams, no_tqdm):
+  """``per_element`` names the vmap axis: each element's bar counts the
+  element's own iterations (host calls in batch order, per effect site)."""
+  file, events = streams
+  lengths = [2, 5, 3]
+
+  def one(n):
+    with je.progress(None, desc="w", file=file, mininterval=0,
+                     per_element="batch") as bar:
+      def body(c):
+        bar.update()
+        return c + 1
+      return jax.lax.while_loop(lambda c: c < n, body, 0)
+
+  out = run(je.jit(jax.vmap(one, axis_name="batch")), jnp.array(lengths))
+  np.testing.assert_array_equal(out, lengths)
+  expected = [("bar", f"[element {i}] w", str(k))
+              for k in range(max(lengths) + 1)
+              for i, n in enumerate(lengths) if k <= n]
+  assert drawn(events) == expected
+  with pytest.raises(ValueError, match="must name the axis of an enclosing "
+                                       "jax.vmap"):
+    je.jit(one)(3)
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_vmap_batched_count_is_refused(every):
   def one(x):

@@ -25,7 +25,10 @@ has no runtime token.
 Where it runs: per device inside ``shard_map``/``pmap`` (each device opens its
 own bar, labelled with ``print``'s device prefix, ``_runtime.placement``), once
 otherwise. Under ``vmap`` the host calls run once for the whole batch
-(``HostCallback.batch_once``): one bar for the batch. Under ``grad`` they are
+(``HostCallback.batch_once``): one bar for the batch; with ``per_element``
+(the ``vmap``'s axis name) the open takes the element's ``lax.axis_index``,
+so every effect of the bar is batched per element (``BatchedHost``, and
+the live mask of a batched ``while_loop``). Under ``grad`` they are
 part of the forward computation only (as every effect, see
 ``design/transformations.md``). Drawing is an output action
 (``_runtime.output.deliver``): held and sorted in the deterministic view like
@@ -196,9 +199,11 @@ _bars_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-def _new_bar(spec: "_Spec", total: int | None):
+def _new_bar(spec: "_Spec", total: int | None, element: int | None):
   p = _placement.current()
   label = p.prefix() if p is not None and p.per_device else ""
+  if element is not None:
+    label += f"[element {element}] "
   desc = (label + spec.desc) if spec.desc else (label.rstrip() or None)
   tqdm = _tqdm_class(spec.file)
   if tqdm is None:
@@ -210,14 +215,23 @@ class _Spec:
   """What a ``progress(...)`` call fixed when it was traced; its methods
   are the host sides of the bar's three effects."""
 
-  def __init__(self, total: int | None, desc: str | None, file, options):
+  def __init__(self, total: int | None, desc: str | None, file, options,
+               per_element: bool):
     self.total = total
     self.desc = desc
     self.file = file
     self.options = options
+    self.per_element = per_element
 
-  def open(self, *total) -> tuple:
-    bar = _new_bar(self, int(total[0]) if total else self.total)
+  def open(self, *operands) -> tuple:
+    """``operands``: the element's index (``per_element``), then the total
+    if it is computed in the program."""
+    element = None
+    if self.per_element:
+      element, *operands = operands
+      element = int(element)
+    total = int(operands[0]) if operands else self.total
+    bar = _new_bar(self, total, element)
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
@@ -265,7 +279,8 @@ class Progress:
   """
 
   def __init__(self, total: int | jax.Array | None, *, desc: str | None,
-               every: int, file: TextIO | None, options: dict[str, Any]):
+               every: int, file: TextIO | None, per_element: str | None,
+               options: dict[str, Any]):
     self._what = (f"jax_effects.progress(desc={desc!r})" if desc is not None
                   else "jax_effects.progress()")
     if total is not None and not _is_traced(total):
@@ -292,10 +307,21 @@ class Progress:
       raise TypeError(
           f"{self._what}: file must have a write method (a text stream), "
           f"got {file!r}")
+    if per_element is not None:
+      if not isinstance(per_element, str):
+        raise TypeError(
+            f"{self._what}: per_element must be the axis_name of a jax.vmap "
+            f"(a str), got {per_element!r}")
+      if every != 1:
+        raise NotImplementedError(
+            f"{self._what}: every={every} with per_element: each element's "
+            f"bar is advanced by its own host calls (every=1), as an "
+            f"element may stop iterating before the others")
     self._total = total
     self._every = int(every)
+    self._per_element = per_element
     self._spec = _Spec(None if _is_traced(total) else total, desc, file,
-                       dict(options))
+                       dict(options), per_element is not None)
     self._state = "new"
     self._id: Any = None
     self._counter: _counters.Counter | None = None
@@ -306,9 +332,12 @@ class Progress:
 
   def _bind(self, fn: Callable, what: str, operands: list,
             result_avals: tuple = ()) -> list:
+    # (batch_once: one run for a whole vmap batch, unless a bar per element
+    # was asked for: then the element index makes every effect per element)
     return _primitives.bind_effect(
         fn, what, operands, effect=_effects.DEFAULT, ordered=True,
-        result_avals=result_avals, reads_placement=True, batch_once=True)
+        result_avals=result_avals, reads_placement=True,
+        batch_once=self._per_element is None)
 
   def __enter__(self) -> "Progress":
     if self._state != "new":
@@ -316,6 +345,16 @@ class Progress:
           f"{self._what} was already entered: a progress bar is used in one "
           f"with-block; call jax_effects.progress(...) again for another bar")
     operands = [self._total] if _is_traced(self._total) else []
+    if self._per_element is not None:
+      try:
+        element = lax.axis_index(self._per_element)
+      except NameError:
+        raise ValueError(
+            f"{self._what}: per_element={self._per_element!r} must name the "
+            f"axis of an enclosing jax.vmap (jax.vmap(f, axis_name="
+            f"{self._per_element!r})), which draws one bar per element of "
+            f"that axis") from None
+      operands = [element, *operands]
     (self._id,) = self._bind(self._spec.open, self._what, operands,
                              (_ID_AVAL,))
     self._manual = _manual_axes()
@@ -381,7 +420,7 @@ class Progress:
 
 def progress(total: int | jax.Array | None, *, desc: str | None = None,
              every: int = 1, file: TextIO | None = None,
-             **options: Any) -> Progress:
+             per_element: str | None = None, **options: Any) -> Progress:
   """A progress bar for a loop in compiled code: a context manager.
 
   ::
@@ -415,8 +454,12 @@ def progress(total: int | jax.Array | None, *, desc: str | None = None,
   Inside ``shard_map``/``pmap`` every device draws its own bar, labelled
   with ``print``'s device prefix (open the bar inside the mapped function).
   Under ``vmap`` one bar counts the batch (the count must be the same for
-  every element); under ``grad`` updates happen in the forward computation
-  only.
+  every element), unless ``per_element`` names the ``vmap``'s
+  ``axis_name``: then every element draws its own bar (labelled
+  ``[element i]``, advanced by each update the element makes, also in a
+  ``while_loop`` whose elements stop at different steps; ``every=1`` only).
+  Under ``grad`` updates happen in the forward computation only.
   """
-  return Progress(total, desc=desc, every=every, file=file, options=options)
+  return Progress(total, desc=desc, every=every, file=file,
+                  per_element=per_element, options=options)
 
