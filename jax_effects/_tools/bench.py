@@ -760,7 +760,9 @@ def _format_table(report: dict) -> str:
     if t["pass"] is None:
       lines.append(f"{name:16s} {t['value']:8.2f}  {'':>8s}  {'':6s}  {t['what']}")
       continue
-    lines.append(f"{name:16s} {t['value']:8.2f}  {t['op']:>2s}{t['bound']:6g}  "
+    bound = t["bound"]   # (as given: 1.2, 20.0, 1.05)
+    bound = f"{bound:6.1f}" if round(bound, 1) == bound else f"{bound:6.2f}"
+    lines.append(f"{name:16s} {t['value']:8.2f}  {t['op']:>2s}{bound}  "
                  f"{'PASS' if t['pass'] else 'FAIL':6s}  {t['what']}")
   return "\n".join(lines)
 
