@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
-from jax_effects._frontends import progress as progress_module
+from jax_effects._runtime import bars as _bars
 from jax_effects._runtime import output as _output
 
 
@@ -183,16 +183,15 @@ def test_under_plain_jax_jit(streams, no_tqdm, every):
   file, events = streams
   train = _training("scan", file, every)
   run(jax.jit(train), jnp.int32(0))
-  assert drawn(events) == ([("print", "before")]
-                           + model("train", 5, every, 5, lambda i: [f"step {i}"])
-                           + [("print", "after 5")])
+  steps = model("train", 5, every, 5, lambda i: [f"step {i}"])
+  assert drawn(events) == [("print", "before"), *steps, ("print", "after 5")]
 
 
 def test_every_k_makes_one_host_call_per_k_updates_plus_the_last(
     streams, no_tqdm, monkeypatch):
   calls = []
-  advance = progress_module._Spec.advance
-  monkeypatch.setattr(progress_module._Spec, "advance",
+  advance = _bars.BarSpec.advance
+  monkeypatch.setattr(_bars.BarSpec, "advance",
                       lambda self, *a: (calls.append(int(a[1])),
                                         advance(self, *a))[1])
   file, events = streams
@@ -210,7 +209,7 @@ def test_every_k_makes_one_host_call_per_k_updates_plus_the_last(
   assert calls == [100] * 10   # the 5 left are the close's
   assert drawn(events) == model("k", 1005, 100, 1005)
   assert [e[2] for e in drawn(events)][-2:] == ["1000/1005", "1005/1005"]
-  assert progress_module.open_bars() == 0
+  assert _bars.open_bars() == 0
 
 
 def test_nested_loops_two_bars(streams, no_tqdm):
