@@ -492,3 +492,40 @@ def test_misuse_is_refused_naming_the_bar():
     je.progress(2.5)
   with pytest.raises(TypeError, match="file must have a write method"):
     je.progress(3, file="out.txt")
+
+
+def test_plain_renderer_redraws_in_place_on_a_terminal(no_tqdm):
+  """On a terminal each drawing rewrites the bar's line (``\\r``); another
+  bar's drawing in between starts a new line; closing ends the line."""
+  class Terminal:
+    def __init__(self):
+      self.writes = []
+
+    def write(self, text):
+      self.writes.append(text)
+
+    def flush(self):
+      pass
+
+    def isatty(self):
+      return True
+
+  term = Terminal()
+
+  @je.jit
+  def f(x):
+    with je.progress(2, desc="a", file=term, mininterval=0) as a:
+      a.update()
+      with je.progress(1, desc="b", file=term, mininterval=0) as b:
+        b.update()
+      a.update()
+    return x
+
+  run(f, 0)
+  assert [(w[:1], drawn([("bar", w.strip("\r\n"))])[0][1:] if w.strip()
+           else "") + (w.endswith("\n"),) for w in term.writes] == [
+      ("\r", ("a", "0/2"), False), ("\r", ("a", "1/2"), False),
+      ("\n", ("b", "0/1"), False), ("\r", ("b", "1/1"), False),
+      ("\n", "", True),                # b's line ends where it is
+      ("\r", ("a", "2/2"), False),     # a's continues below it
+      ("\n", "", True)]

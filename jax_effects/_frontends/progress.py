@@ -118,8 +118,8 @@ class Progress:
     self._total = total
     self._every = int(every)
     self._per_element = per_element
-    self._spec = _bars.BarSpec(None if _is_traced(total) else total, desc, file,
-                       dict(options), per_element is not None)
+    self._spec = _bars.BarSpec(None if _is_traced(total) else total, desc,
+                               file, dict(options), per_element is not None)
     self._state = "new"
     self._id: Any = None
     self._counter: _counters.Counter | None = None
@@ -234,14 +234,16 @@ def progress(total: int | jax.Array | None, *, desc: str | None = None,
   the computation gets there, in program order with ``print``, ``log`` and
   ``callback`` (ordered effects of :data:`~jax_effects.DEFAULT`): one bar
   per execution of the block. Works in ``jax_effects.jit`` code (across
-  ``scan``, ``fori_loop``, ``while_loop``, ``cond``, nested bars), eagerly,
-  and, with ``every=1``, under plain ``jax.jit``.
+  ``scan``, ``fori_loop``, ``while_loop``, ``cond``, nested bars), eagerly
+  and under plain ``jax.jit``.
 
   ``total``: the number of updates expected (an int, an integer scalar
   computed in the program, or None). ``desc``: the bar's label.
   ``every=k``: updates are counted on the device and the host is called
   once per ``k`` of them (and when the bar closes), so a long loop pays
-  almost nothing (needs ``jax_effects.jit``). The drawing itself is
+  almost nothing (in ``jax_effects.jit`` code; elsewhere nothing carries
+  the count through the program and it is kept on the host, one call per
+  update). The drawing itself is
   throttled by time (``mininterval``, 0.1 s, as tqdm). ``file``: where to
   draw (default ``sys.stderr``). ``**options`` go to ``tqdm`` when it is
   installed (``pip install jax_effects[progress]``; ``tqdm.auto``, a widget

@@ -109,18 +109,25 @@ class _PlainBar:
       tty = file.isatty()
     except (AttributeError, ValueError):
       tty = False
-    if end and not tty and self.drawn == self.n:
-      return   # (its line already shows the final count)
+    shown = self.drawn == self.n   # (its last line shows the count)
+    if end and shown and not tty:
+      return
     self.drawn = self.n
     text = self.text(now)
     with _write_lock:
       if tty:
         last = _last_writer.get(id(file))
-        lead = "\r" if last is self or last is None else "\n"
-        _last_writer[id(file)] = self
-        file.write(lead + text + ("\n" if end else ""))
         if end:
           _last_writer.pop(id(file), None)
+          if last is self and shown:   # the line is current: end it
+            file.write("\n")
+            file.flush()
+            return
+        else:
+          _last_writer[id(file)] = self
+        # (after another bar's line, this one starts a line of its own)
+        lead = "\r" if last is self or last is None else "\n"
+        file.write(lead + text + ("\n" if end else ""))
       else:
         file.write(text + "\n")
       file.flush()
