@@ -538,7 +538,9 @@ def compare(program, mode: str, k0: int = 7) -> dict:
 #: keeps it in the loop). The effect is already outside the loop when
 #: jax_effects' pass sees the program. :func:`hoisted_effects` finds such
 #: effects in the traced program; :func:`compare` then holds jit to the
-#: oracle with exactly that hoisting.
+#: oracle with exactly that hoisting. jax_effects turns the hoisting off for
+#: scan bodies holding its effects (``_compat.keep_effects_in_loops``), so
+#: generated programs are not hoisted; the tests of this check turn it back on.
 LOOP_INVARIANT_HOISTING = (
     "JAX's loop-invariant hoisting under grad runs a loop's effect once")
 

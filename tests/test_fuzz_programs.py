@@ -11,7 +11,10 @@ reference itself disagrees with the oracle (a bug of the eager path, see
 ``fuzz_programs``), or where JAX hoists a loop-invariant effect out of a loop
 under ``grad`` (read off the traced program, ``fuzz_programs.hoisted_effects``),
 the case is an expected failure, raised only after the jit run matched the
-oracle exactly (with that hoisting).
+oracle exactly (with that hoisting). jax_effects keeps its effects in their
+loops (``_compat.keep_effects_in_loops``), so no generated program is hoisted;
+the check is kept, and tested with JAX's hoisting turned back on
+(:func:`jax_hoisting`).
 
 A default run collects ``N_SEEDS`` seeds per mode; ``--run-slow`` collects
 ``SLOW_SEEDS`` more (``JAX_EFFECTS_FUZZ_SEEDS=N`` sets that count).
@@ -121,14 +124,35 @@ def test_program_generator_programs_in_global_mode(seed):
   assert jitted == want, f"seed {seed}:\n{program.describe()}"
 
 
-def test_grad_of_loop_with_loop_invariant_effect():
-  # Under grad, JAX's scan partial evaluation hoists an effect that depends on
-  # no loop-carried value out of the loop (it runs once); the fuzz check must
-  # recognise exactly that, from the traced program.
+@pytest.fixture
+def jax_hoisting(monkeypatch):
+  """JAX's loop-invariant hoisting of scan bodies under grad, as JAX does
+  it: also for bodies with our effects (which jax_effects keeps in the loop,
+  ``_compat.keep_effects_in_loops``)."""
+  from jax_effects import _compat
+  monkeypatch.setattr(_compat, "_unhoisted_effect_types", set())
+
+
+def _loop_invariant_program():
   S = fp.Stmt
-  program = [S("grad", 1, {}, ([S("fori", 2, {"n": 2}, (
+  return [S("grad", 1, {}, ([S("fori", 2, {"n": 2}, (
       [S("effect", 3, {"name": None, "how": "print"})],))],))]
+
+
+def test_grad_of_loop_with_loop_invariant_effect_stays_in_the_loop():
+  # Under grad, an effect that depends on no loop-carried value runs once per
+  # iteration (JAX's scan partial evaluation would hoist it out of the loop).
+  program = _loop_invariant_program()
   assert fp.oracle(program, 7) == [("default", 3, 7), ("default", 3, 7)]
+  assert fp.hoisted_effects(program) == {}
+  for mode in MODES:
+    assert fp.compare(program, mode)["records"] == 2
+
+
+def test_grad_of_loop_with_loop_invariant_effect_hoisted_by_jax(jax_hoisting):
+  # With JAX's hoisting the effect runs once; the fuzz check must recognise
+  # exactly that, from the traced program.
+  program = _loop_invariant_program()
   assert fp.hoisted_effects(program) == {3: 1}
   assert fp.oracle(program, 7, {3: 1}) == [("default", 3, 7)]
   for mode in MODES:
@@ -157,6 +181,9 @@ def test_fuzz_check_fails_on_reversed_records(monkeypatch, hoist):
   e = lambda tag: S("effect", tag, {"name": None, "how": "callback"})
   body = [e(3), S("fori", 4, {"n": 2}, ([e(5)],)), S("arith", 6, {"c": 1})]
   program = [S("grad", 1, {}, (body,))] if hoist else body
+  if hoist:   # (JAX's hoisting, which jax_effects turns off for its effects)
+    from jax_effects import _compat
+    monkeypatch.setattr(_compat, "_unhoisted_effect_types", set())
   assert bool(fp.hoisted_effects(program)) == hoist
   run = fp.run
 
