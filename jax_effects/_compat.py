@@ -101,10 +101,11 @@ shardable_ordered_effects = _effects.shardable_ordered_effects
 # are all consts is evaluated once, outside the loop. For an effect that is
 # wrong: ``print("step")`` or a progress bar's ``bar.update()`` in the body
 # would run once instead of once per iteration (JAX's own
-# ``jax.debug.print("step")`` does so under ``jax.grad``). ``_scan_partial_eval``
-# calls it by its module-level name, so it is wrapped there: a body with one
-# of our effects (``keep_effects_in_loops``) is not hoisted (JAX's own
-# "to disable" return); every other scan is hoisted as before.
+# ``jax.debug.print("step")`` does so under ``jax.grad``).
+# ``_scan_partial_eval`` calls it by its module-level name, so it is wrapped
+# there: a body with one of our effects (``keep_effects_in_loops``) is not
+# hoisted (JAX's own "to disable" return); every other scan is hoisted as
+# before.
 from jax._src.lax.control_flow import loops as _loops  # noqa: E402
 
 _jax_scan_known_hoisting = _loops._scan_known_hoisting

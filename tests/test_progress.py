@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
-from jax_effects._frontends import progress as progress_module
+from jax_effects._runtime import bars as _bars
 from jax_effects._runtime import output as _output
 
 
@@ -183,16 +183,15 @@ def test_under_plain_jax_jit(streams, no_tqdm, every):
   file, events = streams
   train = _training("scan", file, every)
   run(jax.jit(train), jnp.int32(0))
-  assert drawn(events) == ([("print", "before")]
-                           + model("train", 5, every, 5, lambda i: [f"step {i}"])
-                           + [("print", "after 5")])
+  steps = model("train", 5, every, 5, lambda i: [f"step {i}"])
+  assert drawn(events) == [("print", "before"), *steps, ("print", "after 5")]
 
 
 def test_every_k_makes_one_host_call_per_k_updates_plus_the_last(
     streams, no_tqdm, monkeypatch):
   calls = []
-  advance = progress_module._Spec.advance
-  monkeypatch.setattr(progress_module._Spec, "advance",
+  advance = _bars.BarSpec.advance
+  monkeypatch.setattr(_bars.BarSpec, "advance",
                       lambda self, *a: (calls.append(int(a[1])),
                                         advance(self, *a))[1])
   file, events = streams
@@ -210,7 +209,7 @@ def test_every_k_makes_one_host_call_per_k_updates_plus_the_last(
   assert calls == [100] * 10   # the 5 left are the close's
   assert drawn(events) == model("k", 1005, 100, 1005)
   assert [e[2] for e in drawn(events)][-2:] == ["1000/1005", "1005/1005"]
-  assert progress_module.open_bars() == 0
+  assert _bars.open_bars() == 0
 
 
 def test_nested_loops_two_bars(streams, no_tqdm):
@@ -319,6 +318,31 @@ def test_vmap_of_a_while_loop_with_a_batched_predicate_counts_its_iterations(
   np.testing.assert_array_equal(out, [2, 5, 3])
   assert drawn(events) == [("bar", "w", e[2].split("/")[0])
                            for e in model("w", 0, every, 5)]
+
+
+def test_vmap_a_bar_per_element_when_asked(streams, no_tqdm):
+  """``per_element`` names the vmap axis: each element's bar counts the
+  element's own iterations (host calls in batch order, per effect site)."""
+  file, events = streams
+  lengths = [2, 5, 3]
+
+  def one(n):
+    with je.progress(None, desc="w", file=file, mininterval=0,
+                     per_element="batch") as bar:
+      def body(c):
+        bar.update()
+        return c + 1
+      return jax.lax.while_loop(lambda c: c < n, body, 0)
+
+  out = run(je.jit(jax.vmap(one, axis_name="batch")), jnp.array(lengths))
+  np.testing.assert_array_equal(out, lengths)
+  expected = [("bar", f"[element {i}] w", str(k))
+              for k in range(max(lengths) + 1)
+              for i, n in enumerate(lengths) if k <= n]
+  assert drawn(events) == expected
+  with pytest.raises(ValueError, match="must name the axis of an enclosing "
+                                       "jax.vmap"):
+    je.jit(one)(3)
 
 
 @pytest.mark.parametrize("every", [1, 2])
@@ -468,3 +492,40 @@ def test_misuse_is_refused_naming_the_bar():
     je.progress(2.5)
   with pytest.raises(TypeError, match="file must have a write method"):
     je.progress(3, file="out.txt")
+
+
+def test_plain_renderer_redraws_in_place_on_a_terminal(no_tqdm):
+  """On a terminal each drawing rewrites the bar's line (``\\r``); another
+  bar's drawing in between starts a new line; closing ends the line."""
+  class Terminal:
+    def __init__(self):
+      self.writes = []
+
+    def write(self, text):
+      self.writes.append(text)
+
+    def flush(self):
+      pass
+
+    def isatty(self):
+      return True
+
+  term = Terminal()
+
+  @je.jit
+  def f(x):
+    with je.progress(2, desc="a", file=term, mininterval=0) as a:
+      a.update()
+      with je.progress(1, desc="b", file=term, mininterval=0) as b:
+        b.update()
+      a.update()
+    return x
+
+  run(f, 0)
+  assert [(w[:1], drawn([("bar", w.strip("\r\n"))])[0][1:] if w.strip()
+           else "") + (w.endswith("\n"),) for w in term.writes] == [
+      ("\r", ("a", "0/2"), False), ("\r", ("a", "1/2"), False),
+      ("\n", ("b", "0/1"), False), ("\r", ("b", "1/1"), False),
+      ("\n", "", True),                # b's line ends where it is
+      ("\r", ("a", "2/2"), False),     # a's continues below it
+      ("\n", "", True)]

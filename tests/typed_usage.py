@@ -30,7 +30,7 @@ def step(x: jax.Array, scale: float = 2.0) -> jax.Array:
   doubled: jax.Array = je.callback(
       lambda v: v * 2, x, x)   # (an array gives the result shape, dtype)
   with je.progress(3, desc="steps", every=1, file=io.StringIO(),
-                   mininterval=0) as bar:
+                   per_element=None, mininterval=0) as bar:
     def body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
       bar.update()
       bar.update(n=2)

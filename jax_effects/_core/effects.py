@@ -54,6 +54,8 @@ class Effect:
   setting is a ``ValueError`` naming the effect.
   """
   __slots__ = ("name", "ordered", "__weakref__")
+  name: str
+  ordered: bool
   _registry: dict[str, "Effect"] = {}
   _registry_lock = threading.Lock()
 

@@ -61,6 +61,7 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import stages as _stages
+from jax_effects._dispatch.stages import Lowered, Traced
 from jax_effects._dispatch import trace_cache as _trace_cache
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._runtime import barrier as _barrier
@@ -418,7 +419,7 @@ class Function(Generic[_P, _R]):
 
   # --- the jax.jit API -----------------------------------------------------
 
-  def trace(self, *args: Any, **kwargs: Any) -> _stages.Traced:
+  def trace(self, *args: Any, **kwargs: Any) -> Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     As ``jax.jit(f).trace``; the returned :class:`Traced` shows the user's
@@ -445,7 +446,7 @@ class Function(Generic[_P, _R]):
         continue
       return _stages.Traced(self, traced, mode, keys)
 
-  def lower(self, *args: Any, **kwargs: Any) -> _stages.Lowered:
+  def lower(self, *args: Any, **kwargs: Any) -> Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     return self.trace(*args, **kwargs).lower()
 

@@ -282,7 +282,8 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 
 
 def _counter_rule(eqn, invals, chains: Chains, mode: str):
-  """``counter_p``: the count is the counter chain's carrier (``_primitives.counter``).
+  """``counter_p``: the count is the counter chain's carrier
+  (``_primitives/counter.py``).
 
   A set keeps the type of the count it replaces (``count * 0 + x``: inside
   ``shard_map`` the carrier varies over the manual axes, and a loop's carry
