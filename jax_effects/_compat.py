@@ -271,6 +271,45 @@ def clear_jax_runtime_tokens() -> None:
   _dispatch.runtime_tokens.clear()
 
 
+# Whether JAX's backend has started (``_runtime.fork``: XLA's runtime does
+# not survive a fork after it). No public route: ``jax.devices()`` would start
+# it. ``backends_are_initialized`` exists on JAX 0.8.3 to 0.10.x.
+from jax._src import xla_bridge as _xla_bridge  # noqa: E402
+
+
+def backend_started() -> bool:
+  """Whether this process's JAX backend has started (starts nothing)."""
+  return _xla_bridge.backends_are_initialized()
+
+
+def cpu_collectives_on_host(host: str) -> None:
+  """Makes the CPU backend, when it starts, listen for its cross-process
+  collectives (gloo over TCP) on ``host`` only.
+
+  JAX creates gloo's TCP device without an address, and gloo then binds the
+  address the machine's hostname resolves to (often its outward address);
+  ``make_gloo_tcp_collectives`` takes one, but JAX passes none and has no
+  option for it. So the ``"cpu"`` backend factory is registered again (as
+  ``xla_bridge`` registers it: priority 0, failures raised) with collectives
+  bound to ``host``. Call after ``jax.distributed.initialize`` (the
+  collectives use its client) and before the backend starts. Used by the
+  multi-process launcher (``_tools.launcher``: 127.0.0.1). The same names on
+  JAX 0.8.3 to 0.10.x (``jax._src.lib._jax`` is ``xla_client._xla``).
+  """
+  import functools
+  from jax._src import distributed
+  from jax._src.lib import _jax
+  if _xla_bridge.backends_are_initialized():
+    raise RuntimeError("jax_effects: the CPU collectives' address must be "
+                       "set before JAX's backend starts")
+  collectives = _jax.make_gloo_tcp_collectives(
+      distributed_client=distributed.global_state.client, hostname=host)
+  _xla_bridge.register_backend_factory(
+      "cpu", functools.partial(_xla_bridge.make_cpu_client,
+                               collectives=collectives),
+      priority=0, fail_quietly=False)
+
+
 def require_devices_during_lowering(primitive) -> None:
   """Makes jit lower computations with ``primitive`` for concrete devices.
 

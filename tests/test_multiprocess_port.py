@@ -4,6 +4,7 @@ given port that is taken is a clear error, never a crash or a peer waiting
 for the coordinator until its timeout.
 """
 import errno
+import ipaddress
 import os
 import socket
 
@@ -65,3 +66,39 @@ def test_worker_reports_a_taken_port_and_exits_at_once(taken_port):
   assert "already in use" in results[0].stderr
   assert results[1].returncode is None       # stopped, not left waiting
   assert "exited with code 75" in failure
+
+
+def _loopback(address: str) -> bool:
+  ip = ipaddress.ip_address(address)
+  mapped = getattr(ip, "ipv4_mapped", None)
+  return (mapped or ip).is_loopback
+
+
+def test_launched_run_listens_on_loopback_only():
+  # Every listener of every launched process (the coordination service in
+  # process 0, the CPU collectives' connections) is bound to a loopback
+  # address: nothing of a launched run is reachable from another host. (JAX's
+  # default binds the coordinator to every interface.) Only the processes'
+  # own socket tables are read; no traffic leaves loopback.
+  results = launcher.launch("multiprocess_targets:listening_addresses",
+                            num_processes=2, devices_per_process=2,
+                            timeout=TIMEOUT, env=ENV)
+  for r in results:
+    assert r.result, r.describe()
+    outside = [a for a in r.result if not _loopback(a[0])]
+    assert not outside, (r.process_id, r.result)
+  assert any(a[0] == "127.0.0.1" for a in results[0].result)
+
+
+def test_port_check_probes_the_address_the_coordinator_binds():
+  # The port is taken on another loopback address only (127.0.0.2): the
+  # coordinator, bound to 127.0.0.1 like the check, can use it. (Before, the
+  # check probed 127.0.0.1 while JAX bound every interface, which failed.)
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.2", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    results = launcher.launch("multiprocess_targets:process_index",
+                              num_processes=2, devices_per_process=1,
+                              timeout=TIMEOUT, env=ENV, coordinator_port=port)
+  assert [r.result for r in results] == [0, 1]

@@ -24,7 +24,8 @@ in order:
 6. store the returned token (``threads.update``), also when an interrupt
    lands right after the launch (``threads.store_interrupted``);
 7. raise the errors of callbacks that ran inline in this call
-   (``raising.raise_own``).
+   (``raising.raise_own``); after jax_effects' own exit handler (a call from
+   a later one), report every error at once and exit (``exit.report_late``).
 
 :func:`dispatch` is the general path. :func:`fast_dispatch` builds the hot
 path of one function in its common case, as a closure installed as the
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 from jax_effects import _compat
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import exit as _exit
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import per_device as _per_device
@@ -137,6 +139,8 @@ def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
       raise
   finally:
     state.dispatching = False
+  if _threads.after_exit_handler:   # dispatched by a late exit handler
+    _exit.report_late(state)
   if state.own_errors:   # a callback of this call failed (ran inline)
     _raising.raise_own(state, token)
   return out, token

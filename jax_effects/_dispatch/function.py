@@ -66,6 +66,7 @@ from jax_effects._dispatch import trace_cache as _trace_cache
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import per_device as _per_device
 from jax_effects._runtime import raising as _raising
@@ -362,6 +363,8 @@ class Function(Generic[_P, _R]):
 
   def _first_call(self, *args, **kwargs):
     """Until a call finds the function pure: a pure call that may learn."""
+    if _fork.forked_after_backend and _compat.at_top_level():
+      raise _fork.refused(f"calling {self!r}")   # (compiling would hang)
     with self._first_call_guard:   # (JAX 0.8: one compile at a time)
       return self._learning_call(*args, **kwargs)
 

@@ -27,6 +27,7 @@ from typing import Iterator
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._runtime import barrier as _barrier
+from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 
@@ -97,8 +98,16 @@ def deterministic() -> Iterator[None]:
   (position in the device's sequence of effects of the dispatch, device id).
   For SPMD code whose control flow is the same on every device, position =
   program point, so the same program logs identically run after run. On exit,
-  waits for the calling thread's effects (``effects_barrier``) and releases
-  anything still held.
+  waits for the calling thread's effects and releases anything still held,
+  then raises the thread's callback errors not reported yet
+  (``effects_barrier``). Leaving on an exception, that exception propagates
+  unchanged (as from :func:`ordering`): the wait and release still happen,
+  and the errors stay for the thread's next call or barrier.
+
+  A release delivers every held line and record even when the output stream
+  or a handler raises for one of them; what it raised is reported to the
+  thread whose dispatch the output came from, once, like a callback's error
+  (this block's exit, for its own calls: ``design/errors.md``).
 
   Guaranteed: on one device, program order (always); within one dispatch,
   sorted as above (in this view only); a dispatch's output before the next
@@ -113,8 +122,22 @@ def deterministic() -> Iterator[None]:
   _output.start_holding()
   try:
     yield
+  except BaseException:
+    _leave_deterministic()   # (the errors stay for the next call or barrier)
+    raise   # the block's own exception, unchanged
+  _leave_deterministic()
+  _barrier.effects_barrier()
+
+
+def _leave_deterministic() -> None:
+  """Ends the view: waits for this thread's effects (quietly), releases what
+  is still held; what a delivery raised is deferred for this thread."""
+  try:
+    _barrier.wait_for_thread()
   finally:
-    try:
-      _barrier.effects_barrier()
-    finally:
-      _output.stop_holding()   # releases what is still held
+    failures = _output.stop_holding()   # releases what is still held
+    if failures:
+      slot = _threads.thread_state().slot
+      for exc in failures:
+        _errors.defer(exc, slot)
+      del failures, exc   # (no reference cycle when a wait above raised)

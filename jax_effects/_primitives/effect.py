@@ -57,6 +57,7 @@ from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import raising as _raising
 from jax_effects._runtime import threads as _threads
@@ -78,6 +79,8 @@ effect_p.def_effectful_abstract_eval(_effect_abstract_eval)
 
 def _effect_impl(*args, host_callback, effect, ordered):
   """Eager execution: wait for this stream's earlier dispatches, then run."""
+  if _fork.forked_after_backend:   # no JAX runtime after the fork
+    raise _fork.refused(f"{host_callback.description}, run eagerly,")
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
     raise branch_vmapped_error(host_callback)
   if _errors.deferred:   # a dispatched callback failed: raise it first

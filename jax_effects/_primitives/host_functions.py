@@ -247,7 +247,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
         args = (*args[:carrier_at], carrier, *args[carrier_at + 1:])
       slot = value & rule.SLOT_MASK
     else:   # plain jax.jit: run on the dispatching thread if on one device
-      slot = 0 if running[0].per_device else _raising.current_slot()
+      slot = 0 if running[0].per_device else _raising.plain_jit_slot()
       if slot and _errors.has_deferred(slot):
         return zeros(args, None)   # after an unreported failure: skipped
     if reads_placement:   # (else _placement.current() finds ``running`` here)

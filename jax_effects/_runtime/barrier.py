@@ -67,9 +67,10 @@ def effects_barrier(all_threads: bool = False) -> None:
   With ``all_threads=False`` waits for the effects dispatched by the calling
   thread; with ``all_threads=True`` for those of every thread (including
   threads that have exited). Then raises the callback errors not reported yet
-  (see ``design/errors.md``): this thread's (every thread's with
-  ``all_threads=True``) and those whose dispatching thread is unknown; one
-  error as itself, several together (an ``ExceptionGroup``), each once.
+  (see ``design/errors.md``): this thread's; with ``all_threads=True`` every
+  thread's and those whose dispatching thread is unknown (never another
+  thread's on a thread's own barrier); one error as itself, several together
+  (an ``ExceptionGroup``), each once.
 
   Refused (``RuntimeError``) inside a host callback of a running computation,
   which it would wait for.
@@ -80,8 +81,9 @@ def effects_barrier(all_threads: bool = False) -> None:
     # Dead before the wait: dispatches nothing after it, so it can be dropped
     # (its thread-local may outlive the thread a little).
     dead = [s for s in states if not s.alive()]
-  else:
-    states, orphans = [_threads.thread_state()], []
+  else:   # (a thread with no state has dispatched nothing: a forked child)
+    state = getattr(_threads.local, "state", None)
+    states, orphans = ([] if state is None else [state]), []
   first_error = None
   for state in states:
     try:
@@ -103,10 +105,11 @@ def effects_barrier(all_threads: bool = False) -> None:
   if all_threads:
     _threads.forget(dead, orphans)
   if first_error is not None:
-    _errors.reraise(first_error, None)
-  # deferred errors: this thread's and those of unknown origin (every
-  # thread's with all_threads=True)
-  deferred = _errors.pop_deferred(None if all_threads
-                                  else (states[0].slot, 0))
-  if deferred is not None:
-    raise deferred.with_traceback(deferred.__traceback__)
+    try:
+      _errors.reraise(first_error, None)
+    finally:
+      first_error = None   # (no reference cycle through this frame)
+  # deferred errors: this thread's (every thread's and those of unknown
+  # origin with all_threads=True)
+  _errors.raise_pending(None if all_threads
+                        else tuple(state.slot for state in states))

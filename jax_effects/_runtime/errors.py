@@ -15,7 +15,11 @@ That thread raises what is deferred for it, once (``raising``): the
 call itself when the callback ran inline in it, else its next call before it
 dispatches anything, or its barrier. Several errors pending at once are one
 report (:func:`group`); at most :data:`MAX_KEPT_ERRORS` are kept per thread
-between reports, the rest counted.
+between reports, the rest counted. A report is raised so that nothing of
+the library keeps it alive once the caller drops it (:func:`raise_pending`,
+:func:`reraise`): no frame it passes through holds it in a local, which
+would make a reference cycle (exception -> traceback -> frame -> exception)
+that only the garbage collector frees.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+
+from jax_effects._runtime import fork as _fork
 
 #: The dtype of runtime tokens and carriers: a token's value is the slot of
 #: the thread that dispatched it (``threads.ThreadTokens.slot``), with
@@ -42,10 +48,20 @@ _lock = threading.Lock()
 # Deferred errors: slot of the dispatching thread -> its unreported errors,
 # oldest first (at most MAX_KEPT_ERRORS; _dropped counts the others). Slot 0:
 # the dispatching thread is unknown (a callback under plain jax.jit that ran
-# on one of XLA's threads). Read without the lock on every dispatch (empty:
-# no deferred error anywhere).
+# on one of XLA's threads), reported only by an all-threads barrier or at
+# exit. Read without the lock on every dispatch (empty: no deferred error
+# anywhere).
 deferred: dict[int, list[BaseException]] = {}
 _dropped: dict[int, int] = {}
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child reports none of the parent's errors (``fork``)."""
+  global _lock
+  _lock = threading.Lock()
+  deferred.clear()   # (emptied, never replaced: the fast hook holds it)
+  _dropped.clear()
 
 
 def defer(exc: BaseException, slot: int = 0) -> None:
@@ -81,6 +97,23 @@ def pop_deferred(slots=None) -> BaseException | None:
   if len(errors) == 1 and not dropped:
     return errors[0]
   return group(errors, dropped)
+
+
+def raise_pending(slots=None) -> None:
+  """Raises the report of ``slots`` (:func:`pop_deferred`), if any, holding
+  no reference to it once it has left (see the module docstring)."""
+  report = pop_deferred(slots)
+  if report is not None:
+    try:
+      raise report
+    finally:
+      del report
+
+
+def count(report: BaseException) -> int:
+  """How many callback errors ``report`` stands for (dropped ones included)."""
+  return (len(flat_errors(report))
+          + getattr(report, "jax_effects_dropped", 0))
 
 
 def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
@@ -120,4 +153,7 @@ def reraise(err: BaseException, reset: Callable[[], None] | None) -> None:
   """
   if reset is not None and isinstance(err, jax.errors.JaxRuntimeError):
     reset()
-  raise err
+  try:
+    raise err
+  finally:
+    del err   # (no cycle through this frame, see the module docstring)

@@ -17,9 +17,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 
 launch_lock = threading.Lock()
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child has none of the parent's launches in progress (``fork``)."""
+  global launch_lock
+  launch_lock = threading.Lock()
 
 
 class LaunchSite:

@@ -29,6 +29,13 @@ per-device token is combined into the next runtime token
 (``_per_device.combine``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
 (which follows them by data dependency), or when the view ends.
+
+A release delivers every held line and record, also when a delivery raises
+(a sink's ``write``, a handler): what they raise is returned
+(:func:`release_held`) and reported to the thread whose dispatch the
+release belongs to, like a callback's error (``design/errors.md``), never
+raised inside a host callback, where it would fail the computation or stop
+that callback's own effect.
 """
 from __future__ import annotations
 
@@ -37,6 +44,10 @@ import sys
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 
 # --- listeners ---------------------------------------------------------------------
@@ -160,12 +171,14 @@ def start_holding() -> None:
     _hold_depth += 1
 
 
-def stop_holding() -> None:
-  """Ends one deterministic view; releases what is held when none is left."""
+def stop_holding() -> list[BaseException]:
+  """Ends one deterministic view and releases what is still held (the
+  effects have all run); returns what the deliveries raised
+  (:func:`release_held`)."""
   global _hold_depth
   with _hold_lock:
-    _hold_depth -= 1
-  release_held()   # everything still held: the effects have all run
+    _hold_depth = max(0, _hold_depth - 1)   # (a view entered before a fork)
+  return release_held()
 
 
 def _run(thunk: Callable[[], None]) -> None:
@@ -195,22 +208,57 @@ def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
           return
     elif ordered and _held:
       # Runs once, after the per-device effects before it (data dependency):
-      # they come first.
-      release_held()
+      # they come first. What their deliveries raise is their dispatch's
+      # error, not this effect's: deferred for the dispatching thread.
+      failures = release_held()
+      if failures:
+        defer_for_running_dispatch(failures)
   _run(thunk)
 
 
-def release_held() -> None:
-  """Delivers the held output, ordered by (position on its device, device)."""
+def release_held() -> list[BaseException]:
+  """Delivers the held output, ordered by (position on its device, device).
+
+  Every held delivery runs, also after one raised; returns what they raised,
+  in delivery order (the caller reports them: see the module docstring).
+  """
   if not _held:
-    return
+    return []
   with _hold_lock:
     release = dict(_held)
     _held.clear()
   keys = sorted(release, key=lambda k: k[0])
   depth = max((len(v) for v in release.values()), default=0)
+  failures = []
   for i in range(depth):
     for key in keys:
       entries = release[key]
       if i < len(entries):
-        _run(entries[i])
+        try:
+          _run(entries[i])
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+          failures.append(exc)
+  return failures
+
+
+def defer_for_running_dispatch(failures: list[BaseException]) -> None:
+  """Defers ``failures`` for the thread that dispatched the computation whose
+  host callback is running on this thread (the slot its carrier holds, see
+  ``errors``; unknown: 0)."""
+  carrier = _placement.host_local("carrier")
+  slot = (0 if carrier is None
+          else int(np.max(carrier)) & int(_errors.SLOT_MASK))
+  for exc in failures:
+    _errors.defer(exc, slot)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child holds none of the parent's output (its devices' lines
+  would be delivered twice) and no lock a parent's thread held (``fork``)."""
+  global _lock, _write_lock, _hold_lock, _hold_depth
+  _lock = threading.Lock()
+  _write_lock = threading.Lock()
+  _hold_lock = threading.Lock()
+  _hold_depth = 0
+  _held.clear()

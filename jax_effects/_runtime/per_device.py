@@ -63,7 +63,14 @@ def tokens_for_sharding(state, keys, tokens: tuple, sharding) -> tuple:
 
 
 def _release_and_pass(token):
-  _output.release_held()
+  # Raises nothing (a failure here would fail the computation, and every
+  # later one given its token): what the deliveries raised goes to the
+  # thread whose slot the token holds, for its next call or barrier.
+  failures = _output.release_held()
+  if failures:
+    slot = int(token) & int(_errors.SLOT_MASK)
+    for exc in failures:
+      _errors.defer(exc, slot)
   return token
 
 

@@ -118,12 +118,19 @@ def running(placement: Placement | None, threaded: bool) -> tuple:
 
 
 def _running_on_stack():
+  return host_local(RUNNING_LOCAL)
+
+
+def host_local(name: str):
+  """The local ``name`` of the innermost host-function frame on this
+  thread's stack (None: no host function runs, or it has no such local).
+  A rare query (a placement, a failure's carrier), never per run."""
   # (from this frame: a caller called from C, e.g. by atexit or
   # _thread.start_new_thread, has no Python frame below it)
   frame = sys._getframe()
   while frame is not None:
     if frame.f_code in _host_codes:
-      return frame.f_locals.get(RUNNING_LOCAL)
+      return frame.f_locals.get(name)
     frame = frame.f_back
   return None
 

@@ -10,6 +10,8 @@ once the dispatched token is stored.
 """
 from __future__ import annotations
 
+import threading
+
 import jax
 
 from jax_effects._runtime import errors as _errors
@@ -32,10 +34,16 @@ def defer_error(exc: BaseException, slot: int = 0, inline: bool = False) -> None
   _errors.defer(exc, slot)
 
 
-def current_slot() -> int:
-  """The slot of the calling thread (0 if it never used jax_effects)."""
-  state = getattr(_threads.local, "state", None)
-  return 0 if state is None else state.slot
+def plain_jit_slot() -> int:
+  """The dispatching thread's slot as seen by a callback under plain
+  ``jax.jit`` (no carrier): the calling thread's when it is one Python
+  started (the CPU client ran the computation inline, on the thread that
+  dispatched it; its state is created if it has none yet), 0 (unknown) on
+  one of XLA's threads (a foreign thread, which ``threading`` sees as a
+  dummy): nothing there says who dispatched (``design/errors.md``)."""
+  if isinstance(threading.current_thread(), threading._DummyThread):
+    return 0
+  return _threads.thread_state().slot
 
 
 def raise_deferred(state: _threads.ThreadTokens) -> None:
@@ -47,9 +55,7 @@ def raise_deferred(state: _threads.ThreadTokens) -> None:
   if state.slot not in _errors.deferred:
     return
   _threads.wait_quietly(state.pending())
-  exc = _errors.pop_deferred((state.slot,))
-  if exc is not None:
-    raise exc.with_traceback(exc.__traceback__)
+  _errors.raise_pending((state.slot,))
 
 
 def dispatch_failed(state: _threads.ThreadTokens, err: Exception) -> None:
@@ -63,13 +69,21 @@ def dispatch_failed(state: _threads.ThreadTokens, err: Exception) -> None:
   call's error). An interrupt deferred during the dispatch (``_on_sigint``)
   is raised instead of ``err`` (with ``err`` as its cause).
   """
-  if state.own_errors:
-    interrupts = _defer_own_errors(state)
-    if interrupts:
-      if isinstance(err, jax.errors.JaxRuntimeError):
-        state.reset()
-      raise interrupts[0] from err
-  _errors.reraise(err, state.reset)
+  try:
+    if state.own_errors:
+      interrupts = _defer_own_errors(state)
+      if interrupts:
+        if isinstance(err, jax.errors.JaxRuntimeError):
+          state.reset()
+        interrupt = interrupts[0]
+        del interrupts
+        try:
+          raise interrupt from err
+        finally:
+          del interrupt
+    _errors.reraise(err, state.reset)
+  finally:
+    del err   # (no reference cycle through this frame: errors.reraise)
 
 
 def is_interrupt(exc: BaseException) -> bool:
@@ -88,6 +102,15 @@ def _defer_own_errors(state: _threads.ThreadTokens) -> list:
   return [exc for exc in own if is_interrupt(exc)]
 
 
+def move_own_errors(state: _threads.ThreadTokens) -> None:
+  """Moves the errors of callbacks that ran inline in the call in progress
+  to the thread's deferred errors (interrupts included): reported with
+  every other pending error by whoever reports next (interpreter exit)."""
+  own, state.own_errors = state.own_errors, []
+  for exc in own:
+    _errors.defer(exc, state.slot)
+
+
 def raise_own(state: _threads.ThreadTokens, token) -> None:
   """Raises the errors of the call that just returned (callbacks that ran
   inline), with every other error of the thread pending once that call's
@@ -103,7 +126,11 @@ def raise_own(state: _threads.ThreadTokens, token) -> None:
     _threads.wait_quietly(state.pending())
   rest = _errors.pop_deferred((state.slot,))
   errors = own + (_errors.flat_errors(rest) if rest is not None else [])
-  exc = errors[0] if len(errors) == 1 else _errors.group(errors)
-  raise exc.with_traceback(exc.__traceback__)
+  report = errors[0] if len(errors) == 1 else _errors.group(errors)
+  del own, rest, errors
+  try:
+    raise report
+  finally:
+    del report   # (no reference cycle through this frame: errors.raise_pending)
 
 

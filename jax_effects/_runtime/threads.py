@@ -39,6 +39,7 @@ import numpy as np
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import per_device as _per_device
 
@@ -125,13 +126,22 @@ local = threading.local()
 _all_lock = threading.RLock()
 # every live thread's state (weakly: a thread's state goes with the thread)
 _all_states: "weakref.WeakSet[ThreadTokens]" = weakref.WeakSet()
+#: Set once jax_effects' interpreter-exit handler has run (``exit``): a
+#: dispatch after it (from an exit handler that runs later) takes the general
+#: path, which reports its errors itself (``exit.report_late``).
+after_exit_handler = False
 
 
 def thread_state() -> ThreadTokens:
-  """This thread's token state (created and registered on first use)."""
+  """This thread's token state (created and registered on first use).
+
+  In a child forked after JAX's backend started, where no computation can
+  run, creating one is refused (``fork``)."""
   try:
     return local.state
   except AttributeError:
+    if _fork.forked_after_backend:
+      raise _fork.refused("a call that runs or waits for effects") from None
     state = local.state = ThreadTokens(threading.current_thread())
     _register(state)
     return state
@@ -197,7 +207,7 @@ def update(state: ThreadTokens, keys, token: jax.Array) -> None:
     for key in keys:
       if key is not _effects.UNORDERED:
         state.runtime[key] = runtime
-  if state.per_device:
+  if state.per_device or after_exit_handler:
     state.fast_mode = None
   else:
     # Only if the thread's mode is still the one of this dispatch: a
@@ -340,8 +350,28 @@ def _thread_exited(output: dict, runtime: dict) -> None:
   tokens = [*output.values(), *runtime.values()]
   output.clear()
   runtime.clear()
-  with _all_lock:
+  lock = _all_lock
+  if lock is None:   # the interpreter's teardown cleared this module
+    return
+  with lock:
     _orphans.extend(tokens)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child holds no thread state, token or pending computation of
+  the parent's (``fork``): its forking thread starts without state (the
+  fast hooks hold ``local`` itself, so its entry is removed, not the object
+  replaced), the other threads do not exist there, and JAX's own runtime
+  tokens of the forking thread stand for the parent's computations too."""
+  global _all_lock, _all_states
+  for state in list(_all_states):
+    state.reset()   # (so no finalizer files the parent's tokens as orphans)
+  local.__dict__.pop("state", None)
+  _all_lock = threading.RLock()
+  _all_states = weakref.WeakSet()
+  _orphans.clear()
+  _compat.clear_jax_runtime_tokens()
 
 
 def _prune_orphans() -> None:

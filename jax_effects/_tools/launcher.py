@@ -10,6 +10,13 @@ real multi-process program:
   it before starting the coordinator and exits with ``EXIT_PORT_IN_USE`` if
   another program took it meanwhile, and the launcher retries on another
   port (a port the caller gave is a clear ``OSError`` instead),
+* everything a launched run listens on is bound to 127.0.0.1, so nothing of
+  it is reachable from another host: the coordination service (JAX's default
+  binds every interface: ``coordinator_bind_address``), probed by the port
+  check at that same address, and the CPU collectives' connections (gloo
+  would bind the address of the machine's hostname:
+  ``_compat.cpu_collectives_on_host``); ``design/multihost.md`` says what a
+  real multi-host run sets instead,
 * starts ``num_processes`` children ``python -m jax_effects._tools.launcher
   worker TARGET``, each in its own process group, with the coordinator
   address, process count, process id and simulated CPU device count in its
@@ -246,6 +253,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float,
 def worker_main(target: str) -> None:
   """Child entry point: configure JAX, join the cluster, run ``target``."""
   import jax  # imported here: the launcher side must not start a backend
+  from jax_effects import _compat
 
   coordinator = os.environ[ENV_COORDINATOR]
   num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -264,7 +272,10 @@ def worker_main(target: str) -> None:
       sys.stderr.flush()
       os._exit(EXIT_PORT_IN_USE)
   try:
+    # Bound where the port was checked (127.0.0.1), not JAX's default of
+    # every interface: a launched run is reachable from this machine only.
     jax.distributed.initialize(coordinator_address=coordinator,
+                               coordinator_bind_address=coordinator,
                                num_processes=num_processes,
                                process_id=process_id, initialization_timeout=60)
   except Exception as err:  # noqa: BLE001 - the bind raced with another program
@@ -276,6 +287,8 @@ def worker_main(target: str) -> None:
       sys.stderr.flush()
       os._exit(EXIT_PORT_IN_USE)
     raise
+  # The CPU collectives listen on the coordinator's (loopback) address too.
+  _compat.cpu_collectives_on_host(coordinator.rpartition(":")[0])
   try:
     module_name, _, fn_name = target.partition(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
