@@ -103,7 +103,7 @@ def check_results(description, results, avals):
 
 def host_function(host_callback: HostCallback, where: _placement.Where, *,
                   passthrough: int, threaded: bool, avals_out: Sequence,
-                  entry: bool = False):
+                  entry: bool = False, operands: int | None = None):
   """The function XLA calls for one lowered effect (see the module docstring).
 
   ``where``: from ``_placement.at_lowering``. ``threaded``: lowered from
@@ -112,6 +112,8 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
   results, passthrough ones first. ``entry``: the carrier is the chain's
   runtime token (``threaded_effect_p``'s parameter): a ``FAILED`` bit there
   is an earlier execution's, cleared instead of skipping the effect.
+  ``operands``: how many operands the effect has (after the passthrough
+  ones; None if unknown).
 
   It never fails its computation (``design/errors.md``): a user exception is
   deferred to the dispatching thread (``_runtime_tokens.defer_error``) and
@@ -124,7 +126,8 @@ def host_function(host_callback: HostCallback, where: _placement.Where, *,
   """
   if threaded and passthrough == 1 and avals_out[0].shape == ():
     if where.table is None:
-      return _threaded_once(host_callback, where.fixed, avals_out, entry)
+      return _threaded_once(host_callback, where.fixed, avals_out, entry,
+                            operands)
     return _threaded_per_device(host_callback, where.table, avals_out, entry)
   return _general(host_callback, where, passthrough, threaded, avals_out,
                   entry)
@@ -154,15 +157,15 @@ def _setting_site(fn, running):
 # a 0-d integer array.
 
 def _threaded_once(host_callback: HostCallback, placement, avals_out,
-                   entry: bool):
-  """``host(carrier, *operands)`` of a threaded effect that runs once."""
+                   entry: bool, n_operands: int | None):
+  """``host(carrier, *operands)`` of a threaded effect that runs once
+  (``n_operands`` of them, if known)."""
   running = _placement.running(placement, True)
   fn = host_callback.fn
   if host_callback.reads_placement:
     fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
-  n_operands = len(avals_out) - 1 - len(result_avals)
   FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
