@@ -40,11 +40,7 @@ callback inside a higher-order primitive the pass has no rule for.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
-import numpy as np
-
+from jax_effects import _adopted_host
 from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _host
@@ -70,28 +66,6 @@ def chain_key(effect, mode: str):
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
 
 
-def _debug_host(primitive, params, *args):
-  primitive.impl(*args, **params)   # JAX's host side: formats, calls, logs
-  return ()
-
-
-def _io_host(params, *args):
-  # As JAX's callback lowering: results are NumPy arrays of JAX's canonical
-  # dtypes (a float64 result of a float32 io_callback is float32 without
-  # x64); shapes and dtypes are then checked against result_avals.
-  return tuple(_canonical(np.asarray(r))
-               for r in _compat.io_callback_impl(*args, **params))
-
-
-def _canonical(a):
-  dtype = jax.dtypes.canonicalize_dtype(a.dtype)
-  return a if a.dtype == dtype else a.astype(dtype)
-
-
-_DEBUG_NAMES = {_compat.debug_callback_p: "jax.debug.callback",
-                _compat.debug_print_p: "jax.debug.print"}
-
-
 def adopt(eqn):
   """``(host_callback, jax_effect)`` for an adoptable equation, or None if
   the equation stays JAX's.
@@ -102,22 +76,25 @@ def adopt(eqn):
   prim = eqn.primitive
   params = eqn.params
   (effect,) = [e for e in eqn.effects if is_adoptable_effect(e)]
-  if prim in _DEBUG_NAMES:
+  if prim is _compat.debug_print_p:
     if params.get("partitioned"):
       return None
-    name = _DEBUG_NAMES[prim]
-    if prim is _compat.debug_print_p:
-      name = f"jax.debug.print({params['fmt']!r})"
     host = _host.HostCallback(
-        functools.partial(_debug_host, prim, dict(params)),
-        f"{name} (adopted by jax_effects.jit)")
+        _adopted_host.debug_print(params),
+        f"{_adopted_host.describe(params)} (adopted by jax_effects.jit)",
+        reads_placement=True)
+    return host, effect
+  if prim is _compat.debug_callback_p:
+    if params.get("partitioned"):
+      return None
+    host = _host.HostCallback(
+        _adopted_host.debug_callback(params),
+        "jax.debug.callback (adopted by jax_effects.jit)")
     return host, effect
   if prim is _compat.io_callback_p:
     result_avals = tuple(params["result_avals"])
-    host_params = dict(callback=params["callback"], result_avals=result_avals,
-                       sharding=None, ordered=params["ordered"])
     host = _host.HostCallback(
-        functools.partial(_io_host, host_params),
+        _adopted_host.io_callback(params, result_avals),
         "jax.experimental.io_callback (adopted by jax_effects.jit)",
         result_avals)
     return host, effect

@@ -135,6 +135,28 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
   _hold_or_run(ordered, lambda: _handle_record(logger, record))
 
 
+def deliver_jax_line(text: str) -> None:
+  """Delivers a line of JAX's ``jax.debug.print`` adopted by the pass
+  (``_adopted_host``): as JAX writes it (no placement prefix), to
+  ``sys.stdout`` and listeners, held in the deterministic view like an
+  ordered line (adopted callbacks join an ordered chain)."""
+  _hold_or_run(True, lambda: _write_line(text))
+
+
+def deliver_jax_record(logger: logging.Logger,
+                       record: logging.LogRecord) -> None:
+  """Delivers a record of JAX's ``jax.debug.log`` adopted by the pass: as
+  JAX hands it over (``logger.handle``, whatever the logger's level), and to
+  listeners as a record the logger handled; held like an ordered record."""
+  def handle():
+    logger.handle(record)
+    for fn in _record_listeners:
+      fn(record)
+    for fn in _all_record_listeners:
+      fn(record, logger, True)
+  _hold_or_run(True, handle)
+
+
 # --- the deterministic view ------------------------------------------------------------
 
 _hold_lock = threading.Lock()
