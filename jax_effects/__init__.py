@@ -28,7 +28,9 @@ Layers, each importing only from the ones above it (``design/architecture.md``):
 4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``,
    ``_adopted``: JAX's own callbacks converted);
 5. dispatch and switching: ``_jit``, ``_modes``;
-6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``;
+6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``,
+   ``_adopted_host`` (the host side of JAX's own callbacks, registered with
+   ``_adopted``);
 7. tools (``_tools``: demo, bench, multi-process launcher, pytest plugin).
 """
 from jax_effects._callback import callback
@@ -42,6 +44,7 @@ from jax_effects._printing import print  # noqa: A004
 from jax_effects._runtime_tokens import RuntimeTokens, effects_barrier, runtime_tokens
 from jax_effects import _control_flow_batching  # noqa: F401  (vmap of cond/while)
 from jax_effects import _shard_map_rule  # noqa: F401  (registers the shard_map rule)
+from jax_effects import _adopted_host  # noqa: F401  (registers JAX's callbacks' host side)
 
 __version__ = "0.1.0"
 

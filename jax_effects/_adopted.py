@@ -17,21 +17,24 @@ token-threading pass into ``threaded_effect_p`` equations, like
   JAX promises no order for the latter, and program order is one, so
   existing code (which mostly calls ``jax.debug.print`` without
   ``ordered=True``) prints in program order by changing only its ``jit``;
-* the host side is JAX's own (the debug primitives' impl, io_callback's
-  host implementation), so arguments, formatting and results are exactly JAX's;
+* the host side (``_adopted_host``, registered here with
+  :func:`register_host_side`) keeps JAX's contract at jax_effects' cost: the
+  user's function receives what JAX's impls give it, ``jax.debug.print``
+  prints JAX's text (through ``_output``: held by
+  :func:`~jax_effects.deterministic`, seen by ``effects_capture``),
+  ``io_callback``'s results are checked as JAX checks them, and an error
+  reaches the caller as ``jax.jit`` delivers it (``JaxRuntimeError``, the
+  user's exception as its cause), once, where ``design/errors.md`` says;
   where it runs is ours (``_placement``: once per device inside
   ``shard_map``/``pmap``, once otherwise), so it works on several devices and
-  in ``shard_map``, where JAX refuses ordered callbacks, and an exception
-  reaches the caller as itself, once (``_errors``);
+  in ``shard_map``, where JAX refuses ordered callbacks;
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
 Differences from JAX's own lowering: ``io_callback``'s ``sharding=`` (the
 device to run on) is ignored, the callback runs where ours run (the first
-device of the computation); output of adopted callbacks is JAX's own (no
-device prefix, not held by :func:`~jax_effects.deterministic`); an ordered
-``io_callback`` under ``vmap`` is still refused by JAX while tracing, before
-the pass.
+device of the computation); an ordered ``io_callback`` under ``vmap`` is
+still refused by JAX while tracing, before the pass.
 
 Not adopted (left to JAX, which then also keeps its slower dispatch):
 ``jax.debug.callback(..., partitioned=True)`` (JAX runs it per shard under
@@ -40,10 +43,8 @@ callback inside a higher-order primitive the pass has no rule for.
 """
 from __future__ import annotations
 
-from jax_effects import _adopted_host
 from jax_effects import _compat
 from jax_effects import _effects
-from jax_effects import _host
 
 #: JAX effect types of adopted callbacks -> whether JAX orders them.
 _EFFECT_TYPES = {
@@ -66,6 +67,18 @@ def chain_key(effect, mode: str):
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
 
 
+# primitive -> ``host_side(params) -> HostCallback``: the host side of each
+# adopted primitive, registered by ``_adopted_host`` (a front end: it formats
+# as ``_printing`` does; imported by the package, as ``_shard_map_rule``).
+_host_sides: dict = {}
+
+
+def register_host_side(primitive, host_side) -> None:
+  """Registers ``host_side(params)``, the :class:`~jax_effects._host.
+  HostCallback` that runs an adopted ``primitive`` equation."""
+  _host_sides[primitive] = host_side
+
+
 def adopt(eqn):
   """``(host_callback, jax_effect)`` for an adoptable equation, or None if
   the equation stays JAX's.
@@ -73,32 +86,12 @@ def adopt(eqn):
   A new :class:`~jax_effects._host.HostCallback` per pass run (the pass runs
   once per trace of the function).
   """
-  prim = eqn.primitive
   params = eqn.params
+  host_side = _host_sides.get(eqn.primitive)
+  if host_side is None or params.get("partitioned"):
+    return None
   (effect,) = [e for e in eqn.effects if is_adoptable_effect(e)]
-  if prim is _compat.debug_print_p:
-    if params.get("partitioned"):
-      return None
-    host = _host.HostCallback(
-        _adopted_host.debug_print(params),
-        f"{_adopted_host.describe(params)} (adopted by jax_effects.jit)",
-        reads_placement=True)
-    return host, effect
-  if prim is _compat.debug_callback_p:
-    if params.get("partitioned"):
-      return None
-    host = _host.HostCallback(
-        _adopted_host.debug_callback(params),
-        "jax.debug.callback (adopted by jax_effects.jit)")
-    return host, effect
-  if prim is _compat.io_callback_p:
-    result_avals = tuple(params["result_avals"])
-    host = _host.HostCallback(
-        _adopted_host.io_callback(params, result_avals),
-        "jax.experimental.io_callback (adopted by jax_effects.jit)",
-        result_avals)
-    return host, effect
-  return None
+  return host_side(params), effect
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

@@ -2,18 +2,21 @@
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
 ``io_callback`` runs when its ``threaded_effect_p`` runs: JAX's semantics at
-jax_effects' cost. Its part in the token calling convention is that of every
-effect's host side (``HostCallback.fn``: operands in as NumPy arrays, results
-out); the host function around it (``_host``) handles the carrier. What the
-user observes is JAX's:
+jax_effects' cost. A front end (it formats as ``_printing`` does), so it
+registers itself with the pass (``_adopted.register_host_side``) instead of
+being imported by it. Its part in the token calling convention is that of
+every effect's host side (``HostCallback.fn``: operands in as NumPy arrays,
+results out); the host function around it (``_host``) handles the carrier.
+What the user observes is JAX's:
 
 * **Arguments.** ``jax.debug.callback`` and ``io_callback`` receive what
   JAX's impls give them: each operand as a committed ``jax.Array`` on the
   first CPU device, with ``jax_default_device`` set to that device (and, for
   ``debug.callback``, no mesh in effect). JAX builds them with
   ``jax.device_put`` (~30 us a call); here the same arrays come from the C++
-  call it ends in (``_compat.cpu_array``) and the settings are swapped
-  directly (``_compat.enter_*_callback_config``).
+  call it ends in (``_compat.batched_device_put``) and the settings are
+  swapped directly (``_compat.default_device_setting``,
+  ``NO_MESH_SETTINGS``).
 * **Text.** ``jax.debug.print``/``log`` format as JAX's
   ``_format_print_callback`` does (``fmt.format`` under the traced NumPy
   print options, or ``" ".join`` without placeholders), but from the NumPy
@@ -52,7 +55,9 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from jax_effects import _adopted
 from jax_effects import _compat
+from jax_effects import _host
 from jax_effects import _output
 from jax_effects import _printing
 
@@ -118,47 +123,57 @@ def _cpu():
   return _cpu_sharding[0]
 
 
-def _array_maker() -> Callable[[np.ndarray], jax.Array]:
-  """``make(x)``: the ``jax.Array`` that ``jax.device_put(x, cpu)`` gives
-  (committed, on the first CPU device, not weakly typed); avals cached by
-  shape and dtype (a host function sees the same few)."""
+def _avals() -> Callable[[np.ndarray], Any]:
+  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``
+  (not weakly typed), cached by shape and dtype (a host function sees the
+  same few)."""
   avals: dict = {}
-  cpu_array = _compat.cpu_array
   shaped = jax.core.ShapedArray
 
-  def make(x):
-    device, sharding = _cpu()
+  def aval_of(x):
     key = (x.shape, x.dtype)
     aval = avals.get(key)
     if aval is None:
       aval = avals[key] = shaped(x.shape, x.dtype)
-    return cpu_array(x, aval, sharding, device)
-  return make
+    return aval
+  return aval_of
 
+
+# The host functions below are written for speed (one frame per run; the
+# settings swapped inline): they are JAX's impls (``debug_callback_impl``,
+# ``io_callback_impl``) with ``jax.device_put`` and the ``with`` blocks
+# replaced by what they do (``_compat``).
 
 def debug_callback(params: dict) -> Callable[..., tuple]:
   """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
   params): JAX's flat callback (merging static arguments, unflattening)
   called as ``debug_callback_impl`` calls it."""
   callback = params["callback"]
-  make = _array_maker()
-  enter = _compat.enter_debug_callback_config
-  leave = _compat.exit_callback_config
+  aval_of = _avals()
+  put = _compat.batched_device_put
+  default_device = _compat.default_device_setting
+  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
   release_held = _output.release_held
 
   def host(*operands):
     release_held()
     try:
-      args = [make(x) for x in operands]
-      previous = enter(_cpu()[0])
+      device, sharding = _cpu()
+      devices = [device]
+      args = [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+      d = default_device.swap_local(device)
+      c = concrete.swap_local(no_concrete)
+      a = abstract.swap_local(no_abstract)
       try:
         callback(*args)
       except BaseException:
         logger.exception("jax.debug.callback failed")
         raise
       finally:
-        leave(previous)
+        abstract.set_local(a)
+        concrete.set_local(c)
+        default_device.set_local(d)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
       raise jax_error(exc) from exc
     return ()
@@ -169,9 +184,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   """Host side of an adopted ``io_callback``: ``io_callback_impl`` (results
   as NumPy arrays) followed by ``emit_python_callback``'s checks."""
   callback = params["callback"]
-  make = _array_maker()
-  enter = _compat.enter_io_callback_config
-  leave = _compat.exit_callback_config
+  aval_of = _avals()
+  put = _compat.batched_device_put
+  default_device = _compat.default_device_setting
   logger = _compat.callback_logger
   release_held = _output.release_held
   n_results = len(result_avals)
@@ -179,8 +194,10 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   def host(*operands):
     release_held()
     try:
-      args = [make(x) for x in operands]
-      previous = enter(_cpu()[0])
+      device, sharding = _cpu()
+      devices = [device]
+      args = [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+      d = default_device.swap_local(device)
       try:
         out = callback(*args)
         # io_callback_impl's tree_map(np.asarray, out); the flat callback
@@ -191,7 +208,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
         logger.exception("jax.io_callback failed")
         raise
       finally:
-        leave(previous)
+        default_device.set_local(d)
+      if not n_results and not out:
+        return ()
       return check_results(out, result_avals, n_results)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
       raise jax_error(exc) from exc
@@ -333,17 +352,25 @@ def debug_print(params: dict) -> Callable[..., tuple]:
     def message(operands) -> str:
       return text([Value(x) for x in operands])
   else:
-    make = _array_maker()
-    enter = _compat.enter_debug_callback_config
-    leave = _compat.exit_callback_config
+    aval_of = _avals()
+    put = _compat.batched_device_put
+    default_device = _compat.default_device_setting
+    (concrete, no_concrete), (abstract, no_abstract) = (
+        _compat.NO_MESH_SETTINGS)
 
     def message(operands) -> str:
-      values = [make(x) for x in operands]
-      previous = enter(_cpu()[0])
+      device, sharding = _cpu()
+      values = [put(aval_of(x), sharding, [x], [device], True)
+                for x in operands]
+      d = default_device.swap_local(device)
+      c = concrete.swap_local(no_concrete)
+      a = abstract.swap_local(no_abstract)
       try:
         return text(values)
       finally:
-        leave(previous)
+        abstract.set_local(a)
+        concrete.set_local(c)
+        default_device.set_local(d)
 
   def host(*operands):
     try:
@@ -364,7 +391,31 @@ def debug_print(params: dict) -> Callable[..., tuple]:
   return host
 
 
-def describe(params: dict) -> Any:
-  """What an adopted ``jax.debug.print``/``log`` is called in messages."""
+# --- registered with the pass -------------------------------------------------------
+
+_ADOPTED = "(adopted by jax_effects.jit)"
+
+
+def _print_host_callback(params: dict) -> _host.HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
-  return f"{what}({params['fmt']!r})"
+  return _host.HostCallback(debug_print(params),
+                            f"{what}({params['fmt']!r}) {_ADOPTED}",
+                            reads_placement=True)
+
+
+def _debug_callback_host_callback(params: dict) -> _host.HostCallback:
+  return _host.HostCallback(debug_callback(params),
+                            f"jax.debug.callback {_ADOPTED}")
+
+
+def _io_callback_host_callback(params: dict) -> _host.HostCallback:
+  result_avals = tuple(params["result_avals"])
+  return _host.HostCallback(io_callback(params, result_avals),
+                            f"jax.experimental.io_callback {_ADOPTED}",
+                            result_avals)
+
+
+_adopted.register_host_side(_compat.debug_print_p, _print_host_callback)
+_adopted.register_host_side(_compat.debug_callback_p,
+                            _debug_callback_host_callback)
+_adopted.register_host_side(_compat.io_callback_p, _io_callback_host_callback)

@@ -199,44 +199,25 @@ from jax._src import mesh as _mesh  # noqa: E402
 debugging_logger = _debugging.logger
 callback_logger = _callback.logger
 
-_default_device_state = _config.default_device
-_concrete_mesh_state = _config.device_context
-_abstract_mesh_state = _config.abstract_mesh_context_manager
-_no_concrete_mesh = _mesh.empty_concrete_mesh
-_no_abstract_mesh = _mesh.empty_abstract_mesh
+#: ``jax_default_device``'s thread-local state: JAX's impls set it to the
+#: CPU device around the user's function. ``swap_local(value)`` sets it and
+#: returns what ``set_local`` restores: the swap JAX's ``with`` block makes
+#: (the state has no update hook), without its context-manager objects.
+default_device_setting = _config.default_device
+#: ``((state, value), ...)``: what ``debug_callback_impl`` also sets (no
+#: concrete and no abstract mesh), swapped the same way.
+NO_MESH_SETTINGS = ((_config.device_context, _mesh.empty_concrete_mesh),
+                    (_config.abstract_mesh_context_manager,
+                     _mesh.empty_abstract_mesh))
 
+#: ``batched_device_put(aval, sharding, [x], [device], True)``: ``x`` (a
+#: NumPy array of ``aval``'s shape and dtype, ``aval`` not weakly typed) as
+#: the committed ``jax.Array`` on ``device`` (``sharding``: its
+#: ``SingleDeviceSharding``) that ``jax.device_put(x, device)`` returns, by
+#: the C++ call it ends in (``pxla.batched_device_put`` for one shard)
+#: without its Python layers (~3 us instead of ~30 us).
+batched_device_put = _xc.batched_device_put
 
-def enter_debug_callback_config(device) -> tuple:
-  """Sets what ``jax.debug.callback``'s impl sets around the user's function
-  (``device`` as ``jax_default_device``, no concrete or abstract mesh) on
-  this thread; returns what :func:`exit_callback_config` restores. The same
-  thread-local swaps as JAX's ``with`` blocks (none of the three has an
-  update hook), without their context-manager objects."""
-  return (_default_device_state.swap_local(device),
-          _concrete_mesh_state.swap_local(_no_concrete_mesh),
-          _abstract_mesh_state.swap_local(_no_abstract_mesh))
-
-
-def enter_io_callback_config(device) -> tuple:
-  """What ``io_callback``'s impl sets: only ``jax_default_device``."""
-  return (_default_device_state.swap_local(device),)
-
-
-def exit_callback_config(previous: tuple) -> None:
-  """Restores what an ``enter_*_callback_config`` call replaced."""
-  if len(previous) == 3:
-    _abstract_mesh_state.set_local(previous[2])
-    _concrete_mesh_state.set_local(previous[1])
-  _default_device_state.set_local(previous[0])
-
-
-def cpu_array(x, aval, sharding, device):
-  """``x`` (a NumPy array of ``aval``'s shape and dtype) as the committed
-  ``jax.Array`` on ``device`` (of ``sharding``, its ``SingleDeviceSharding``)
-  that ``jax.device_put(x, device)`` returns: the C++ call it ends in
-  (``pxla.batched_device_put`` for one shard, ``xc.batched_device_put``)
-  without its Python layers (~3 us instead of ~30 us)."""
-  return _xc.batched_device_put(aval, sharding, [x], [device], True)
 
 def shard_map_manual_axes(params) -> frozenset:
   """The mesh axes a ``shard_map`` equation makes manual (from its params).
