@@ -4,7 +4,10 @@ Every line written by :func:`jax_effects.print` and every record emitted by
 :func:`jax_effects.log` is handed over here by its host callback
 (:func:`deliver_line` / :func:`deliver_record`) on whichever thread runs the
 callback. A line of a per-device callback gets its placement prefix
-(``[device D shard S process P] ``, see ``_placement``).
+(``[device D shard S process P] ``, see ``_placement``). JAX's own
+``jax.debug.print``/``log`` adopted inside ``jax_effects.jit`` deliver here
+too (:func:`deliver_jax_line` / :func:`deliver_jax_record`: JAX's text, no
+prefix, the record handled as JAX hands it over), as ordered effects.
 
 Sinks: lines go to ``sys.stdout`` (one lock keeps each line whole), records
 to their logger. Listeners (the pytest plugin's ``effects_capture``) observe
@@ -28,7 +31,10 @@ per-device callbacks of token-threaded code is *held*, and released sorted by
 per-device token is combined into the next runtime token
 (``_runtime_tokens.combine_per_device``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
-(which follows them by data dependency), or when the view ends.
+(which follows them by data dependency), or when the view ends. An adopted
+``jax.debug.callback``/``io_callback`` releases what is held before it runs
+(``_adopted_host``): user code cannot be held, so the output before it on
+its device comes out first.
 """
 from __future__ import annotations
 
