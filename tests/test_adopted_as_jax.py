@@ -343,8 +343,11 @@ def test_deterministic_debug_callback_follows_the_held_lines_of_its_device(
   def fun(x):
     def body(b):
       je.print("ours {}", b[0])
-      jax.debug.callback(lambda v: print(f"callback {int(v[0])}"), b)
-      io_callback(lambda v: print(f"io {int(v[0])}"), None, b)
+      # (one write per line: devices' callbacks run at the same time)
+      jax.debug.callback(
+          lambda v: sys.stdout.write(f"callback {int(v[0])}\n"), b)
+      io_callback(lambda v: sys.stdout.write(f"io {int(v[0])}\n") and None,
+                  None, b)
       je.print("ours again {}", b[0])
       return b
     return _per_device(mesh, body)(x)

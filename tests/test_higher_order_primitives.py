@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_effects as je
 from helpers import Recorder
 from jax_effects import _compat
-from jax_effects import _token_pass
+from jax_effects._pass import token_pass as _token_pass
 
 
 # rec(tag, *values) in traced code records (tag, *values) when it runs;

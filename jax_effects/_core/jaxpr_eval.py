@@ -1,8 +1,8 @@
 """Evaluating a jaxpr equation by equation into the current trace.
 
 The two jaxpr interpreters of jax_effects (the token-threading pass,
-``_token_pass``, and the masking of effects in a vmapped ``cond`` branch,
-``_control_flow_batching``) walk a jaxpr the same way and differ only in what
+``_pass.token_pass``, and the masking of effects in a vmapped ``cond`` branch,
+``_primitives.control_flow_batching``) walk a jaxpr the same way and differ only in what
 they do with an equation: :func:`eval_jaxpr` is that walk, with the
 equation's source info and context in effect, and a ``handle(eqn, invals)``
 that returns its outputs (:func:`rebind` re-emits it unchanged).

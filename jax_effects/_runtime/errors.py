@@ -4,14 +4,14 @@ The contract is ``design/errors.md``. A callback error never fails an XLA
 computation (in a multi-device one the other devices would wait forever in
 the next collective; a failed computation's token would fail every later
 computation given it; under plain ``jax.jit`` no hook of ours could catch
-XLA's error). Instead the host function (``_host``) *defers* the user's
+XLA's error). Instead the host function (``_primitives.host_functions``) *defers* the user's
 exception here, under the slot of the thread that dispatched the computation
 (the value of the carrier it received, :data:`SLOT_MASK`), and returns zeros
 with the carrier's :data:`FAILED` bit set, so the later effects of its chain
 in that execution are skipped, as nothing runs after a ``raise`` in Python.
-The pass masks the bit off the returned token (``_token_pass``).
+The pass masks the bit off the returned token (``_pass.token_pass``).
 
-That thread raises what is deferred for it, once (``_runtime_tokens``): the
+That thread raises what is deferred for it, once (``raising``): the
 call itself when the callback ran inline in it, else its next call before it
 dispatches anything, or its barrier. Several errors pending at once are one
 report (:func:`group`); at most :data:`MAX_KEPT_ERRORS` are kept per thread
@@ -26,9 +26,13 @@ from typing import Callable
 import jax
 import numpy as np
 
+#: The dtype of runtime tokens and carriers: a token's value is the slot of
+#: the thread that dispatched it (``threads.ThreadTokens.slot``), with
+#: :data:`FAILED` set inside a computation after a callback failed.
+TOKEN_DTYPE = np.int32
 #: Carrier bit: an earlier effect of this chain in this execution failed, so
 #: the later ones are skipped (set by the host function that failed; masked
-#: off before the computation returns its token, see ``_token_pass``).
+#: off before the computation returns its token, see ``_pass.token_pass``).
 FAILED = np.int32(1 << 30)
 SLOT_MASK = np.int32((1 << 30) - 1)
 #: At most this many deferred errors are kept per thread between two reports;

@@ -1,12 +1,13 @@
-"""The host side of JAX's own callbacks adopted by the pass (``_adopted``).
+"""The host side of JAX's own callbacks adopted by the pass (``_pass.adopted``).
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
 ``io_callback`` runs when its ``threaded_effect_p`` runs: JAX's semantics at
-jax_effects' cost. A front end (it formats as ``_printing`` does), so it
-registers itself with the pass (``_adopted.register_host_side``) instead of
-being imported by it. Its part in the token calling convention is that of
-every effect's host side (``HostCallback.fn``: operands in as NumPy arrays,
-results out); the host function around it (``_host``) handles the carrier.
+jax_effects' cost. A front end (it formats as ``_frontends.printing`` does),
+so it registers itself with the pass (``_pass.adopted.register_host_side``)
+instead of being imported by it. Its part in the token calling convention
+is that of every effect's host side (``HostCallback.fn``: operands in as
+NumPy arrays, results out); the host function around it
+(``_primitives.host_functions``) handles the carrier.
 What the user observes is JAX's:
 
 * **Arguments.** ``jax.debug.callback`` and ``io_callback`` receive what
@@ -20,14 +21,15 @@ What the user observes is JAX's:
 * **Text.** ``jax.debug.print``/``log`` format as JAX's
   ``_format_print_callback`` does (``fmt.format`` under the traced NumPy
   print options, or ``" ".join`` without placeholders), but from the NumPy
-  values: :class:`~jax_effects._printing.Value` formats, ``str``s and
-  ``repr``s as the ``jax.Array`` JAX would build (its ``repr`` builds one).
-  Where a field reaches into an argument (``{x.shape}``, ``{x[0]}``) or an
-  argument is a pytree node other than tuple/list/dict (whose ``repr`` may
-  do anything with its leaves), real ``jax.Array`` s are built as for a
-  callback. Lines go through :func:`jax_effects._output.deliver_jax_line`
-  (stdout and listeners, held in the deterministic view), records through
-  :func:`~jax_effects._output.deliver_jax_record`.
+  values: :class:`~jax_effects._frontends.printing.Value` formats,
+  ``str``s and ``repr``s as the ``jax.Array`` JAX would build (its ``repr``
+  builds one). Where a field reaches into an argument (``{x.shape}``,
+  ``{x[0]}``) or an argument is a pytree node other than tuple/list/dict
+  (whose ``repr`` may do anything with its leaves), real ``jax.Array`` s are
+  built as for a callback. Lines go through
+  :func:`jax_effects._runtime.output.deliver_jax_line` (stdout and
+  listeners, held in the deterministic view), records through
+  :func:`~jax_effects._runtime.output.deliver_jax_record`.
 * **Results** (``io_callback``): checked and converted as JAX's
   ``emit_python_callback`` does (number, then shape and dtype after JAX's
   dtype canonicalization), with JAX's ``RuntimeError`` messages.
@@ -41,9 +43,9 @@ What the user observes is JAX's:
 * **Held output** (``deterministic()``): a callback runs user code, which
   cannot be held without moving it after the effects that follow it on its
   device; so the output held so far is released before the callback runs
-  (:func:`jax_effects._output.release_held`): on each device, what the
-  program printed before the callback comes out before what the callback
-  writes.
+  (:func:`jax_effects._runtime.output.release_held`): on each device, what
+  the program printed before the callback comes out before what the
+  callback writes.
 """
 from __future__ import annotations
 
@@ -55,11 +57,11 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jax_effects import _adopted
 from jax_effects import _compat
-from jax_effects import _host
-from jax_effects import _output
-from jax_effects import _printing
+from jax_effects._frontends import printing as _printing
+from jax_effects._pass import adopted as _adopted
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._runtime import output as _output
 
 # --- errors as jax.jit delivers them -----------------------------------------------
 
@@ -396,21 +398,21 @@ def debug_print(params: dict) -> Callable[..., tuple]:
 _ADOPTED = "(adopted by jax_effects.jit)"
 
 
-def _print_host_callback(params: dict) -> _host.HostCallback:
+def _print_host_callback(params: dict) -> _host_callback.HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
-  return _host.HostCallback(debug_print(params),
+  return _host_callback.HostCallback(debug_print(params),
                             f"{what}({params['fmt']!r}) {_ADOPTED}",
                             reads_placement=True)
 
 
-def _debug_callback_host_callback(params: dict) -> _host.HostCallback:
-  return _host.HostCallback(debug_callback(params),
+def _debug_callback_host_callback(params: dict) -> _host_callback.HostCallback:
+  return _host_callback.HostCallback(debug_callback(params),
                             f"jax.debug.callback {_ADOPTED}")
 
 
-def _io_callback_host_callback(params: dict) -> _host.HostCallback:
+def _io_callback_host_callback(params: dict) -> _host_callback.HostCallback:
   result_avals = tuple(params["result_avals"])
-  return _host.HostCallback(io_callback(params, result_avals),
+  return _host_callback.HostCallback(io_callback(params, result_avals),
                             f"jax.experimental.io_callback {_ADOPTED}",
                             result_avals)
 

@@ -17,7 +17,7 @@ token-threading pass into ``threaded_effect_p`` equations, like
   JAX promises no order for the latter, and program order is one, so
   existing code (which mostly calls ``jax.debug.print`` without
   ``ordered=True``) prints in program order by changing only its ``jit``;
-* the host side (``_adopted_host``, registered here with
+* the host side (``_frontends.adopted_host``, registered here with
   :func:`register_host_side`) keeps JAX's contract at jax_effects' cost: the
   user's function receives what JAX's impls give it, ``jax.debug.print``
   prints JAX's text (through ``_output``: held by
@@ -25,7 +25,7 @@ token-threading pass into ``threaded_effect_p`` equations, like
   ``io_callback``'s results are checked as JAX checks them, and an error
   reaches the caller as ``jax.jit`` delivers it (``JaxRuntimeError``, the
   user's exception as its cause), once, where ``design/errors.md`` says;
-  where it runs is ours (``_placement``: once per device inside
+  where it runs is ours (``_runtime.placement``: once per device inside
   ``shard_map``/``pmap``, once otherwise), so it works on several devices and
   in ``shard_map``, where JAX refuses ordered callbacks;
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
@@ -44,7 +44,7 @@ callback inside a higher-order primitive the pass has no rule for.
 from __future__ import annotations
 
 from jax_effects import _compat
-from jax_effects import _effects
+from jax_effects._core import effects as _effects
 
 #: JAX effect types of adopted callbacks -> whether JAX orders them.
 _EFFECT_TYPES = {
@@ -68,14 +68,15 @@ def chain_key(effect, mode: str):
 
 
 # primitive -> ``host_side(params) -> HostCallback``: the host side of each
-# adopted primitive, registered by ``_adopted_host`` (a front end: it formats
-# as ``_printing`` does; imported by the package, as ``_shard_map_rule``).
+# adopted primitive, registered by ``_frontends.adopted_host`` (a front end:
+# it formats as ``_frontends.printing`` does; imported by the package).
 _host_sides: dict = {}
 
 
 def register_host_side(primitive, host_side) -> None:
-  """Registers ``host_side(params)``, the :class:`~jax_effects._host.
-  HostCallback` that runs an adopted ``primitive`` equation."""
+  """Registers ``host_side(params)``, the
+  :class:`~jax_effects._primitives.host_callback.HostCallback` that runs an
+  adopted ``primitive`` equation."""
   _host_sides[primitive] = host_side
 
 
@@ -83,8 +84,8 @@ def adopt(eqn):
   """``(host_callback, jax_effect)`` for an adoptable equation, or None if
   the equation stays JAX's.
 
-  A new :class:`~jax_effects._host.HostCallback` per pass run (the pass runs
-  once per trace of the function).
+  A new :class:`~jax_effects._primitives.host_callback.HostCallback` per
+  pass run (the pass runs once per trace of the function).
   """
   params = eqn.params
   host_side = _host_sides.get(eqn.primitive)

@@ -20,11 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_effects import _arguments
-from jax_effects import _effects
-from jax_effects import _output
-from jax_effects import _primitives
-
+from jax_effects._core import effects as _effects
+from jax_effects._frontends import arguments as _arguments
+from jax_effects._primitives import effect as _primitives
+from jax_effects._runtime import output as _output
 
 # --- trace-time checks --------------------------------------------------------
 

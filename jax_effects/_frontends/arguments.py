@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax import tree_util
+import numpy as np
 
 _PY_NUMBERS = (bool, int, float, complex)
 

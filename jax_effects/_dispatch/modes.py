@@ -1,7 +1,7 @@
 """Switching how effects are ordered: ``set_ordering``, ``ordering``, ``deterministic``.
 
 The ordering mode decides which runtime-token stream an ordered effect uses
-(``_effects.chain_key``): one per :class:`~jax_effects.Effect`
+(``_core.effects.chain_key``): one per :class:`~jax_effects.Effect`
 (``"per_effect"``) or one for all (``"global"``). The two modes use different
 streams, so nothing would order an effect dispatched after a switch behind
 one dispatched before it: every switch here first waits for the effects
@@ -10,13 +10,13 @@ across it. Switches are rare; blocking there costs nothing per call. The
 wait reports no error (each stays for the thread that dispatched it). A
 dispatch in flight in another thread while ``set_ordering`` runs is not
 waited for here: that thread's next dispatch in the new mode first waits for
-its own earlier ones (``_runtime_tokens.switch_mode``), so every thread's
+its own earlier ones (``_threads.switch_mode``), so every thread's
 order holds across the switch. A switch is refused inside a traced function
 (it would be ignored) and inside a host callback (it would wait for the
 computation running it): ``design/errors.md``.
 
 :func:`deterministic` switches how per-device output is *delivered*: held and
-released in a fixed order (``_output``); leaving it waits for the calling
+released in a fixed order (``_runtime.output``); leaving it waits for the calling
 thread's effects and releases what is still held.
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ import contextlib
 from typing import Iterator
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _output
-from jax_effects import _runtime_tokens
+from jax_effects._core import effects as _effects
+from jax_effects._runtime import barrier as _barrier
+from jax_effects._runtime import output as _output
+from jax_effects._runtime import threads as _threads
 
 
 def _check_switch_allowed(call: str, switching: bool) -> None:
@@ -39,7 +40,7 @@ def _check_switch_allowed(call: str, switching: bool) -> None:
         "the one in effect when it is dispatched, so this switch would be "
         "ignored. Enter it around the call of the jitted function instead.")
   if switching:   # (it waits for dispatched effects: not from a callback)
-    _runtime_tokens.check_not_in_callback(call)
+    _barrier.check_not_in_callback(call)
 
 
 def set_ordering(mode: str) -> None:
@@ -53,9 +54,9 @@ def set_ordering(mode: str) -> None:
   switching = mode != _effects.process_mode()
   _check_switch_allowed(f"set_ordering({mode!r})", switching)
   if switching:
-    _runtime_tokens.wait_quietly(all_threads=True)
+    _barrier.wait_quietly(all_threads=True)
   _effects.set_process_mode(mode)
-  _runtime_tokens.mode_changed(all_threads=True)
+  _threads.mode_changed(all_threads=True)
 
 
 @contextlib.contextmanager
@@ -73,16 +74,16 @@ def ordering(mode: str) -> Iterator[None]:
   outer = _effects.get_ordering()
   _check_switch_allowed(f"ordering({mode!r})", mode != outer)
   if mode != outer:
-    _runtime_tokens.wait_quietly(all_threads=False)
+    _barrier.wait_quietly(all_threads=False)
   _effects.push_mode(mode)
-  _runtime_tokens.mode_changed(all_threads=False)
+  _threads.mode_changed(all_threads=False)
   try:
     yield
   finally:
     _effects.pop_mode()
-    _runtime_tokens.mode_changed(all_threads=False)
+    _threads.mode_changed(all_threads=False)
   if mode != outer:  # not reached with an exception in flight
-    _runtime_tokens.wait_quietly(all_threads=False)
+    _barrier.wait_quietly(all_threads=False)
 
 
 @contextlib.contextmanager
@@ -114,6 +115,6 @@ def deterministic() -> Iterator[None]:
     yield
   finally:
     try:
-      _runtime_tokens.effects_barrier()
+      _barrier.effects_barrier()
     finally:
       _output.stop_holding()   # releases what is still held

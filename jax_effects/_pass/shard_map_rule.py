@@ -1,7 +1,7 @@
 """Token-threading rule for ``shard_map`` (and so ``pmap``): per-device effects.
 
 Inside a fully manual ``shard_map`` every side effect runs once per device
-(see ``_placement``). The rule re-expresses the ``shard_map`` equation with
+(see ``_runtime.placement``). The rule re-expresses the ``shard_map`` equation with
 the carriers of the chains used inside as extra operands and results::
 
     carrier_vecs, outs = shard_map(body', in_specs=(P() or P(axes), ...,
@@ -13,7 +13,7 @@ the carriers of the chains used inside as extra operands and results::
   depends on the chain's previous effect (the runtime token, or the last
   effect before the ``shard_map``; after an effect that ran once, only the
   first device's copy is current and it is broadcast from there,
-  ``_primitives.from_first_device_p``). Inside, it is cast to *varying* over the
+  ``first_device.from_first_device_p``). Inside, it is cast to *varying* over the
   manual axes (under ``check_vma``), which is what it is: each device threads
   its own chain.
 * Each device's final carrier leaves as its element of a ``(n_devices,)``
@@ -24,7 +24,7 @@ the carriers of the chains used inside as extra operands and results::
   are in flight (several threads, or async dispatch), so a program that had
   none must not get one from us. The dispatch hook combines the elements into
   the next runtime token outside the program
-  (``_runtime_tokens.combine_per_device``), so the next computation's effects
+  (``_per_device.combine``), so the next computation's effects
   follow every device's effects, and each device keeps program order across
   calls.
 * Where a scalar carrier is needed (an effect after the ``shard_map`` that
@@ -38,13 +38,13 @@ is covered by the same rule.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
-from jax_effects import _primitives
-from jax_effects import _token_pass
+from jax_effects._pass import token_pass as _token_pass
+from jax_effects._primitives import first_device as _first_device
 
 
 def _to_varying(x, axes: tuple):
@@ -68,14 +68,14 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
   # A chain's runtime token (or a chain starting here) is the same on every
   # device; after an effect that ran once (on the first device of several,
-  # _primitives._on_first_device) only device 0's copy is current.
+  # first_device.on_first_device) only device 0's copy is current.
   after_once = [k in chains.carriers and k not in chains.entries for k in keys]
   carriers_in = []
   for c, once in zip(chains.take(keys), after_once):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh
       c = jnp.max(c)
     elif once and not c.shape:
-      c = _primitives.from_first_device_p.bind(c)
+      c = _first_device.from_first_device_p.bind(c)
     carriers_in.append(c)
 
   def body(carriers, *args):

@@ -18,12 +18,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax import tree_util
+import numpy as np
 
-from jax_effects import _arguments
-from jax_effects import _effects
-from jax_effects import _primitives
+from jax_effects._core import effects as _effects
+from jax_effects._frontends import arguments as _arguments
+from jax_effects._primitives import effect as _primitives
 
 
 def _result_avals(what: str, result_shape_dtypes):

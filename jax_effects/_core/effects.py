@@ -6,7 +6,7 @@ compiler-token chain) and across dispatches (a runtime token per thread).
 Side effects with different effects are not ordered relative to each other,
 unless the ordering mode is ``"global"``, where every ordered effect shares one
 stream (:data:`GLOBAL`) and so one total order. The mode is state here
-(:func:`get_ordering`); switching it (``_modes``) first waits for the effects
+(:func:`get_ordering`); switching it (``_dispatch.modes``) first waits for the effects
 dispatched under the old one.
 
 Inside a trace, every side-effect primitive carries a :class:`TraceEffect`, a
@@ -14,7 +14,7 @@ JAX-level effect that tells JAX's transformations to keep the equation (no
 dead-code elimination, no duplication under remat). It is not one of JAX's
 *ordered* effects; ordered side effects also carry :data:`PLAIN_JIT_ORDER`,
 which is, but only matters where the pass never runs (plain ``jax.jit``). The
-token-threading pass (``_token_pass``) reads these markers to learn which
+token-threading pass (``_pass.token_pass``) reads these markers to learn which
 streams a sub-computation touches and then removes them: after the pass, JAX
 sees an effect-free function.
 """
@@ -149,12 +149,12 @@ def process_mode() -> str:
 
 
 def set_process_mode(mode: str) -> None:
-  """Sets the process-wide mode (``_modes.set_ordering`` waits first)."""
+  """Sets the process-wide mode (``_dispatch.modes.set_ordering`` waits first)."""
   _ModeStack.process = check_mode(mode)
 
 
 def push_mode(mode: str) -> None:
-  """Enters ``mode`` on this thread (``_modes.ordering``)."""
+  """Enters ``mode`` on this thread (``_dispatch.modes.ordering``)."""
   stack = _local.stack
   if isinstance(stack, tuple):  # the class default: this thread's first use
     stack = _local.stack = []

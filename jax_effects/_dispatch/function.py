@@ -11,10 +11,10 @@ are shifted by ``k``, ``in_shardings`` gets None for them): ``jax.jit``
 refuses keyword arguments when ``in_shardings`` is given, and a tuple
 argument would cost a pytree level on every dispatch. Tracing ``g``
 traces the user function to a jaxpr and runs the token-threading pass on it
-(``_token_pass``), re-tracing the result into ``g``'s trace. The pass leaves
+(``_pass.token_pass``), re-tracing the result into ``g``'s trace. The pass leaves
 no JAX-level effect behind, so ``jax.jit``'s C++ fast path dispatches ``g``;
 the Python hook around it only reads the runtime tokens from
-:mod:`~jax_effects._runtime_tokens` and stores the returned token.
+``call_path`` and stores the returned token.
 
 Which chains a function uses is learnt while tracing: a trace that finds a
 chain the call did not pass a runtime token for raises :class:`NeedsTokens`,
@@ -52,25 +52,27 @@ import types
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax import tree_util
 from jax.extend import core as jex_core
+import jax.numpy as jnp
 
 from jax_effects import _compat
-from jax_effects import _effects
-from jax_effects import _errors
-from jax_effects import _runtime_tokens
-from jax_effects import _token_pass
-
-#: How many traces (jaxprs by signature) a Function keeps for reuse.
-_KEPT_TRACES = 8
+from jax_effects._core import effects as _effects
+from jax_effects._dispatch import call_path as _call_path
+from jax_effects._dispatch import stages as _stages
+from jax_effects._dispatch import trace_cache as _trace_cache
+from jax_effects._pass import token_pass as _token_pass
+from jax_effects._runtime import barrier as _barrier
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import launch_lock as _launch_lock
+from jax_effects._runtime import per_device as _per_device
+from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import threads as _threads
 
 # Set while a call can catch NeedsTokens (see Function._first_call).
 _strict = threading.local()
 
-#: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
-#: ...): reserved.
-TOKENS_KW = "__jax_effects_runtime_tokens__"
+TOKENS_KW = _call_path.TOKENS_KW
 
 # Returned by a call that must be retried (after NeedsTokens).
 _RETRY = object()
@@ -147,91 +149,13 @@ class _Threaded:
     self.keys: tuple = ()
     self.per_device_sharding = None
     self.jitted: dict[int | None, Any] = {}
-    #: The fast dispatch hook (``_runtime_tokens.fast_dispatch``) while it
+    #: The fast dispatch hook (``_call_path.fast_dispatch``) while it
     #: applies: one ordered chain, scalar tokens, one jax.jit for every call
     #: (see ``Function._refresh``); else None.
     self.fast: Callable | None = None
-    #: Whether launches take ``_runtime_tokens.launch_lock`` (several CPU
+    #: Whether launches take ``_launch_lock.launch_lock`` (several CPU
     #: devices: see there).
-    self.launch = _runtime_tokens.LaunchSite()
-
-
-def _launch(site: _runtime_tokens.LaunchSite, call, tokens, args, kwargs):
-  """``call(*tokens, *args, **kwargs)``, under the launch lock where
-  ``site`` needs it. (SIGINT landing here, as the call returns, is deferred
-  like in ``_dispatch``: registered below.)"""
-  if _runtime_tokens.serialize_launch(site):
-    with _runtime_tokens.launch_lock:
-      return call(*tokens, *args, **kwargs)
-  return call(*tokens, *args, **kwargs)
-
-
-def _placed_elsewhere(err: ValueError, tokens) -> bool:
-  """Whether ``err`` is JAX refusing a runtime token kept on other devices
-  than those of the computation (it names the token's parameter)."""
-  message = str(err)
-  return ("incompatible devices" in message and TOKENS_KW in message
-          and any(_runtime_tokens.kept_on_devices(t) for t in tokens))
-
-
-def _dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
-              kwargs, site: _runtime_tokens.LaunchSite):
-  """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
-
-  First raises the errors earlier computations of this thread deferred
-  (before dispatching anything), and after a mode switch waits for the
-  thread's earlier dispatches (``_runtime_tokens.switch_mode``). Then passes
-  the thread's runtime tokens of ``keys`` to ``call(*tokens, *args,
-  **kwargs)`` and stores the returned token, also when an interrupt lands
-  right after the dispatch; raises the errors of callbacks that ran inline
-  in this call (``design/errors.md``). Returns ``(outputs, token)``.
-  :class:`NeedsTokens` propagates unchanged. A computation over several CPU
-  devices is launched under ``_runtime_tokens.launch_lock`` (``site``: what
-  this call site launched last).
-  """
-  if _errors.deferred:   # an earlier call's callback failed
-    _runtime_tokens.raise_deferred(state)   # before dispatching anything
-  if state.mode != mode:   # after a mode switch: follow earlier dispatches
-    _runtime_tokens.switch_mode(state, mode)
-  tokens = _runtime_tokens.tokens_for(state, keys, per_device_sharding)
-  state.dispatching = True   # (SIGINT here waits for the token's storing)
-  try:
-    elsewhere = False
-    try:
-      out, token = _launch(site, call, tokens, args, kwargs)
-    except ValueError as err:
-      if not _placed_elsewhere(err, tokens):
-        _runtime_tokens.dispatch_failed(state, err)
-      elsewhere = True
-    except Exception as err:  # noqa: BLE001 - an execution error or not
-      _runtime_tokens.dispatch_failed(state, err)
-    if elsewhere:
-      # A token kept on the devices of this function's last computation
-      # (_runtime_tokens.kept_on_devices), while this call's arguments put
-      # the computation on others: JAX refused it before running anything.
-      # Its first device's copy (or combination) goes instead.
-      tokens = _runtime_tokens.tokens_for(state, keys, None)
-      try:
-        out, token = _launch(site, call, tokens, args, kwargs)
-      except Exception as err:  # noqa: BLE001 - an execution error or not
-        _runtime_tokens.dispatch_failed(state, err)
-    try:
-      _runtime_tokens.launched(site, token.sharding)
-      _runtime_tokens.update(state, keys, token)
-    except BaseException:
-      # KeyboardInterrupt (SIGINT) landing in update, after the computation
-      # was dispatched: its token is still stored, so what follows waits.
-      _runtime_tokens.store_interrupted(state, keys, token)
-      raise
-  finally:
-    state.dispatching = False
-  if state.own_errors:   # a callback of this call failed (ran inline)
-    _runtime_tokens.raise_own(state, token)
-  return out, token
-
-
-_runtime_tokens.interrupts_deferred_in(_dispatch)
-_runtime_tokens.interrupts_deferred_in(_launch)
+    self.launch = _launch_lock.LaunchSite()
 
 
 class Function:
@@ -261,8 +185,7 @@ class Function:
     self._after_fallback = False
     self._dispatch = self._first_call
     self._first_call_guard = _compat.first_call_guard()
-    self._traces: dict = {}  # see _trace
-    self._traces_lock = threading.Lock()
+    self._traces = _trace_cache.TraceCache(fun)
     # Guards each mode's ``keys`` and ``jitted`` (see _keys_and_jit): a
     # ``jax.jit`` object is built for ``len(keys)`` tokens, and threads learn
     # and build concurrently.
@@ -304,48 +227,8 @@ class Function:
       g.__signature__ = _signature_with_tokens(self._signature, tokens)
     return g
 
-  def _trace(self, args, kwargs):
-    """Traces the user function on the dynamic leaves of ``(args, kwargs)``.
-
-    The last few traces are kept by signature (static leaves and avals): the
-    retry after :class:`NeedsTokens`, or a new shape of runtime token (a
-    per-device token, see ``_runtime_tokens.per_device_tokens``), reuses the
-    jaxpr, so the user function is traced once per signature, as under
-    ``jax.jit``.
-    """
-    leaves, treedef = tree_util.tree_flatten((args, kwargs))
-    dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
-    dyn = [leaves[i] for i in dyn_pos]
-    signature = (treedef, tuple(x.aval if isinstance(x, jax.core.Tracer) else x
-                                for x in leaves), _effects.get_ordering())
-    try:
-      hit = self._traces.get(signature)
-    except TypeError:  # a static leaf that cannot be hashed
-      signature = hit = None
-    if hit is not None:
-      return hit[0], dyn, hit[1]
-
-    @functools.wraps(self._fun)
-    def flat_fun(*dyn_vals):
-      full = list(leaves)
-      for i, x in zip(dyn_pos, dyn_vals):
-        full[i] = x
-      a, k = tree_util.tree_unflatten(treedef, full)
-      return self._fun(*a, **k)
-
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
-    out_tree = tree_util.tree_structure(out_shape)
-    if signature is not None and not any(
-        isinstance(c, jax.core.Tracer) for c in closed.consts):
-      # (a jaxpr closing over an enclosing trace's values is not reusable)
-      with self._traces_lock:
-        if len(self._traces) >= _KEPT_TRACES:
-          self._traces.pop(next(iter(self._traces)))
-        self._traces[signature] = (closed, out_tree)
-    return closed, dyn, out_tree
-
   def _trace_pure(self, args, kwargs):
-    closed, dyn, out_tree = self._trace(args, kwargs)
+    closed, dyn, out_tree = self._traces.trace(args, kwargs)
     mode = _effects.get_ordering()
     keys = _token_pass.chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
@@ -361,7 +244,7 @@ class Function:
       # after this thread's effects dispatched so far.
       self._after_fallback = True   # (no fast hook until then: _refresh)
       self._learn(mode, err)
-      _runtime_tokens.wait_for_thread()
+      _barrier.wait_for_thread()
       outs = jex_core.jaxpr_as_fun(closed)(*dyn)
       return tree_util.tree_unflatten(out_tree, outs)
     outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
@@ -378,10 +261,10 @@ class Function:
       jax.block_until_ready(runtime)
       out = self._fun(*args, **kwargs)
       # (the hook stores a jax.Array: it reads its sharding)
-      return out, _runtime_tokens.as_array(
+      return out, _threads.as_array(
           runtime[0] if runtime else
-          _runtime_tokens.initial_token(_runtime_tokens.thread_state()))
-    closed, dyn, out_tree = self._trace(args, kwargs)
+          _threads.initial_token(_threads.thread_state()))
+    closed, dyn, out_tree = self._traces.trace(args, kwargs)
     known = self._threaded(mode).keys
     missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
                     if k not in known)
@@ -390,7 +273,7 @@ class Function:
     outs, token = _token_pass.thread_program(
         closed, dyn, dict(zip(known, runtime)), mode)
     if token is None:
-      token = jnp.zeros((), _runtime_tokens.TOKEN_DTYPE)
+      token = jnp.zeros((), _errors.TOKEN_DTYPE)
     return tree_util.tree_unflatten(out_tree, outs), token
 
   def _threaded_jit(self, mode: str, args: tuple = ()):
@@ -433,7 +316,7 @@ class Function:
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and threaded.per_device_sharding is None and jitted is not None
           and not self._after_fallback):
-        threaded.fast = _runtime_tokens.fast_dispatch(
+        threaded.fast = _call_path.fast_dispatch(
             mode, keys[0], jitted, fun=self._fun, general=self._call_threaded,
             learn=functools.partial(self._learn, mode), retry=NeedsTokens,
             per_device=functools.partial(self._per_device, mode),
@@ -476,7 +359,7 @@ class Function:
     if self._effectful:
       return self._call_threaded(*args, **kwargs)
     if _errors.deferred and _compat.at_top_level():
-      _runtime_tokens.raise_deferred(_runtime_tokens.thread_state())
+      _raising.raise_deferred(_threads.thread_state())
     previous = getattr(_strict, "on", False)
     _strict.on = True
     try:
@@ -500,24 +383,24 @@ class Function:
     if not _compat.compiled_dispatch():
       return self._fun(*args, **kwargs)
     mode = _effects.get_ordering()
-    state = _runtime_tokens.thread_state()
+    state = _threads.thread_state()
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
       self._after_fallback = False
-      _runtime_tokens.effects_barrier()
+      _barrier.effects_barrier()
       for mode_ in list(self._modes):
         self._refresh(mode_)
     threaded = self._threaded(mode)
     while True:
       keys, jitted = self._keys_and_jit(mode, args)
       try:
-        out, token = _dispatch(state, mode, keys,
+        out, token = _call_path.dispatch(state, mode, keys,
                                threaded.per_device_sharding, jitted, args,
                                kwargs, threaded.launch)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
       if (token.sharding is not threaded.per_device_sharding
-          and _runtime_tokens.kept_on_devices(token)):
+          and _per_device.kept_on_devices(token)):
         threaded.per_device_sharding = token.sharding
         self._refresh(mode)
       if threaded.fast is not None:
@@ -526,7 +409,7 @@ class Function:
 
   # --- the jax.jit API -----------------------------------------------------
 
-  def trace(self, *args, **kwargs) -> "Traced":
+  def trace(self, *args, **kwargs) -> _stages.Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     As ``jax.jit(f).trace``; the returned :class:`Traced` shows the user's
@@ -536,7 +419,7 @@ class Function:
       previous = getattr(_strict, "on", False)
       _strict.on = True
       try:
-        return Traced(self, self._pure.trace(*args, **kwargs), None, ())
+        return _stages.Traced(self, self._pure.trace(*args, **kwargs), None, ())
       except NeedsTokens as err:
         self._learn(_effects.get_ordering(), err)
       finally:
@@ -544,16 +427,16 @@ class Function:
     mode = _effects.get_ordering()
     while True:
       keys, jitted = self._keys_and_jit(mode, args)
-      tokens = tuple(jax.ShapeDtypeStruct((), _runtime_tokens.TOKEN_DTYPE)
+      tokens = tuple(jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE)
                      for _ in keys)
       try:
         traced = jitted.trace(*tokens, *args, **kwargs)
       except NeedsTokens as err:
         self._learn(mode, err)
         continue
-      return Traced(self, traced, mode, keys)
+      return _stages.Traced(self, traced, mode, keys)
 
-  def lower(self, *args, **kwargs) -> "Lowered":
+  def lower(self, *args, **kwargs) -> _stages.Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     return self.trace(*args, **kwargs).lower()
 
@@ -563,8 +446,7 @@ class Function:
 
   def clear_cache(self) -> None:
     """Drops the kept traces and the ``jax.jit`` caches of this function."""
-    with self._traces_lock:
-      self._traces.clear()
+    self._traces.clear()
     self._pure.clear_cache()
     for threaded in list(self._modes.values()):
       for jitted in list(threaded.jitted.values()):
@@ -590,181 +472,6 @@ class Function:
 
 def _rebuild(fun, jit_kwargs):
   return Function(fun, **jit_kwargs)
-
-
-def _export_error(function: Function) -> Exception:
-  name = getattr(function._fun, "__qualname__", repr(function._fun))
-  return ValueError(
-      f"jax.export cannot export the jax_effects.jit function '{name}': it "
-      f"has side effects (jax_effects print/log/callback, or JAX callbacks "
-      f"such as jax.debug.print that jax_effects.jit adopts), which run as "
-      f"host (Python) callbacks, and host callbacks cannot be serialized. "
-      f"Export "
-      f"the pure part instead: jax.export.export(jax.jit(g)) of a function g "
-      f"without jax_effects effects, and run the effects around the exported "
-      f"call.")
-
-
-class _Stage:
-  """What a JAX stage shows about inputs and outputs, minus our token.
-
-  ``_inner`` is JAX's stage (``Traced``, ``Lowered`` or ``Compiled``) of the
-  pure ``jax.jit`` (``_mode`` None: nothing to strip) or of the threaded
-  ``g(*tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
-  here are JAX's.
-  """
-
-  def _strip_in(self, tree):
-    if self._mode is None:
-      return tree
-    args, kwargs = tree
-    return tuple(args[len(self._keys):]), kwargs
-
-  def _strip_out(self, tree):
-    return tree if self._mode is None else tree[0]
-
-  @property
-  def args_info(self):
-    return self._strip_in(self._inner.args_info)
-
-  @property
-  def in_tree(self):
-    return tree_util.tree_structure(self.args_info)
-
-  @property
-  def in_avals(self):
-    return self._strip_in(self._inner.in_avals)
-
-  @property
-  def donate_argnums(self):
-    n = 0 if self._mode is None else len(self._keys)
-    return tuple(i - n for i in self._inner.donate_argnums if i >= n)
-
-  @property
-  def out_info(self):
-    return self._strip_out(self._inner.out_info)
-
-  @property
-  def out_tree(self):
-    tree = self._inner.out_tree
-    return tree if self._mode is None else tree.children()[0]
-
-  def __getattr__(self, name):
-    if name.startswith("__") or name in ("_inner", "_mode", "_keys"):
-      raise AttributeError(name)
-    return getattr(self._inner, name)
-
-
-class Traced(_Stage):
-  """A traced :class:`Function` (as ``jax.jit(f).trace(...)``).
-
-  ``.jaxpr`` is the token-threaded jaxpr (what is lowered); ``args_info``,
-  ``in_tree``, ``out_info``, ``out_avals`` show the user's arguments and
-  outputs.
-  """
-
-  def __init__(self, function: Function, traced, mode, keys):
-    self._function = function
-    self._inner = traced
-    self._mode = mode
-    self._keys = keys
-
-  @property
-  def jaxpr(self):
-    return self._inner.jaxpr
-
-  @property
-  def fun_name(self):
-    return self._inner.fun_name
-
-  @property
-  def out_avals(self):
-    return self._strip_out(self._inner.out_avals)
-
-  def __call__(self, *args, **kwargs):
-    """Runs the function (with its effects, through the dispatch hook)."""
-    return self._function(*args, **kwargs)
-
-  def lower(self, *, lowering_platforms=None, _private_parameters=None):
-    if self._mode is not None and getattr(_private_parameters, "for_export",
-                                          False):
-      raise _export_error(self._function)
-    lowered = self._inner.lower(lowering_platforms=lowering_platforms,
-                                _private_parameters=_private_parameters)
-    return Lowered(self._function, lowered, self._mode, self._keys)
-
-
-class Lowered(_Stage):
-  """A lowered :class:`Function`; ``.as_text()`` shows the threaded StableHLO."""
-
-  def __init__(self, function: Function, lowered, mode, keys):
-    self._function = function
-    self._inner = lowered
-    self._mode = mode
-    self._keys = keys
-
-  def as_text(self, *args, **kwargs) -> str:
-    return self._inner.as_text(*args, **kwargs)
-
-  def compiler_ir(self, *args, **kwargs):
-    return self._inner.compiler_ir(*args, **kwargs)
-
-  def cost_analysis(self):
-    return self._inner.cost_analysis()
-
-  def compile(self, *args, **kwargs) -> "Compiled":
-    return Compiled(self._inner.compile(*args, **kwargs), self._mode,
-                    self._keys)
-
-
-class Compiled(_Stage):
-  """A compiled :class:`Function`; calling it runs the dispatch hook.
-
-  ``input_shardings``/``input_formats`` and ``output_shardings``/
-  ``output_formats`` are those of the user's arguments and outputs.
-  """
-
-  def __init__(self, compiled, mode, keys):
-    self._inner = compiled
-    self._mode = mode
-    self._keys = keys
-    self._launch = _runtime_tokens.LaunchSite()
-
-  def as_text(self) -> str:
-    return self._inner.as_text()
-
-  def cost_analysis(self):
-    return self._inner.cost_analysis()
-
-  def memory_analysis(self):
-    return self._inner.memory_analysis()
-
-  def runtime_executable(self):
-    return self._inner.runtime_executable()
-
-  @property
-  def input_shardings(self):
-    return self._strip_in(self._inner.input_shardings)
-
-  @property
-  def input_formats(self):
-    return self._strip_in(self._inner.input_formats)
-
-  @property
-  def output_shardings(self):
-    return self._strip_out(self._inner.output_shardings)
-
-  @property
-  def output_formats(self):
-    return self._strip_out(self._inner.output_formats)
-
-  def __call__(self, *args, **kwargs):
-    if self._mode is None:
-      return self._inner(*args, **kwargs)
-    # compiled for scalar tokens (see Function.lower): no per-device sharding
-    out, _ = _dispatch(_runtime_tokens.thread_state(), self._mode, self._keys,
-                       None, self._inner, args, kwargs, self._launch)
-    return out
 
 
 def jit(fun: Callable | None = None, **jit_kwargs):

@@ -29,22 +29,22 @@ capturing listener (the pytest fixture) wants every level.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 import io
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Mapping
 
 import jax
 import numpy as np
 
-from jax_effects import _arguments
-from jax_effects import _effects
-from jax_effects import _output
-from jax_effects import _placement
-from jax_effects import _primitives
-from jax_effects import _printing
+from jax_effects._core import effects as _effects
+from jax_effects._frontends import arguments as _arguments
+from jax_effects._frontends import printing as _printing
+from jax_effects._primitives import effect as _primitives
+from jax_effects._runtime import output as _output
+from jax_effects._runtime import placement as _placement
 
 #: The logger of :func:`log` when ``logger=None``.
 LOGGER_NAME = "jax_effects"
@@ -52,7 +52,8 @@ LOGGER_NAME = "jax_effects"
 #: Attributes jax_effects sets on every record (``extra`` may not set them).
 PLACEMENT_KEYS = ("device_id", "shard_index", "process_index")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's root folder (this module is in one of its layer folders).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 _RECORD_KEYS = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {

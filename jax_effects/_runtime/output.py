@@ -4,7 +4,7 @@ Every line written by :func:`jax_effects.print` and every record emitted by
 :func:`jax_effects.log` is handed over here by its host callback
 (:func:`deliver_line` / :func:`deliver_record`) on whichever thread runs the
 callback. A line of a per-device callback gets its placement prefix
-(``[device D shard S process P] ``, see ``_placement``). JAX's own
+(``[device D shard S process P] ``, see ``_runtime.placement``). JAX's own
 ``jax.debug.print``/``log`` adopted inside ``jax_effects.jit`` deliver here
 too (:func:`deliver_jax_line` / :func:`deliver_jax_record`: JAX's text, no
 prefix, the record handled as JAX hands it over), as ordered effects.
@@ -29,12 +29,12 @@ output changes from run to run. While holding, the ordered output of
 per-device callbacks of token-threaded code is *held*, and released sorted by
 (position in its device's sequence, device id) when the dispatch's
 per-device token is combined into the next runtime token
-(``_runtime_tokens.combine_per_device``: a host callback that runs after
+(``_per_device.combine``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
 (which follows them by data dependency), or when the view ends. An adopted
 ``jax.debug.callback``/``io_callback`` releases what is held before it runs
-(``_adopted_host``): user code cannot be held, so the output before it on
-its device comes out first.
+(``_frontends.adopted_host``): user code cannot be held, so the output
+before it on its device comes out first.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from jax_effects import _placement
+from jax_effects._runtime import placement as _placement
 
 # --- listeners ---------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
 
 def deliver_jax_line(text: str) -> None:
   """Delivers a line of JAX's ``jax.debug.print`` adopted by the pass
-  (``_adopted_host``): as JAX writes it (no placement prefix), to
+  (``_frontends.adopted_host``): as JAX writes it (no placement prefix), to
   ``sys.stdout`` and listeners, held in the deterministic view like an
   ordered line (adopted callbacks join an ordered chain)."""
   _hold_or_run(True, lambda: _write_line(text))
@@ -191,7 +191,7 @@ def stop_holding() -> None:
 
 
 def _run(thunk: Callable[[], None]) -> None:
-  """Runs a delivery (sinks, handlers: user code) with ``_placement.site``
+  """Runs a delivery (sinks, handlers: user code) with ``_runtime.placement.site``
   cleared: a ``placement()`` there finds the innermost host function on the
   stack (this callback's, or that of jitted code a handler runs inline)."""
   site = _placement.site
