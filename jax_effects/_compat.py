@@ -95,6 +95,35 @@ lowerable_effects = _effects.lowerable_effects
 ordered_effects = _effects.ordered_effects
 shardable_ordered_effects = _effects.shardable_ordered_effects
 
+# Loop-invariant hoisting of scan's partial evaluation (grad, vjp, linearize
+# of a scan), JAX 0.8-0.10: ``_scan_known_hoisting`` re-traces the forward
+# ("known") scan body with its consts known, and every equation whose inputs
+# are all consts is evaluated once, outside the loop. For an effect that is
+# wrong: ``print("step")`` or a progress bar's ``bar.update()`` in the body
+# would run once instead of once per iteration (JAX's own
+# ``jax.debug.print("step")`` does so under ``jax.grad``). ``_scan_partial_eval``
+# calls it by its module-level name, so it is wrapped there: a body with one
+# of our effects (``keep_effects_in_loops``) is not hoisted (JAX's own
+# "to disable" return); every other scan is hoisted as before.
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+
+_jax_scan_known_hoisting = _loops._scan_known_hoisting
+_unhoisted_effect_types: set = set()
+
+
+def _scan_known_hoisting(jaxpr_known, known_consts, num_res):
+  if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
+    return jaxpr_known, known_consts, [False] * num_res, []
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res)
+
+
+def keep_effects_in_loops(*effect_types) -> None:
+  """Equations carrying an effect of these types stay in their scan's body
+  under partial evaluation (see ``_scan_known_hoisting`` above)."""
+  _unhoisted_effect_types.update(effect_types)
+  _loops._scan_known_hoisting = _scan_known_hoisting
+
+
 # Sharding annotation JAX gives its own callbacks: MAXIMAL on one device under
 # automatic partitioning, MANUAL (per device) inside a fully manual shard_map.
 callback_op_sharding = _callback._callback_op_sharding

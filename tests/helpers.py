@@ -6,7 +6,13 @@
 * :class:`Boom`: the exception test callbacks raise.
 * :func:`in_thread`, :func:`run_threads`: test code on other Python threads
   (each has its own token state), bounded by :data:`JOIN_TIMEOUT_S`.
+* :func:`run_script`: a program in a fresh Python process (where exit, fork
+  or the process's network is at stake), bounded in time.
 """
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -218,3 +224,28 @@ class NotReadyYet:
   def __exit__(self, *exc):
     self.release()
     self._out.block_until_ready()
+
+
+#: The start of a :func:`run_script` program: 8 simulated CPU devices, a mesh
+#: ``("i",)`` over them and ``x = arange(8)`` sharded along it.
+PRELUDE_8_DEVICES = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_effects as je
+mesh = Mesh(np.array(jax.devices()), ("i",))
+x = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("i")))
+"""
+
+
+def run_script(source: str, *args: str, timeout: float = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+  """Runs ``source`` (dedented) as ``python -c`` with ``args``; returns the
+  completed process (text stdout, stderr, returncode). Raises
+  ``subprocess.TimeoutExpired`` (killing it) after ``timeout`` seconds."""
+  full_env = None if env is None else {**os.environ, **env}
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(source), *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=full_env)

@@ -284,7 +284,7 @@ def test_adopted_callbacks_skip_jax_device_put_per_run(jax_events, capsys):
   # What made an adopted callback cost JAX's ~10x of ours (issue 25): every
   # run put each operand on the CPU with jax.device_put. A print formats the
   # NumPy values; a callback's arrays come from jax.device_put's C++ call.
-  # (Its speed is measured by ``python -m jax_effects bench``, rows k.)
+  # (Its speed is measured by ``python -m jax_effects bench``, rows l.)
   record = []
 
   @je.jit

@@ -49,7 +49,8 @@ import inspect
 import operator
 import threading
 import types
-from typing import Any, Callable
+from typing import (TYPE_CHECKING, Any, Callable, Generic, ParamSpec, TypeVar,
+                    overload)
 
 import jax
 from jax import tree_util
@@ -158,7 +159,11 @@ class _Threaded:
     self.launch = _launch_lock.LaunchSite()
 
 
-class Function:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class Function(Generic[_P, _R]):
   """A jitted function whose side effects are token-threaded.
 
   Call it like the function it wraps. Offers what a ``jax.jit`` object
@@ -169,7 +174,7 @@ class Function:
   (a bound ``types.MethodType``).
   """
 
-  def __init__(self, fun: Callable, **jit_kwargs):
+  def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
     names = jit_kwargs.get("static_argnames") or ()
@@ -208,7 +213,7 @@ class Function:
   def __repr__(self):
     return f"<jax_effects.jit of {getattr(self._fun, '__qualname__', self._fun)}>"
 
-  def __get__(self, instance, owner=None):
+  def __get__(self, instance: Any, owner: Any = None) -> Any:
     # As jax.jit objects: a bound method when looked up on an instance.
     if instance is None:
       return self
@@ -230,7 +235,7 @@ class Function:
   def _trace_pure(self, args, kwargs):
     closed, dyn, out_tree = self._traces.trace(args, kwargs)
     mode = _effects.get_ordering()
-    keys = _token_pass.chain_keys(closed.effects, mode)
+    keys = _token_pass.runtime_chain_keys(closed.effects, mode)
     if keys:  # unordered effects need the threaded path too, but no token
       # (unordered effects get a token too: the thread's initial token, never
       # stored back, so their carrier holds the thread's slot for errors)
@@ -266,8 +271,9 @@ class Function:
           _threads.initial_token(_threads.thread_state()))
     closed, dyn, out_tree = self._traces.trace(args, kwargs)
     known = self._threaded(mode).keys
-    missing = tuple(k for k in _token_pass.chain_keys(closed.effects, mode)
-                    if k not in known)
+    missing = tuple(
+        k for k in _token_pass.runtime_chain_keys(closed.effects, mode)
+        if k not in known)
     if missing or len(runtime) != len(known):
       raise NeedsTokens(missing)
     outs, token = _token_pass.thread_program(
@@ -348,7 +354,10 @@ class Function:
   #: a plain ``jax.jit`` call), the fast hook of the current mode
   #: (``_Threaded.fast``) once a call found it applies, else
   #: :meth:`_first_call` or :meth:`_call_threaded`.
-  __call__ = property(operator.attrgetter("_dispatch"))
+  if TYPE_CHECKING:   # (for type checkers: called like the wrapped function)
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R: ...
+  else:
+    __call__ = property(operator.attrgetter("_dispatch"))
 
   def _first_call(self, *args, **kwargs):
     """Until a call finds the function pure: a pure call that may learn."""
@@ -409,7 +418,7 @@ class Function:
 
   # --- the jax.jit API -----------------------------------------------------
 
-  def trace(self, *args, **kwargs) -> _stages.Traced:
+  def trace(self, *args: Any, **kwargs: Any) -> _stages.Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     As ``jax.jit(f).trace``; the returned :class:`Traced` shows the user's
@@ -436,11 +445,11 @@ class Function:
         continue
       return _stages.Traced(self, traced, mode, keys)
 
-  def lower(self, *args, **kwargs) -> _stages.Lowered:
+  def lower(self, *args: Any, **kwargs: Any) -> _stages.Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     return self.trace(*args, **kwargs).lower()
 
-  def eval_shape(self, *args, **kwargs):
+  def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
     """Output shapes/dtypes (``jax.ShapeDtypeStruct`` s), as ``jax.eval_shape``."""
     return self.trace(*args, **kwargs).out_info
 
@@ -458,10 +467,10 @@ class Function:
         j._cache_size() for t in list(self._modes.values())
         for j in list(t.jitted.values()))
 
-  def __copy__(self) -> "Function":
+  def __copy__(self) -> Function[_P, _R]:
     return Function(self._fun, **self._jit_kwargs)
 
-  def __deepcopy__(self, memo) -> "Function":
+  def __deepcopy__(self, memo: Any) -> Function[_P, _R]:
     # A fresh Function of the same function and options (as for jax.jit:
     # caches and learnt state are not copied; locks cannot be).
     return Function(self._fun, **self._jit_kwargs)
@@ -474,12 +483,22 @@ def _rebuild(fun, jit_kwargs):
   return Function(fun, **jit_kwargs)
 
 
-def jit(fun: Callable | None = None, **jit_kwargs):
+@overload
+def jit(fun: Callable[_P, _R], /, **jit_kwargs: Any) -> Function[_P, _R]: ...
+@overload
+def jit(fun: None = None, /, **jit_kwargs: Any
+        ) -> Callable[[Callable[_P, _R]], Function[_P, _R]]: ...
+
+
+def jit(fun: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
   """Drop-in for ``jax.jit`` that keeps side effects in program order.
 
   Takes ``jax.jit``'s keyword arguments (``static_argnums``,
   ``static_argnames``, ``donate_argnums``, ``in_shardings``, ...). Usable as
-  ``@jit``, ``@jit(static_argnums=...)`` or ``jit(f, ...)``.
+  ``@jit``, ``@jit(static_argnums=...)`` or ``jit(f, ...)``. Returns a
+  :class:`Function`, typed for type checkers as the function it wraps
+  (``Function[P, R]``: called with ``f``'s parameters, returning ``f``'s
+  result type).
   """
   if fun is None:
     return functools.partial(jit, **jit_kwargs)

@@ -48,6 +48,7 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import adopted as _adopted
+from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
@@ -145,15 +146,25 @@ def in_region(kind: str | None = None, mask=None):
 
 
 def chain_keys(effects, mode: str) -> tuple:
-  """Chain keys of the markers in a set of JAX effects, in a stable order.
+  """Chain keys of the markers in a set of JAX effects, in a stable order:
+  the chains a sub-computation with these effects threads.
 
-  JAX's own callback effects the pass adopts (``_pass.adopted``) count too.
+  JAX's own callback effects the pass adopts (``_pass.adopted``) count too, and
+  device-side counters (``_primitives.counter``: chains with no runtime token).
   """
   keys = {_effects.chain_key(e, mode) for e in effects
           if isinstance(e, _effects.TraceEffect)}
   keys.update(_adopted.chain_key(e, mode) for e in effects
               if _adopted.is_adoptable_effect(e))
+  keys.update(e.counter for e in effects if _counters.is_counter_effect(e))
   return tuple(sorted(keys, key=_sort_key))
+
+
+def runtime_chain_keys(effects, mode: str) -> tuple:
+  """The chains of :func:`chain_keys` that take a runtime token (all but the
+  counters): what a program's dispatch passes and keeps."""
+  return tuple(k for k in chain_keys(effects, mode)
+               if not isinstance(k, _counters.Counter))
 
 
 def _sort_key(key):
@@ -164,7 +175,8 @@ def has_marker(effects) -> bool:
   """Whether the pass has work in an equation with these effects (a marker,
   or a JAX callback effect it adopts)."""
   return any(isinstance(e, _effects.TraceEffect)
-             or _adopted.is_adoptable_effect(e) for e in effects)
+             or _adopted.is_adoptable_effect(e)
+             or _counters.is_counter_effect(e) for e in effects)
 
 
 # --- the interpreter -----------------------------------------------------------
@@ -198,7 +210,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _primitives.branch_vmapped_error(host_callback)
-  if _context.masks:
+  if _context.masks and not host_callback.batch_once:
     host_callback, masks = _host_callback.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
   return _bind_threaded(key, host_callback, invals, chains)
@@ -267,6 +279,25 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
       outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
   return fn
+
+
+def _counter_rule(eqn, invals, chains: Chains, mode: str):
+  """``counter_p``: the count is the counter chain's carrier (``_primitives.counter``).
+
+  A set keeps the type of the count it replaces (``count * 0 + x``: inside
+  ``shard_map`` the carrier varies over the manual axes, and a loop's carry
+  must keep its type).
+  """
+  del mode
+  counter, op = eqn.params["counter"], eqn.params["op"]
+  (x,) = invals
+  count = chains.carrier(counter)
+  count = count * 0 + x if op == "set" else count + x
+  chains.carriers[counter] = count
+  return count
+
+
+register_rule(_counters.counter_p, _counter_rule)
 
 
 HIDES_EFFECTS = _markers.HIDES_EFFECTS
@@ -340,7 +371,10 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.per_device = saved
-  finals = list(chains.carriers.values())
+  # (Counters end here: their last values are dropped.)
+  carriers = {k: c for k, c in chains.carriers.items()
+              if not isinstance(k, _counters.Counter)}
+  finals = list(carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
   # A chain whose effect failed ends with the FAILED bit (its later effects
@@ -360,6 +394,6 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # the end of the execution, for no effect of theirs.
     finals = [c if jnp.shape(c) or k in chains.entries or k not in per_device
               else _first_device.from_first_device_p.bind(c)
-              for k, c in chains.carriers.items()]
+              for k, c in carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token

@@ -141,6 +141,12 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
   _hold_or_run(ordered, lambda: _handle_record(logger, record))
 
 
+def deliver(thunk: Callable[[], None], ordered: bool) -> None:
+  """Runs an output action of a host callback (``progress`` drawing its
+  bar), held in the deterministic view like lines."""
+  _hold_or_run(ordered, thunk)
+
+
 def deliver_jax_line(text: str) -> None:
   """Delivers a line of JAX's ``jax.debug.print`` adopted by the pass
   (``_frontends.adopted_host``): as JAX writes it (no placement prefix), to

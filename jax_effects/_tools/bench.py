@@ -32,7 +32,7 @@ Measurements (per call unless noted):
     partitioning): plain; ours with one ordered no-op
     ``jax_effects.callback``, which runs once; JAX's unordered
     ``jax.debug.callback`` (reported, no target);
-(k) per invocation in a ``fori_loop`` (half of (e)'s length), JAX's own
+(l) per invocation in a ``fori_loop`` (half of (e)'s length), JAX's own
     callbacks inside ``jax_effects.jit`` (adopted): ``jax.debug.print``
     against the same ``jax_effects.print`` (same text); ``jax.debug.callback``
     and ``io_callback`` against the same under ``jax.jit``;
@@ -300,7 +300,7 @@ def bench_loop(rounds: int, n: int) -> tuple[dict, dict]:
   return results, {"e_jax/ours": _ratio(per_cb, "e_jax_loop", "e_ours_loop")}
 
 
-# --- (k): JAX's own callbacks adopted by jax_effects.jit -------------------------
+# --- (l): JAX's own callbacks adopted by jax_effects.jit -------------------------
 
 def bench_adopted(rounds: int, n: int) -> tuple[dict, dict]:
   """Per invocation in an ``n``-step ``fori_loop``: ``jax.debug.print``
@@ -327,25 +327,25 @@ def bench_adopted(rounds: int, n: int) -> tuple[dict, dict]:
   jax_cb = loop(lambda i, c: jax.debug.callback(_noop, i))
   jax_io = loop(lambda i, c: io_callback(_noop, None, i))
   candidates = {
-      "k_ours_print": jax_effects.jit(ours_print),
-      "k_adopted_print": jax_effects.jit(jax_print),
-      "k_adopted_debug_callback": jax_effects.jit(jax_cb),
-      "k_jax_debug_callback": jax.jit(jax_cb),
-      "k_adopted_io_callback": jax_effects.jit(jax_io),
-      "k_jax_io_callback": jax.jit(jax_io),
+      "l_ours_print": jax_effects.jit(ours_print),
+      "l_adopted_print": jax_effects.jit(jax_print),
+      "l_adopted_debug_callback": jax_effects.jit(jax_cb),
+      "l_jax_debug_callback": jax.jit(jax_cb),
+      "l_adopted_io_callback": jax_effects.jit(jax_io),
+      "l_jax_io_callback": jax.jit(jax_io),
   }
   with _quiet_output():
     samples = interleave({k: (lambda f=f: f(x), 1)
                           for k, f in candidates.items()}, rounds)
   per_cb = {k: [t / n for t in v] for k, v in samples.items()}
   results = {k: _summary(v) for k, v in per_cb.items()}
-  results["k_invocations_per_loop"] = n
+  results["l_invocations_per_loop"] = n
   return results, {
-      "k_print/ours": _ratio(per_cb, "k_adopted_print", "k_ours_print"),
-      "k_dbg_jax/adopted": _ratio(per_cb, "k_jax_debug_callback",
-                                  "k_adopted_debug_callback"),
-      "k_io_jax/adopted": _ratio(per_cb, "k_jax_io_callback",
-                                 "k_adopted_io_callback"),
+      "l_print/ours": _ratio(per_cb, "l_adopted_print", "l_ours_print"),
+      "l_dbg_jax/adopted": _ratio(per_cb, "l_jax_debug_callback",
+                                  "l_adopted_debug_callback"),
+      "l_io_jax/adopted": _ratio(per_cb, "l_jax_io_callback",
+                                 "l_adopted_io_callback"),
   }
 
 
@@ -685,9 +685,9 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     "j_jax/ours": ("=", None, "jit over 8 devices, JAX's unordered debug.callback / ours (once)"),
     "j_ours/plain": ("=", None, "jit over 8 devices, ours with one callback / plain"),
     "h_growth_mb": ("<", 1.0, "RSS growth (MB), 100k vs 1k ordered calls"),
-    "k_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
-    "k_dbg_jax/adopted": (">=", 5.0, "jax.debug.callback in a loop, under jax.jit / adopted"),
-    "k_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),
+    "l_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
+    "l_dbg_jax/adopted": (">=", 5.0, "jax.debug.callback in a loop, under jax.jit / adopted"),
+    "l_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),
 }
 
 
@@ -761,7 +761,7 @@ def main(argv=None) -> int:
   parser.add_argument("--compile-rounds", type=int, help="compiles per side in (f)")
   parser.add_argument("--memory-calls", type=int,
                       help="total ordered calls for (h) (base: 1/100 of it)")
-  parser.add_argument("--only", default="abcdefghjk",
+  parser.add_argument("--only", default="abcdefghjl",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -788,7 +788,7 @@ def main(argv=None) -> int:
       ("e", lambda: bench_loop(max(3, rounds // 3), loop_n)),
       ("g", lambda: bench_shard_map(rounds, max(10, calls // 4))),
       ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
-      ("k", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
+      ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
   ]
   for letters, run in steps:
