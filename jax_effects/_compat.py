@@ -240,6 +240,39 @@ NO_MESH_SETTINGS = ((_config.device_context, _mesh.empty_concrete_mesh),
                     (_config.abstract_mesh_context_manager,
                      _mesh.empty_abstract_mesh))
 
+def debug_callback_parts(flat_callback):
+  """``(callback, in_tree, static_args)`` of the flat callback
+  ``jax.debug.callback`` binds (its closure: ``_flat_callback`` merges
+  ``static_args``, a dict position -> value, into the flat arguments,
+  unflattens them with ``in_tree`` to ``(args, kwargs)`` and calls
+  ``callback``; JAX 0.8-0.10), or None for any other callable (one bound
+  to ``debug_callback_p`` directly): then it is called as it is."""
+  code = getattr(flat_callback, "__code__", None)
+  closure = getattr(flat_callback, "__closure__", None)
+  if (code is None or closure is None or code.co_name != "_flat_callback"
+      or set(code.co_freevars) != {"callback", "in_tree", "static_args"}):
+    return None
+  cells = dict(zip(code.co_freevars, closure))
+  try:
+    parts = (cells["callback"].cell_contents, cells["in_tree"].cell_contents,
+             cells["static_args"].cell_contents)
+  except ValueError:   # an empty cell
+    return None
+  if not isinstance(parts[2], dict):
+    return None
+  return parts
+
+
+def io_callback_parts(flat_callback):
+  """``(callback, in_tree)`` of io_callback's flat callback (a
+  ``_FlatCallback``: unflattens with ``in_tree``, calls ``callback_func``,
+  returns the leaves of its result; JAX 0.8-0.10), or None for another
+  callable."""
+  if type(flat_callback) is not _callback._FlatCallback:
+    return None
+  return flat_callback.callback_func, flat_callback.in_tree
+
+
 #: ``batched_device_put(aval, sharding, [x], [device], True)``: ``x`` (a
 #: NumPy array of ``aval``'s shape and dtype, ``aval`` not weakly typed) as
 #: the committed ``jax.Array`` on ``device`` (``sharding``: its

@@ -150,7 +150,12 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
   """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
   params): JAX's flat callback (merging static arguments, unflattening)
   called as ``debug_callback_impl`` calls it."""
-  callback = params["callback"]
+  parts = _compat.debug_callback_parts(params["callback"])
+  if parts is None:   # bound by other code: called as it is
+    call = params["callback"]
+  else:   # jax.debug.callback's: its steps without its pytree unflatten
+    fn, in_tree, static_args = parts
+    call = _caller(fn, in_tree, tuple(static_args.items()))
   aval_of = _avals()
   put = _compat.batched_device_put
   default_device = _compat.default_device_setting
@@ -168,7 +173,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
       c = concrete.swap_local(no_concrete)
       a = abstract.swap_local(no_abstract)
       try:
-        callback(*args)
+        call(*args)
       except BaseException:
         logger.exception("jax.debug.callback failed")
         raise
@@ -185,7 +190,12 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
 def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   """Host side of an adopted ``io_callback``: ``io_callback_impl`` (results
   as NumPy arrays) followed by ``emit_python_callback``'s checks."""
-  callback = params["callback"]
+  parts = _compat.io_callback_parts(params["callback"])
+  if parts is None:   # bound by other code: called as it is
+    callback, flat = params["callback"], True
+  else:   # io_callback's: its steps without its pytree unflatten
+    callback, flat = _caller(*parts, ()), False
+  leaves = tree_util.tree_leaves
   aval_of = _avals()
   put = _compat.batched_device_put
   default_device = _compat.default_device_setting
@@ -202,8 +212,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
       d = default_device.swap_local(device)
       try:
         out = callback(*args)
-        # io_callback_impl's tree_map(np.asarray, out); the flat callback
-        # of io_callback returns a list of leaves.
+        if not flat:   # what io_callback's flat callback returns
+          out = [] if out is None else leaves(out)
+        # io_callback_impl's tree_map(np.asarray, out) (of a list of leaves)
         out = ([np.asarray(r) for r in out] if type(out) is list
                else tree_util.tree_map(np.asarray, out))
       except BaseException:
@@ -317,6 +328,24 @@ def _rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
       full[i] = v
     return tree_util.tree_unflatten(in_tree, full)
   return general
+
+
+def _caller(fn, in_tree, static_args) -> Callable[..., Any]:
+  """``call(*values)``: ``fn(*args, **kwargs)`` with the arguments JAX's
+  flat callback rebuilds from ``values``; ``fn`` itself when they are the
+  positional arguments themselves (the common case: no frame of ours)."""
+  n = in_tree.num_leaves
+  args, kwargs = tree_util.tree_unflatten(in_tree,
+                                          [_Slot(i) for i in range(n)])
+  if (not static_args and not kwargs and len(args) == n
+      and all(type(a) is _Slot and a.i == i for i, a in enumerate(args))):
+    return fn
+  rebuild = _rebuilder(in_tree, static_args)
+
+  def call(*values):
+    a, k = rebuild(values)
+    return fn(*a, **k)
+  return call
 
 
 def debug_print(params: dict) -> Callable[..., tuple]:

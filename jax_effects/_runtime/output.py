@@ -228,17 +228,35 @@ def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
   _run(thunk)
 
 
+# Releases are serialized, and one that finds nothing held waits for one in
+# progress: when release_held() returns, everything held before the call has
+# been delivered (an adopted callback relies on it: the device threads of a
+# computation release at the same time, and one must not write before the
+# lines another thread took out of _held are written). Reentrant: a handler
+# run by a release may itself release.
+_release_lock = threading.RLock()
+_releasing = 0   # releases between taking entries and delivering the last
+
+
 def release_held() -> None:
-  """Delivers the held output, ordered by (position on its device, device)."""
-  if not _held:
+  """Delivers the held output, ordered by (position on its device, device);
+  returns once everything held when it was called is delivered."""
+  global _releasing
+  if not _held and not _releasing:
     return
-  with _hold_lock:
-    release = dict(_held)
-    _held.clear()
-  keys = sorted(release, key=lambda k: k[0])
-  depth = max((len(v) for v in release.values()), default=0)
-  for i in range(depth):
-    for key in keys:
-      entries = release[key]
-      if i < len(entries):
-        _run(entries[i])
+  with _release_lock:
+    with _hold_lock:
+      release = dict(_held)
+      _held.clear()
+      _releasing += 1
+    try:
+      keys = sorted(release, key=lambda k: k[0])
+      depth = max((len(v) for v in release.values()), default=0)
+      for i in range(depth):
+        for key in keys:
+          entries = release[key]
+          if i < len(entries):
+            _run(entries[i])
+    finally:
+      with _hold_lock:
+        _releasing -= 1
