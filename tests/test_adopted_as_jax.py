@@ -170,11 +170,17 @@ def test_adopted_errors_on_every_device_are_one_runtime_error(mesh):
 # --- 6. what the user's function receives, and what is printed --------------------
 
 
+def _describe(a):
+  if not isinstance(a, jax.Array):
+    return a
+  return (type(a), a.dtype, a.shape, a.weak_type, a.sharding, a.committed,
+          np.asarray(a).tolist())
+
+
 def _observe(seen):
-  def observe(*args):
+  def observe(*args, **kwargs):
     seen.append((
-        [(type(a), a.dtype, a.shape, a.weak_type, a.sharding, a.committed,
-          np.asarray(a).tolist()) for a in args],
+        tree_util.tree_map(_describe, (args, kwargs)),
         jax.config.jax_default_device,
         jax.sharding.get_abstract_mesh().empty,
         jnp.ones(2).devices()))
@@ -182,16 +188,23 @@ def _observe(seen):
   return observe
 
 
+@pytest.mark.parametrize("arguments", ["positional", "pytrees"])
 @pytest.mark.parametrize("which", ["debug.callback", "io_callback"])
-def test_callbacks_receive_what_they_receive_under_jax_jit(which):
+def test_callbacks_receive_what_they_receive_under_jax_jit(which, arguments):
   key = jax.random.key(1)
 
   def fun(x, k):
-    args = (x, k, jnp.int8(3), 2)
+    if arguments == "positional":
+      args, kwargs = (x, k, jnp.int8(3), 2), {}
+    else:   # a dict, a keyword argument, a static leaf (debug.callback)
+      args = ({"a": x, "b": (k, jnp.int8(3))},)
+      kwargs = {"z": x[0]}
+      if which == "debug.callback":
+        args += ("static text",)
     if which == "debug.callback":
-      jax.debug.callback(_observe(seen), *args, ordered=True)
+      jax.debug.callback(_observe(seen), *args, ordered=True, **kwargs)
     else:
-      io_callback(_observe(seen), F32, *args, ordered=True)
+      io_callback(_observe(seen), F32, *args, ordered=True, **kwargs)
     return x
 
   x = jnp.arange(3.0).reshape(1, 3)
@@ -207,6 +220,26 @@ def test_callbacks_receive_what_they_receive_under_jax_jit(which):
   theirs, ours = runs
   assert len(theirs) == 2
   assert ours == theirs
+
+
+def test_debug_callback_primitive_bound_by_other_code_is_called_as_is():
+  # Code that binds debug_callback_p itself (not through jax.debug.callback)
+  # gives a callable of its own: it is called with the flat arrays.
+  from jax._src.debugging import debug_callback_p, debug_effect
+
+  def fun(x):
+    debug_callback_p.bind(x, x + 1, callback=_observe(seen),
+                          effect=debug_effect, partitioned=False)
+    return x
+
+  runs = []
+  for jit, barrier in ((jax.jit, jax.effects_barrier),
+                       (je.jit, je.effects_barrier)):
+    seen = []
+    jit(fun)(jnp.arange(2.0))
+    barrier()
+    runs.append(seen)
+  assert len(runs[0]) == 1 and runs[1] == runs[0]
 
 
 def _run_print(printer, jit, barrier, mode, fmt, args, kwargs):
