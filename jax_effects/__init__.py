@@ -30,6 +30,7 @@ from jax_effects._dispatch.function import jit
 from jax_effects._dispatch.modes import deterministic
 from jax_effects._dispatch.modes import ordering
 from jax_effects._dispatch.modes import set_ordering
+from jax_effects._frontends import adopted_host as _ah  # noqa: F401  (registers)
 from jax_effects._frontends.callback import callback
 from jax_effects._frontends.logging import log
 from jax_effects._frontends.printing import print  # noqa: A004

@@ -1,8 +1,10 @@
-"""Callback results: anything NumPy accepts as an array (issue 15, item 6)."""
+"""Callback results: anything NumPy accepts as an array (issue 15, item 6),
+dtypes compared as JAX's callbacks compare them (issue 25, point 11)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 import jax_effects as je
 
@@ -56,11 +58,77 @@ def test_structured_results_with_list_and_array_leaves(run):
 
 @pytest.mark.parametrize("run", RUNNERS)
 def test_array_of_another_dtype_is_still_an_error(run, effects_capture):
-  f = run(lambda x: je.callback(lambda v: NoDtypeArg(np.zeros(3, np.float64)),
+  f = run(lambda x: je.callback(lambda v: NoDtypeArg(np.zeros(3, np.int32)),
                                 F32_3, x))
   with pytest.raises(TypeError, match=r"result #0 has shape \(3,\) and dtype "
-                                      r"float64; expected shape \(3,\) and "
+                                      r"int32; expected shape \(3,\) and "
                                       r"dtype float32"):
+    f(jnp.int32(0))
+    je.effects_barrier()
+
+
+# Results JAX's callbacks accept after its dtype canonicalization (with
+# jax_enable_x64 off, the test default): (result, declared dtype).
+CANONICALIZED = {
+    "float64 array for float32": (np.arange(3, dtype=np.float64) / 3,
+                                  jnp.float32),
+    "float64 scalar for float32": (np.float64(1 / 3), jnp.float32),
+    "int64 array for int32": (np.arange(3, dtype=np.int64) - 1, jnp.int32),
+    "uint64 array for uint32": (np.arange(3, dtype=np.uint64), jnp.uint32),
+    "complex128 for complex64": (np.array([1j / 3, 2.0]), jnp.complex64),
+    "python float for float32": (1 / 3, jnp.float32),
+}
+
+
+def _declared(value, dtype):
+  return jax.ShapeDtypeStruct(np.shape(value), dtype)
+
+
+def _through_jax(callback_api, value, dtype):
+  """The result of ``value`` returned by JAX's own callback under jax.jit."""
+  spec = _declared(value, dtype)
+  return jax.jit(lambda x: callback_api(lambda v: value, spec, x))(
+      jnp.int32(0))
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("case", list(CANONICALIZED))
+def test_results_are_compared_after_jax_canonicalization(run, case):
+  value, dtype = CANONICALIZED[case]
+  spec = _declared(value, dtype)
+  ours = run(lambda x: je.callback(lambda v: value, spec, x))(jnp.int32(0))
+  je.effects_barrier()
+  for api in (io_callback, jax.pure_callback):
+    theirs = _through_jax(api, value, dtype)
+    assert ours.dtype == theirs.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_64_bit_results_count_as_64_bit_with_x64_on(run, effects_capture):
+  value = np.arange(3, dtype=np.float64)
+  with jax.enable_x64(True):
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match="Expected: float32, Actual: float64"):
+      _through_jax(io_callback, value, jnp.float32)
+    f = run(lambda x: je.callback(lambda v: value, F32_3, x))
+    with pytest.raises(TypeError, match=r"result #0 has shape \(3,\) and "
+                                        r"dtype float64; expected shape "
+                                        r"\(3,\) and dtype float32$"):
+      f(jnp.int32(0))
+      je.effects_barrier()
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_a_64_bit_result_of_another_kind_names_its_canonical_dtype(
+    run, effects_capture):
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match="Expected: int32, Actual: float32"):
+    _through_jax(io_callback, np.float64(1.5), jnp.int32)
+  f = run(lambda x: je.callback(lambda v: np.float64(1.5), I32, x))
+  with pytest.raises(TypeError, match=r"dtype float64; expected shape \(\) "
+                                      r"and dtype int32 \(float64 counts as "
+                                      r"float32 with jax_enable_x64 off\)"):
     f(jnp.int32(0))
     je.effects_barrier()
 

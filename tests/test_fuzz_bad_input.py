@@ -423,6 +423,8 @@ def callback_expectation(spec, result, args, kwargs):
            else np.asarray(r))
     except FORMAT_ERRORS as err:
       return "error", err
+    if jax.dtypes.canonicalize_dtype(v.dtype) == np.dtype(l.dtype):
+      v = v.astype(l.dtype)   # as JAX's callbacks: float64 is float32 (no x64)
     if v.shape != tuple(l.shape) or v.dtype != np.dtype(l.dtype):
       return "error", None
     out.append(v)

@@ -5,8 +5,11 @@ The callback receives NumPy arrays (the pytree structure of ``*args`` and
 ``result_shape_dtypes``: same structure, and each leaf of the declared shape
 and dtype. A leaf may be anything NumPy takes as an array (NumPy arrays and
 scalars, ``jax.Array``, objects with ``__array__``, whatever its signature;
-Python scalars and lists take the declared dtype; arrays of another dtype
-are an error naming expected and actual). Results take no part in the token
+Python scalars and lists take the declared dtype). Dtypes are compared as
+``io_callback``/``pure_callback`` compare them, after JAX's canonicalization:
+with ``jax_enable_x64`` off a 64-bit result is converted to its 32-bit type
+(a ``float64`` array for a ``float32`` result, ``int64`` for ``int32``);
+any other dtype is an error naming expected and actual. Results take no part in the token
 calling convention beyond being the primitive's outputs after the token and
 carrier.
 """

@@ -17,21 +17,24 @@ token-threading pass into ``threaded_effect_p`` equations, like
   JAX promises no order for the latter, and program order is one, so
   existing code (which mostly calls ``jax.debug.print`` without
   ``ordered=True``) prints in program order by changing only its ``jit``;
-* the host side is JAX's own (the debug primitives' impl, io_callback's
-  host implementation), so arguments, formatting and results are exactly JAX's;
+* the host side (``_frontends.adopted_host``, registered here with
+  :func:`register_host_side`) keeps JAX's contract at jax_effects' cost: the
+  user's function receives what JAX's impls give it, ``jax.debug.print``
+  prints JAX's text (through ``_output``: held by
+  :func:`~jax_effects.deterministic`, seen by ``effects_capture``),
+  ``io_callback``'s results are checked as JAX checks them, and an error
+  reaches the caller as ``jax.jit`` delivers it (``JaxRuntimeError``, the
+  user's exception as its cause), once, where ``design/errors.md`` says;
   where it runs is ours (``_runtime.placement``: once per device inside
   ``shard_map``/``pmap``, once otherwise), so it works on several devices and
-  in ``shard_map``, where JAX refuses ordered callbacks, and an exception
-  reaches the caller as itself, once (``_runtime.errors``);
+  in ``shard_map``, where JAX refuses ordered callbacks;
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
 Differences from JAX's own lowering: ``io_callback``'s ``sharding=`` (the
 device to run on) is ignored, the callback runs where ours run (the first
-device of the computation); output of adopted callbacks is JAX's own (no
-device prefix, not held by :func:`~jax_effects.deterministic`); an ordered
-``io_callback`` under ``vmap`` is still refused by JAX while tracing, before
-the pass.
+device of the computation); an ordered ``io_callback`` under ``vmap`` is
+still refused by JAX while tracing, before the pass.
 
 Not adopted (left to JAX, which then also keeps its slower dispatch):
 ``jax.debug.callback(..., partitioned=True)`` (JAX runs it per shard under
@@ -40,14 +43,8 @@ callback inside a higher-order primitive the pass has no rule for.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
-import numpy as np
-
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._primitives import host_callback as _host_callback
 
 #: JAX effect types of adopted callbacks -> whether JAX orders them.
 _EFFECT_TYPES = {
@@ -70,58 +67,32 @@ def chain_key(effect, mode: str):
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
 
 
-def _debug_host(primitive, params, *args):
-  primitive.impl(*args, **params)   # JAX's host side: formats, calls, logs
-  return ()
+# primitive -> ``host_side(params) -> HostCallback``: the host side of each
+# adopted primitive, registered by ``_frontends.adopted_host`` (a front end:
+# it formats as ``_frontends.printing`` does; imported by the package).
+_host_sides: dict = {}
 
 
-def _io_host(params, *args):
-  # As JAX's callback lowering: results are NumPy arrays of JAX's canonical
-  # dtypes (a float64 result of a float32 io_callback is float32 without
-  # x64); shapes and dtypes are then checked against result_avals.
-  return tuple(_canonical(np.asarray(r))
-               for r in _compat.io_callback_impl(*args, **params))
-
-
-def _canonical(a):
-  dtype = jax.dtypes.canonicalize_dtype(a.dtype)
-  return a if a.dtype == dtype else a.astype(dtype)
-
-
-_DEBUG_NAMES = {_compat.debug_callback_p: "jax.debug.callback",
-                _compat.debug_print_p: "jax.debug.print"}
+def register_host_side(primitive, host_side) -> None:
+  """Registers ``host_side(params)``, the
+  :class:`~jax_effects._primitives.host_callback.HostCallback` that runs an
+  adopted ``primitive`` equation."""
+  _host_sides[primitive] = host_side
 
 
 def adopt(eqn):
   """``(host_callback, jax_effect)`` for an adoptable equation, or None if
   the equation stays JAX's.
 
-  A new :class:`~jax_effects._host_callback.HostCallback` per pass run (the pass runs
-  once per trace of the function).
+  A new :class:`~jax_effects._primitives.host_callback.HostCallback` per
+  pass run (the pass runs once per trace of the function).
   """
-  prim = eqn.primitive
   params = eqn.params
+  host_side = _host_sides.get(eqn.primitive)
+  if host_side is None or params.get("partitioned"):
+    return None
   (effect,) = [e for e in eqn.effects if is_adoptable_effect(e)]
-  if prim in _DEBUG_NAMES:
-    if params.get("partitioned"):
-      return None
-    name = _DEBUG_NAMES[prim]
-    if prim is _compat.debug_print_p:
-      name = f"jax.debug.print({params['fmt']!r})"
-    host = _host_callback.HostCallback(
-        functools.partial(_debug_host, prim, dict(params)),
-        f"{name} (adopted by jax_effects.jit)")
-    return host, effect
-  if prim is _compat.io_callback_p:
-    result_avals = tuple(params["result_avals"])
-    host_params = dict(callback=params["callback"], result_avals=result_avals,
-                       sharding=None, ordered=params["ordered"])
-    host = _host_callback.HostCallback(
-        functools.partial(_io_host, host_params),
-        "jax.experimental.io_callback (adopted by jax_effects.jit)",
-        result_avals)
-    return host, effect
-  return None
+  return host_side(params), effect
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

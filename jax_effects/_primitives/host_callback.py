@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,6 +79,18 @@ def check_results(description, results, avals):
         # NumPy scalars, jax.Array, anything with __array__ (whatever its
         # signature: asarray without a dtype calls it without one).
         r = np.asarray(r)
+    if r.dtype != aval.dtype:
+      # Compared after JAX's canonicalization, as io_callback/pure_callback
+      # compare theirs: with jax_enable_x64 off a 64-bit result is taken as
+      # its 32-bit type (float64 for float32, int64 for int32, ...).
+      canonical = jax.dtypes.canonicalize_dtype(r.dtype)
+      if canonical == aval.dtype:
+        r = np.asarray(r, canonical)
+      elif canonical != r.dtype:
+        raise TypeError(
+            f"{description} result #{i} has shape {r.shape} and dtype "
+            f"{r.dtype}; expected shape {aval.shape} and dtype {aval.dtype} "
+            f"({r.dtype} counts as {canonical} with jax_enable_x64 off)")
     if r.shape != aval.shape or r.dtype != aval.dtype:
       raise TypeError(
           f"{description} result #{i} has shape {r.shape} and dtype {r.dtype}; "

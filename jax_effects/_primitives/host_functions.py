@@ -29,7 +29,7 @@ from jax_effects._runtime import raising as _raising
 
 def host_function(host_callback: _host_callback.HostCallback, where: _placement.Where, *,
                   passthrough: int, threaded: bool, avals_out: Sequence,
-                  entry: bool = False):
+                  entry: bool = False, operands: int | None = None):
   """The function XLA calls for one lowered effect (see the module docstring).
 
   ``where``: from ``_runtime.placement.at_lowering``. ``threaded``: lowered from
@@ -38,6 +38,8 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
   results, passthrough ones first. ``entry``: the carrier is the chain's
   runtime token (``threaded_effect_p``'s parameter): a ``FAILED`` bit there
   is an earlier execution's, cleared instead of skipping the effect.
+  ``operands``: how many operands the effect has (after the passthrough
+  ones; None if unknown).
 
   It never fails its computation (``design/errors.md``): a user exception is
   deferred to the dispatching thread (``_raising.defer_error``) and
@@ -50,7 +52,8 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
   """
   if threaded and passthrough == 1 and avals_out[0].shape == ():
     if where.table is None:
-      return _threaded_once(host_callback, where.fixed, avals_out, entry)
+      return _threaded_once(host_callback, where.fixed, avals_out, entry,
+                            operands)
     return _threaded_per_device(host_callback, where.table, avals_out, entry)
   return _general(host_callback, where, passthrough, threaded, avals_out,
                   entry)
@@ -120,15 +123,15 @@ class FailedBit:
 
 
 def _threaded_once(host_callback: _host_callback.HostCallback, placement,
-                   avals_out, entry: bool):
-  """``host(carrier, *operands)`` of a threaded effect that runs once."""
+                   avals_out, entry: bool, n_operands: int | None):
+  """``host(carrier, *operands)`` of a threaded effect that runs once
+  (``n_operands`` of them, if known)."""
   running = _placement.running(placement, True)
   fn = host_callback.fn
   if host_callback.reads_placement:
     fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
-  n_operands = len(avals_out) - 1 - len(result_avals)
   rule = FailedBit(entry)
   FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])

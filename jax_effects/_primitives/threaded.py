@@ -74,7 +74,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
   host = _host_functions.host_function(host_callback, where, passthrough=1,
                              threaded=True, avals_out=ctx.avals_out[1:],
-                             entry=entry)
+                             entry=entry, operands=len(args))
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
                                 avals_out=ctx.avals_out[1:])
   if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:

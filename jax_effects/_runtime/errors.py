@@ -23,6 +23,7 @@ that only the garbage collector frees.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable
 
@@ -128,12 +129,28 @@ def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
   message = (f"jax_effects: {len(errors)} host callbacks failed{more}; "
              "each is one of the exceptions below")
   try:
-    report = BaseExceptionGroup(message, errors)  # noqa: F821 - Python >= 3.11
+    if all(isinstance(e, jax.errors.JaxRuntimeError) for e in errors):
+      # Errors of JAX's own callbacks (adopted): one JaxRuntimeError with
+      # the first one's message, as jax.jit raises for a failed execution,
+      # and a group of them all.
+      report = JaxRuntimeErrorGroup(  # noqa: F821 - Python >= 3.11
+          errors[0].args[0] if errors[0].args else message, errors)
+    else:
+      report = BaseExceptionGroup(message, errors)  # noqa: F821 - Python >= 3.11
   except NameError:
     report = errors[0]
   report.jax_effects_errors = tuple(errors)
   report.jax_effects_dropped = dropped
   return report
+
+
+if sys.version_info >= (3, 11):
+  class JaxRuntimeErrorGroup(ExceptionGroup,  # noqa: F821
+                             jax.errors.JaxRuntimeError):
+    """Several errors of JAX's own (adopted) callbacks reported together:
+    an ``ExceptionGroup`` that is also a ``jax.errors.JaxRuntimeError``, so
+    ``except RuntimeError`` catches it as it catches ``jax.jit``'s one
+    error of a failed execution."""
 
 
 def flat_errors(report: BaseException) -> list[BaseException]:

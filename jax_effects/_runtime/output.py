@@ -4,7 +4,10 @@ Every line written by :func:`jax_effects.print` and every record emitted by
 :func:`jax_effects.log` is handed over here by its host callback
 (:func:`deliver_line` / :func:`deliver_record`) on whichever thread runs the
 callback. A line of a per-device callback gets its placement prefix
-(``[device D shard S process P] ``, see ``_runtime.placement``).
+(``[device D shard S process P] ``, see ``_runtime.placement``). JAX's own
+``jax.debug.print``/``log`` adopted inside ``jax_effects.jit`` deliver here
+too (:func:`deliver_jax_line` / :func:`deliver_jax_record`: JAX's text, no
+prefix, the record handled as JAX hands it over), as ordered effects.
 
 Sinks: lines go to ``sys.stdout`` (one lock keeps each line whole), records
 to their logger. Listeners (the pytest plugin's ``effects_capture``) observe
@@ -28,15 +31,17 @@ per-device callbacks of token-threaded code is *held*, and released sorted by
 per-device token is combined into the next runtime token
 (``_per_device.combine``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
-(which follows them by data dependency), or when the view ends.
+(which follows them by data dependency), or when the view ends. An adopted
+``jax.debug.callback``/``io_callback`` releases what is held before it runs
+(``_frontends.adopted_host``): user code cannot be held, so the output
+before it on its device comes out first.
 
 A release delivers every held line and record, also when a delivery raises
 (a sink's ``write``, a handler): what they raise is returned
 (:func:`release_held`) and reported to the thread whose dispatch the
 release belongs to, like a callback's error (``design/errors.md``), never
 raised inside a host callback, where it would fail the computation or stop
-that callback's own effect.
-"""
+that callback's own effect."""
 from __future__ import annotations
 
 import logging
@@ -152,6 +157,28 @@ def deliver(thunk: Callable[[], None], ordered: bool) -> None:
   _hold_or_run(ordered, thunk)
 
 
+def deliver_jax_line(text: str) -> None:
+  """Delivers a line of JAX's ``jax.debug.print`` adopted by the pass
+  (``_frontends.adopted_host``): as JAX writes it (no placement prefix), to
+  ``sys.stdout`` and listeners, held in the deterministic view like an
+  ordered line (adopted callbacks join an ordered chain)."""
+  _hold_or_run(True, lambda: _write_line(text))
+
+
+def deliver_jax_record(logger: logging.Logger,
+                       record: logging.LogRecord) -> None:
+  """Delivers a record of JAX's ``jax.debug.log`` adopted by the pass: as
+  JAX hands it over (``logger.handle``, whatever the logger's level), and to
+  listeners as a record the logger handled; held like an ordered record."""
+  def handle():
+    logger.handle(record)
+    for fn in _record_listeners:
+      fn(record)
+    for fn in _all_record_listeners:
+      fn(record, logger, True)
+  _hold_or_run(True, handle)
+
+
 # --- the deterministic view ------------------------------------------------------------
 
 _hold_lock = threading.Lock()
@@ -216,28 +243,46 @@ def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
   _run(thunk)
 
 
+# Releases are serialized, and one that finds nothing held waits for one in
+# progress: when release_held() returns, everything held before the call has
+# been delivered (an adopted callback relies on it: the device threads of a
+# computation release at the same time, and one must not write before the
+# lines another thread took out of _held are written). Reentrant: a handler
+# run by a release may itself release.
+_release_lock = threading.RLock()
+_releasing = 0   # releases between taking entries and delivering the last
+
+
 def release_held() -> list[BaseException]:
-  """Delivers the held output, ordered by (position on its device, device).
+  """Delivers the held output, ordered by (position on its device, device);
+  returns once everything held when it was called is delivered.
 
   Every held delivery runs, also after one raised; returns what they raised,
   in delivery order (the caller reports them: see the module docstring).
   """
-  if not _held:
+  global _releasing
+  if not _held and not _releasing:
     return []
-  with _hold_lock:
-    release = dict(_held)
-    _held.clear()
-  keys = sorted(release, key=lambda k: k[0])
-  depth = max((len(v) for v in release.values()), default=0)
   failures = []
-  for i in range(depth):
-    for key in keys:
-      entries = release[key]
-      if i < len(entries):
-        try:
-          _run(entries[i])
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-          failures.append(exc)
+  with _release_lock:
+    with _hold_lock:
+      release = dict(_held)
+      _held.clear()
+      _releasing += 1
+    try:
+      keys = sorted(release, key=lambda k: k[0])
+      depth = max((len(v) for v in release.values()), default=0)
+      for i in range(depth):
+        for key in keys:
+          entries = release[key]
+          if i < len(entries):
+            try:
+              _run(entries[i])
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+              failures.append(exc)
+    finally:
+      with _hold_lock:
+        _releasing -= 1
   return failures
 
 
@@ -256,9 +301,11 @@ def defer_for_running_dispatch(failures: list[BaseException]) -> None:
 def _reset_after_fork() -> None:
   """A forked child holds none of the parent's output (its devices' lines
   would be delivered twice) and no lock a parent's thread held (``fork``)."""
-  global _lock, _write_lock, _hold_lock, _hold_depth
+  global _lock, _write_lock, _hold_lock, _hold_depth, _release_lock, _releasing
   _lock = threading.Lock()
   _write_lock = threading.Lock()
   _hold_lock = threading.Lock()
+  _release_lock = threading.RLock()
+  _releasing = 0
   _hold_depth = 0
   _held.clear()

@@ -32,13 +32,16 @@ Measurements (per call unless noted):
     partitioning): plain; ours with one ordered no-op
     ``jax_effects.callback``, which runs once; JAX's unordered
     ``jax.debug.callback`` (reported, no target);
+(l) per invocation in a ``fori_loop`` (half of (e)'s length), JAX's own
+    callbacks inside ``jax_effects.jit`` (adopted): ``jax.debug.print``
+    against the same ``jax_effects.print`` (same text); ``jax.debug.callback``
+    and ``io_callback`` against the same under ``jax.jit``;
 (h) resident memory after 100,000 ordered calls minus after 1,000;
 (k) a 100,000-step ``scan`` multiplying two 64x64 matrices per step: plain,
     with a ``jax_effects.progress`` bar updated every step (``every=100``),
     and jax-tqdm's ``scan_tqdm`` (when ``jax_tqdm`` is installed; reported).
 
 ``--quick`` scales the sizes down (its report says which were measured).
-
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
 target fails.
@@ -300,6 +303,55 @@ def bench_loop(rounds: int, n: int) -> tuple[dict, dict]:
   results = {k: _summary(v) for k, v in per_cb.items()}
   results["e_callbacks_per_loop"] = n
   return results, {"e_jax/ours": _ratio(per_cb, "e_jax_loop", "e_ours_loop")}
+
+
+# --- (l): JAX's own callbacks adopted by jax_effects.jit -------------------------
+
+def bench_adopted(rounds: int, n: int) -> tuple[dict, dict]:
+  """Per invocation in an ``n``-step ``fori_loop``: ``jax.debug.print``
+  inside ``jax_effects.jit`` against the same ``jax_effects.print`` (same
+  text, to a sink); ``jax.debug.callback`` and ``io_callback`` (no-ops)
+  inside ``jax_effects.jit`` against the same under ``jax.jit``."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import io_callback
+  import jax_effects
+
+  x = jnp.float32(1.0)
+
+  def loop(emit):
+    def fun(v):
+      def body(i, c):
+        emit(i, c)
+        return c + 1.0
+      return jax.lax.fori_loop(0, n, body, v)
+    return fun
+
+  ours_print = loop(lambda i, c: jax_effects.print("step {} c {}", i, c))
+  jax_print = loop(lambda i, c: jax.debug.print("step {} c {}", i, c))
+  jax_cb = loop(lambda i, c: jax.debug.callback(_noop, i))
+  jax_io = loop(lambda i, c: io_callback(_noop, None, i))
+  candidates = {
+      "l_ours_print": jax_effects.jit(ours_print),
+      "l_adopted_print": jax_effects.jit(jax_print),
+      "l_adopted_debug_callback": jax_effects.jit(jax_cb),
+      "l_jax_debug_callback": jax.jit(jax_cb),
+      "l_adopted_io_callback": jax_effects.jit(jax_io),
+      "l_jax_io_callback": jax.jit(jax_io),
+  }
+  with _quiet_output():
+    samples = interleave({k: (lambda f=f: f(x), 1)
+                          for k, f in candidates.items()}, rounds)
+  per_cb = {k: [t / n for t in v] for k, v in samples.items()}
+  results = {k: _summary(v) for k, v in per_cb.items()}
+  results["l_invocations_per_loop"] = n
+  return results, {
+      "l_print/ours": _ratio(per_cb, "l_adopted_print", "l_ours_print"),
+      "l_dbg_jax/adopted": _ratio(per_cb, "l_jax_debug_callback",
+                                  "l_adopted_debug_callback"),
+      "l_io_jax/adopted": _ratio(per_cb, "l_jax_io_callback",
+                                 "l_adopted_io_callback"),
+  }
 
 
 # --- (f): compile time of a large program ---------------------------------------
@@ -709,7 +761,9 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
                                  "matmuls, with a bar (every=100) / without"),
     "k_jax_tqdm/plain": ("=", None, "the same with jax-tqdm's scan_tqdm "
                                     "(print_rate=100) / without"),
-}
+    "l_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
+    "l_dbg_jax/adopted": (">=", 5.0, "jax.debug.callback in a loop, under jax.jit / adopted"),
+    "l_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),}
 
 
 def machine() -> dict:
@@ -786,7 +840,7 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjk",
+  parser.add_argument("--only", default="abcdefghjkl",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -818,6 +872,7 @@ def main(argv=None) -> int:
       ("e", lambda: bench_loop(max(3, rounds // 3), loop_n)),
       ("g", lambda: bench_shard_map(rounds, max(10, calls // 4))),
       ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
+      ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
       ("k", lambda: bench_progress(3, progress_steps)),
   ]

@@ -7,8 +7,9 @@ conftest:
   :func:`jax_effects.print` during the test, ``.logged`` the
   :class:`logging.LogRecord` objects emitted by :func:`jax_effects.log`, of
   every level unless ``.set_level(level, logger=None)`` (or the logger's
-  own explicitly set level) says otherwise. Reading either runs
-  :func:`jax_effects.effects_barrier` first.
+  own explicitly set level) says otherwise; both also hold what JAX's
+  ``jax.debug.print``/``jax.debug.log`` emit inside ``jax_effects.jit``.
+  Reading either runs :func:`jax_effects.effects_barrier` first.
 * After every test phase the plugin runs
   ``jax_effects.effects_barrier(all_threads=True)``, so a callback error
   raised by a test's effects fails that test (in its call phase, or as a
@@ -271,13 +272,15 @@ class EffectsCapture:
 
   @property
   def printed(self) -> list[str]:
-    """Lines printed by ``jax_effects.print`` (no newlines), in order."""
+    """Lines printed by ``jax_effects.print`` (and by ``jax.debug.print``
+    inside ``jax_effects.jit``), without newlines, in order."""
     self._sync()
     return list(self._printed)
 
   @property
   def logged(self) -> list[Any]:
-    """``logging.LogRecord`` objects emitted by ``jax_effects.log``."""
+    """``logging.LogRecord`` objects emitted by ``jax_effects.log`` (and by
+    ``jax.debug.log`` inside ``jax_effects.jit``)."""
     self._sync()
     return list(self._logged)
 
