@@ -13,6 +13,7 @@ Public API (everything else is private):
 * :func:`ordering`, :func:`set_ordering` - "per_effect" or "global" order.
 * :func:`effects_barrier` - wait for dispatched effects.
 * :func:`runtime_tokens` - a snapshot of the calling thread's tokens.
+* :func:`progress` - progress bars for compiled loops.
 
 The private folders are the layers, each importing only from the ones above
 it (``design/architecture.md``): ``_core`` (effects, modes, jaxpr walking),
@@ -32,7 +33,9 @@ from jax_effects._dispatch.modes import set_ordering
 from jax_effects._frontends.callback import callback
 from jax_effects._frontends.logging import log
 from jax_effects._frontends.printing import print  # noqa: A004
-from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (registers the rule)
+from jax_effects._frontends.progress import progress
+from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
+from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (its rule)
 from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
 from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
@@ -48,5 +51,5 @@ __all__ = [
     "DEFAULT", "GLOBAL", "Effect", "RuntimeTokens", "callback",
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
-    "Placement", "deterministic", "log", "placement",
+    "Placement", "deterministic", "log", "placement", "progress",
 ]

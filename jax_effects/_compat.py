@@ -95,6 +95,35 @@ lowerable_effects = _effects.lowerable_effects
 ordered_effects = _effects.ordered_effects
 shardable_ordered_effects = _effects.shardable_ordered_effects
 
+# Loop-invariant hoisting of scan's partial evaluation (grad, vjp, linearize
+# of a scan), JAX 0.8-0.10: ``_scan_known_hoisting`` re-traces the forward
+# ("known") scan body with its consts known, and every equation whose inputs
+# are all consts is evaluated once, outside the loop. For an effect that is
+# wrong: ``print("step")`` or a progress bar's ``bar.update()`` in the body
+# would run once instead of once per iteration (JAX's own
+# ``jax.debug.print("step")`` does so under ``jax.grad``). ``_scan_partial_eval``
+# calls it by its module-level name, so it is wrapped there: a body with one
+# of our effects (``keep_effects_in_loops``) is not hoisted (JAX's own
+# "to disable" return); every other scan is hoisted as before.
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+
+_jax_scan_known_hoisting = _loops._scan_known_hoisting
+_unhoisted_effect_types: set = set()
+
+
+def _scan_known_hoisting(jaxpr_known, known_consts, num_res):
+  if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
+    return jaxpr_known, known_consts, [False] * num_res, []
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res)
+
+
+def keep_effects_in_loops(*effect_types) -> None:
+  """Equations carrying an effect of these types stay in their scan's body
+  under partial evaluation (see ``_scan_known_hoisting`` above)."""
+  _unhoisted_effect_types.update(effect_types)
+  _loops._scan_known_hoisting = _scan_known_hoisting
+
+
 # Sharding annotation JAX gives its own callbacks: MAXIMAL on one device under
 # automatic partitioning, MANUAL (per device) inside a fully manual shard_map.
 callback_op_sharding = _callback._callback_op_sharding
@@ -194,6 +223,33 @@ def shard_map_manual_axes(params) -> frozenset:
   if "newly_manual_axes" in params:
     return frozenset(params["newly_manual_axes"])
   return frozenset(params["manual_axes"])
+
+# Whether JAX's backends are initialised (the pytest plugin sets the number
+# of CPU devices and must know whether that can still take effect). No
+# public query: ``jax.devices()`` would initialise them. JAX 0.8-0.10.
+from jax._src.xla_bridge import backends_are_initialized  # noqa: E402
+# Effects JAX's own vmap rule of ``cond`` refuses in a branch whose predicate
+# is batched (io_callback's, and Ref effects): a cond holding one is left to
+# JAX's rule and its error (``_primitives.control_flow_batching``). The
+# Ref effect type has no public handle. JAX 0.8-0.10.
+from jax._src.state.types import RefEffect  # noqa: E402
+
+
+def refused_by_jax_in_batched_cond(effect) -> bool:
+  """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
+  whose predicate is batched (see the imports above)."""
+  return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
+
+
+def in_cond_branch(name_stack) -> bool:
+  """Whether an op lowered under ``name_stack`` is inside a ``cond`` branch.
+
+  JAX's cond lowering names each branch's ops ``branch_<i>_fun`` in the name
+  stack (``jax/_src/lax/control_flow/conditionals.py``, JAX 0.8-0.10); a
+  branch vmap inlined into a ``select`` has no such name. No public handle.
+  """
+  return "_fun" in str(name_stack)
+
 
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by

@@ -214,7 +214,9 @@ def _census():
 def test_every_higher_order_primitive_is_handled_or_refused_with_a_reason():
   found = _census()
   take()
-  handled = {p.name for p in _token_pass.RULES}
+  # (JAX's primitives: the pass also has rules for its own, e.g. counters)
+  handled = {p.name for p in _token_pass.RULES
+             if not p.name.startswith("jax_effects_")}
   refused = set(_token_pass.REFUSED)
   unclassified = set(found) - handled - refused
   assert not unclassified, f"no rule and no reason for {unclassified}"

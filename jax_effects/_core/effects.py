@@ -247,6 +247,9 @@ for _registry in (_compat.control_flow_allowed_effects,
                   _compat.lowerable_effects):
   _registry.add_type(TraceEffect)
   _registry.add_type(PlainJitOrder)
+# Under grad, an effect in a scan body runs once per iteration, even with no
+# operand that changes from one iteration to the next.
+_compat.keep_effects_in_loops(TraceEffect)
 # Shardable: on several devices JAX orders them like its own ordered
 # io_callback (once per program point, on the first device).
 _compat.ordered_effects.add_type(PlainJitOrder)

@@ -85,7 +85,7 @@ def pure(core, args, kwargs):
     return replay(core, None, (), args, kwargs)
   closed, dyn, out_tree = core.traces.trace(args, kwargs)
   mode = _effects.get_ordering()
-  keys = _token_pass.chain_keys(closed.effects, mode)
+  keys = _token_pass.runtime_chain_keys(closed.effects, mode)
   if keys:  # unordered effects need the threaded path too
     err = NeedsTokens(keys)
     if getattr(strict, "on", False):
@@ -119,8 +119,9 @@ def threaded(core, mode: str, k: int, args, kwargs):
     return replay(core, mode, runtime, args, kwargs)
   closed, dyn, out_tree = core.traces.trace(args, kwargs)
   known = core.threaded(mode).keys
-  missing = tuple(key for key in _token_pass.chain_keys(closed.effects, mode)
-                  if key not in known)
+  missing = tuple(
+      key for key in _token_pass.runtime_chain_keys(closed.effects, mode)
+      if key not in known)
   if missing or len(runtime) != len(known):
     raise NeedsTokens(missing)
   outs, token = _token_pass.thread_program(
@@ -143,7 +144,7 @@ def replay(core, mode: str | None, runtime: tuple, args, kwargs):
   closed, dyn, out_tree = core.traces.trace(args, kwargs, keep=False)
   mode_ = _effects.get_ordering() if mode is None else mode
   keys = (core.threaded(mode).keys if mode is not None
-          else _token_pass.chain_keys(closed.effects, mode_))
+          else _token_pass.runtime_chain_keys(closed.effects, mode_))
   with jax.disable_jit(), _threaded_primitive.already_ran():
     if mode is None:
       runtime = [jnp.zeros((), _errors.TOKEN_DTYPE) for _ in keys]

@@ -30,7 +30,8 @@ import dataclasses
 import functools
 import operator
 import types
-from typing import Callable
+from typing import (TYPE_CHECKING, Any, Callable, Generic, ParamSpec, TypeVar,
+                    overload)
 
 from jax_effects._dispatch import convention as _convention
 from jax_effects._dispatch import core as _core
@@ -41,7 +42,11 @@ TOKENS_KW = _convention.TOKENS_KW
 NeedsTokens = _core.NeedsTokens
 
 
-class PjitFunction:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class PjitFunction(Generic[_P, _R]):
   """A jitted function whose side effects are token-threaded.
 
   Call it like the function it wraps. Offers what a ``jax.jit`` object
@@ -51,7 +56,7 @@ class PjitFunction:
   ``copy.copy``/``copy.deepcopy``/pickle, and use as a method.
   """
 
-  def __init__(self, fun: Callable, **jit_kwargs):
+  def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
     _convention.check_names(jit_kwargs)
@@ -64,7 +69,10 @@ class PjitFunction:
   #: Calling it calls its core's current target (``core``): the
   #: ``jax.jit`` object itself once the function is known to be pure (no
   #: Python frame of ours), the fast hook, or the first/general call.
-  __call__ = property(operator.attrgetter("_core.call"))
+  if TYPE_CHECKING:   # (for type checkers: called like the wrapped function)
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R: ...
+  else:
+    __call__ = property(operator.attrgetter("_core.call"))
 
   @property
   def __signature__(self):
@@ -78,13 +86,13 @@ class PjitFunction:
   def __repr__(self):
     return f"<jax_effects.jit PjitFunction of {self._fun!r}>"
 
-  def __get__(self, instance, owner=None):
+  def __get__(self, instance: Any, owner: Any = None) -> Any:
     # As jax.jit objects: a bound method when looked up on an instance.
     if instance is None:
       return self
     return types.MethodType(self, instance)
 
-  def trace(self, *args, **kwargs) -> _stages.Traced:
+  def trace(self, *args: Any, **kwargs: Any) -> _stages.Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     As ``jax.jit(f).trace``; the returned ``jax.stages.Traced`` shows the
@@ -92,11 +100,11 @@ class PjitFunction:
     """
     return _stages.trace(self._core, self, args, kwargs)
 
-  def lower(self, *args, **kwargs) -> _stages.Lowered:
+  def lower(self, *args: Any, **kwargs: Any) -> _stages.Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     return self.trace(*args, **kwargs).lower()
 
-  def eval_shape(self, *args, **kwargs):
+  def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
     """Output shapes/dtypes (``jax.ShapeDtypeStruct`` s), as ``jax.eval_shape``."""
     return self.trace(*args, **kwargs).out_info
 
@@ -109,10 +117,10 @@ class PjitFunction:
     """Executables in this function's ``jax.jit`` caches (as ``jax.jit``'s)."""
     return self._core.cache_size()
 
-  def __copy__(self) -> "PjitFunction":
+  def __copy__(self) -> PjitFunction[_P, _R]:
     return PjitFunction(self._fun, **self._jit_kwargs)
 
-  def __deepcopy__(self, memo) -> "PjitFunction":
+  def __deepcopy__(self, memo: Any) -> PjitFunction[_P, _R]:
     return PjitFunction(self._fun, **self._jit_kwargs)
 
   def __reduce__(self):
@@ -123,12 +131,22 @@ def _rebuild(fun, jit_kwargs):
   return PjitFunction(fun, **jit_kwargs)
 
 
-def jit(fun: Callable | None = None, **jit_kwargs):
+@overload
+def jit(fun: Callable[_P, _R], /, **jit_kwargs: Any) -> PjitFunction[_P, _R]: ...
+@overload
+def jit(fun: None = None, /, **jit_kwargs: Any
+        ) -> Callable[[Callable[_P, _R]], PjitFunction[_P, _R]]: ...
+
+
+def jit(fun: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
   """Drop-in for ``jax.jit`` that keeps side effects in program order.
 
   Takes ``jax.jit``'s keyword arguments (``static_argnums``,
   ``static_argnames``, ``donate_argnums``, ``in_shardings``, ...). Usable as
-  ``@jit``, ``@jit(static_argnums=...)`` or ``jit(f, ...)``.
+  ``@jit``, ``@jit(static_argnums=...)`` or ``jit(f, ...)``. Returns a
+  :class:`PjitFunction`, typed for type checkers as the function it wraps
+  (``PjitFunction[P, R]``: called with ``f``'s parameters, returning
+  ``f``'s result type).
   """
   if fun is None:
     return functools.partial(jit, **jit_kwargs)

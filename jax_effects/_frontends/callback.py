@@ -19,6 +19,7 @@ from jax import tree_util
 import numpy as np
 
 from jax_effects._core import effects as _effects
+from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import effect as _primitives
 
@@ -41,9 +42,9 @@ def _result_avals(what: str, result_shape_dtypes):
   return tuple(avals), treedef
 
 
-def callback(fn: Callable, result_shape_dtypes: Any, *args,
+def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
              ordered: bool | None = None,
-             effect=None, **kwargs):
+             effect: Effect | None = None, **kwargs: Any) -> Any:
   """Calls ``fn(*args, **kwargs)`` on the host when the computation runs.
 
   Returns arrays matching ``result_shape_dtypes`` (a pytree of

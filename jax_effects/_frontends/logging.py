@@ -35,11 +35,13 @@ import logging
 import os
 import sys
 import traceback
+from typing import Any
 
 import jax
 import numpy as np
 
 from jax_effects._core import effects as _effects
+from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._frontends import printing as _printing
 from jax_effects._primitives import effect as _primitives
@@ -168,9 +170,12 @@ def _split_extra(what: str, extra):
   return fa.operands, values
 
 
-def log(fmt: str, *args, level=logging.INFO, logger=None,
-        ordered: bool | None = None, effect=None, extra=None, stacklevel=1,
-        stack_info=False, exc_info=None, **kwargs) -> None:
+def log(fmt: str, *args: Any, level: int | str = logging.INFO,
+        logger: str | logging.Logger | logging.LoggerAdapter[Any] | None = None,
+        ordered: bool | None = None, effect: Effect | None = None,
+        extra: Mapping[str, Any] | None = None, stacklevel: int = 1,
+        stack_info: bool = False, exc_info: Any = None,
+        **kwargs: Any) -> None:
   """Emits a ``logging`` record with ``fmt.format(*args, **kwargs)``.
 
   Works inside and outside ``jax_effects.jit`` like :func:`jax_effects.print`

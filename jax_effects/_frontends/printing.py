@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jax_effects._core import effects as _effects
+from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import effect as _primitives
 from jax_effects._runtime import output as _output
@@ -212,8 +213,8 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   return fa.operands, eager, jit
 
 
-def print(fmt: str, *args, ordered: bool | None = None, effect=None,  # noqa: A001
-          **kwargs) -> None:
+def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
+          effect: Effect | None = None, **kwargs: Any) -> None:
   """Prints ``fmt.format(*args, **kwargs)`` when the computation runs.
 
   Works inside and outside ``jax_effects.jit`` (outside any trace it prints

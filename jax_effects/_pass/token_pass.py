@@ -24,8 +24,8 @@ effects) the current *compiler token* and the current *carrier*.
   executable returns (new runtime token and output token).
 
 Higher-order primitives are handled by rules, registered with
-:func:`register_rule` under each rule's definition (here, and in
-``_pass.shard_map_rule``). A rule gets the equation, its input values, the chains
+:func:`register_rule` under each rule's definition (in
+``_pass.control_flow_rules`` and ``_pass.shard_map_rule``). A rule gets the equation, its input values, the chains
 and the ordering mode, and returns the equation's outputs. A higher-order
 primitive with a marked effect inside and no rule is an error naming the
 effect, the primitive and why (:data:`REFUSED`, or a generic reason);
@@ -42,17 +42,18 @@ from typing import Any, Callable, Sequence
 
 from jax import lax
 from jax.extend import core as jex_core
-from jax.extend.core import primitives as jex_prims
 import jax.numpy as jnp
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import adopted as _adopted
+from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import markers as _markers
 from jax_effects._runtime import errors as _errors
 
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
@@ -132,7 +133,7 @@ def region_kind() -> str:
 
 
 @contextlib.contextmanager
-def _in_region(kind: str | None = None, mask=None):
+def in_region(kind: str | None = None, mask=None):
   saved = _context.kind, _context.masks
   if kind is not None:
     _context.kind = kind
@@ -145,15 +146,25 @@ def _in_region(kind: str | None = None, mask=None):
 
 
 def chain_keys(effects, mode: str) -> tuple:
-  """Chain keys of the markers in a set of JAX effects, in a stable order.
+  """Chain keys of the markers in a set of JAX effects, in a stable order:
+  the chains a sub-computation with these effects threads.
 
-  JAX's own callback effects the pass adopts (``_pass.adopted``) count too.
+  JAX's own callback effects the pass adopts (``_pass.adopted``) count too, and
+  device-side counters (``_primitives.counter``: chains with no runtime token).
   """
   keys = {_effects.chain_key(e, mode) for e in effects
           if isinstance(e, _effects.TraceEffect)}
   keys.update(_adopted.chain_key(e, mode) for e in effects
               if _adopted.is_adoptable_effect(e))
+  keys.update(e.counter for e in effects if _counters.is_counter_effect(e))
   return tuple(sorted(keys, key=_sort_key))
+
+
+def runtime_chain_keys(effects, mode: str) -> tuple:
+  """The chains of :func:`chain_keys` that take a runtime token (all but the
+  counters): what a program's dispatch passes and keeps."""
+  return tuple(k for k in chain_keys(effects, mode)
+               if not isinstance(k, _counters.Counter))
 
 
 def _sort_key(key):
@@ -164,11 +175,8 @@ def has_marker(effects) -> bool:
   """Whether the pass has work in an equation with these effects (a marker,
   or a JAX callback effect it adopts)."""
   return any(isinstance(e, _effects.TraceEffect)
-             or _adopted.is_adoptable_effect(e) for e in effects)
-
-
-def _has_own_marker(effects) -> bool:
-  return any(isinstance(e, _effects.TraceEffect) for e in effects)
+             or _adopted.is_adoptable_effect(e)
+             or _counters.is_counter_effect(e) for e in effects)
 
 
 # --- the interpreter -----------------------------------------------------------
@@ -186,8 +194,8 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         return _bind_threaded(_adopted.chain_key(effect, mode),
                               host_callback, invals, chains)
     if (has_marker(eqn.effects) and (eqn.primitive in RULES or
-                                     _has_own_marker(eqn.effects))) or (
-        eqn.primitive.name in HIDES_EFFECTS and _marker_inside(eqn)):
+                                     _markers.has_own_marker(eqn.effects))) or (
+        eqn.primitive.name in HIDES_EFFECTS and _markers.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
@@ -202,7 +210,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _primitives.branch_vmapped_error(host_callback)
-  if _context.masks:
+  if _context.masks and not host_callback.batch_once:
     host_callback, masks = _host_callback.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
   return _bind_threaded(key, host_callback, invals, chains)
@@ -267,169 +275,32 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
-    with _in_region(kind):
+    with in_region(kind):
       outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
   return fn
 
 
-# --- rules for higher-order primitives -----------------------------------------
+def _counter_rule(eqn, invals, chains: Chains, mode: str):
+  """``counter_p``: the count is the counter chain's carrier (``_primitives.counter``).
 
-def _cond_rule(eqn, invals, chains: Chains, mode: str):
-  keys = chain_keys(eqn.effects, mode)
-  index, *ops = invals
-  branches = [region(b, keys, mode, kind="branch")
-              for b in eqn.params["branches"]]
-  carriers, outs = lax.switch(index, branches, chains.take(keys), *ops)
-  chains.put(keys, carriers)
-  return outs
-
-
-register_rule(jex_prims.cond_p, _cond_rule)
-
-
-def _while_rule(eqn, invals, chains: Chains, mode: str):
-  p = eqn.params
-  cond_n, body_n = p["cond_nconsts"], p["body_nconsts"]
-  cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
-  init = invals[cond_n + body_n:]
-  keys = chain_keys(eqn.effects, mode)
-  cond_effectful = has_marker(p["cond_jaxpr"].effects)
-  cond_fn = region(p["cond_jaxpr"], keys if cond_effectful else (), mode,
-                   cond_consts, kind="loop")
-  body_fn = region(p["body_jaxpr"], keys, mode, body_consts, kind="loop")
-
-  if p["cond_jaxpr"].out_avals[0].shape:
-    carriers, outs = _batched_while(cond_fn, body_fn, cond_effectful,
-                                    chains.take(keys), init)
-  elif not cond_effectful:
-    def loop_cond(state):
-      return cond_fn((), *state[1])[1][0]
-
-    def loop_body(state):
-      return body_fn(state[0], *state[1])
-
-    carriers, outs = lax.while_loop(loop_cond, loop_body,
-                                    (chains.take(keys), list(init)))
-  else:
-    # Effects in cond_fun: run the predicate once before the loop and again at
-    # the end of every iteration, carrying it (as JAX does for its own
-    # ordered effects), so every evaluation of cond_fun happens in order.
-    carriers, (pred,) = cond_fn(chains.take(keys), *init)
-
-    def loop_body(state):
-      carriers, _, vals = state
-      carriers, vals = body_fn(carriers, *vals)
-      carriers, (pred,) = cond_fn(carriers, *vals)
-      return carriers, pred, vals
-
-    carriers, _, outs = lax.while_loop(lambda s: s[1], loop_body,
-                                       (carriers, pred, list(init)))
-  chains.put(keys, carriers)
-  return outs
-
-
-register_rule(jex_prims.while_p, _while_rule)
-
-
-def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
-  """A while_loop that ``vmap`` gave a batched predicate (a bool array).
-
-  As JAX's own lowering does, the body runs while any element is live and a
-  finished element keeps its carry (a select); in addition, the effects of
-  the body and of ``cond_fun`` get the live mask, so they run only for the
-  elements still iterating (``_host_callback.masked``).
+  A set keeps the type of the count it replaces (``count * 0 + x``: inside
+  ``shard_map`` the carrier varies over the manual axes, and a loop's carry
+  must keep its type).
   """
-  def cond(carriers, vals):
-    c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
-    return (c if cond_effectful else carriers), pred
-
-  carriers, pred = cond(carriers, init)
-
-  def loop_body(state):
-    carriers, live, vals = state
-    with _in_region(mask=live):
-      carriers, new = body_fn(carriers, *vals)
-      vals = [lax.select(lax.broadcast_in_dim(live, jnp.shape(n),
-                                              tuple(range(live.ndim))), n, v)
-              for n, v in zip(new, vals)]
-      carriers, pred = cond(carriers, vals)
-    return carriers, jnp.logical_and(pred, live), vals
-
-  carriers, _, outs = lax.while_loop(lambda s: jnp.any(s[1]), loop_body,
-                                     (carriers, pred, list(init)))
-  return carriers, outs
+  del mode
+  counter, op = eqn.params["counter"], eqn.params["op"]
+  (x,) = invals
+  count = chains.carrier(counter)
+  count = count * 0 + x if op == "set" else count + x
+  chains.carriers[counter] = count
+  return count
 
 
-def _scan_rule(eqn, invals, chains: Chains, mode: str):
-  p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
-  consts = invals[:n_consts]
-  init = invals[n_consts:n_consts + n_carry]
-  xs = invals[n_consts + n_carry:]
-  keys = chain_keys(eqn.effects, mode)
-  body_fn = region(p["jaxpr"], keys, mode, consts, kind="loop")
-
-  def body(carry, x):
-    carriers, c = carry
-    carriers, outs = body_fn(carriers, *c, *x)
-    return (carriers, outs[:n_carry]), outs[n_carry:]
-
-  (carriers, carry), ys = lax.scan(
-      body, (chains.take(keys), list(init)), list(xs), length=p["length"],
-      reverse=p["reverse"], unroll=p["unroll"])
-  chains.put(keys, carriers)
-  return [*carry, *ys]
+register_rule(_counters.counter_p, _counter_rule)
 
 
-register_rule(jex_prims.scan_p, _scan_rule)
-
-
-def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
-  """Call-like primitives (``_core.jaxpr_eval.CALLEES``: jit, checkpoint,
-  custom_jvp/vjp/vmap, closed_call, composite, linear_call).
-
-  Inlined: the callee is evaluated in the caller's trace with the caller's
-  chains. Differentiation has already happened when the pass runs, so the
-  custom rules and remat policy of these primitives have done their work.
-  """
-  jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
-  return thread_jaxpr(jaxpr, consts, invals, chains, mode)
-
-
-for _prim, _param in _jaxpr_eval.CALLEES.items():
-  register_rule(_prim, functools.partial(_inline_rule, _param))
-
-
-def _linear_solve_rule(eqn, invals, chains: Chains, mode: str):
-  """``custom_linear_solve`` (e.g. ``jax.scipy.sparse.linalg.cg``): as its
-  impl, the ``solve`` jaxpr on its consts and the right-hand side.
-
-  The other jaxprs (``matvec``, ``vecmat``, ``transpose_solve``) are only for
-  differentiation, which has already happened: their effects are in the
-  equations JAX's jvp/transpose rules produced. So a print in the matvec of
-  ``cg`` runs where ``cg``'s solver loop calls the matvec, in order.
-  """
-  p = eqn.params
-  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
-  consts, start = {}, 0
-  for name, n in zip(jaxprs._fields, lengths):
-    consts[name] = invals[start:start + n]
-    start += n
-  solve = jaxprs.solve
-  return thread_jaxpr(solve.jaxpr, solve.consts,
-                      [*consts["solve"], *invals[start:]], chains, mode)
-
-
-register_rule(jex_prims.linear_solve_p, _linear_solve_rule)
-
-
-
-#: Names of higher-order primitives whose equation does not report the
-#: effects of its sub-computations (their abstract evaluation drops them): the
-#: pass looks inside. Without this, an effect in them would reach XLA unthreaded.
-HIDES_EFFECTS = frozenset({
-    "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
+HIDES_EFFECTS = _markers.HIDES_EFFECTS
 
 _REDUCTION = (
     "its sub-computation is the combiner of a reduction, which XLA calls as "
@@ -448,30 +319,10 @@ REFUSED: dict[str, str] = {
 }
 
 
-def _effects_inside(eqn) -> list:
-  """The descriptions of the effects inside ``eqn``'s sub-computations."""
-  found = []
-
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive is _primitives.effect_p:
-        found.append(e.params["host_callback"].description)
-      for sub in _compat.jaxprs_in_params(e.params):
-        walk(sub)
-  for sub in _compat.jaxprs_in_params(eqn.params):
-    walk(sub)
-  return found
-
-
-def _marker_inside(eqn) -> bool:
-  return bool(_effects_inside(eqn))
-
-
 def refusal(eqn) -> NotImplementedError:
   """The error for an effect inside a higher-order primitive with no rule."""
   name = eqn.primitive.name
-  inside = _effects_inside(eqn)
-  what = inside[0] if inside else "a jax_effects side effect"
+  what = _markers.first_effect(eqn)
   reason = REFUSED.get(
       name, "jax_effects does not know in which order this primitive runs "
             "its sub-computations")
@@ -520,7 +371,10 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.per_device = saved
-  finals = list(chains.carriers.values())
+  # (Counters end here: their last values are dropped.)
+  carriers = {k: c for k, c in chains.carriers.items()
+              if not isinstance(k, _counters.Counter)}
+  finals = list(carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
   # A chain whose effect failed ends with the FAILED bit (its later effects
@@ -540,6 +394,6 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # the end of the execution, for no effect of theirs.
     finals = [c if jnp.shape(c) or k in chains.entries or k not in per_device
               else _first_device.from_first_device_p.bind(c)
-              for k, c in chains.carriers.items()]
+              for k, c in carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None
   return outs, token

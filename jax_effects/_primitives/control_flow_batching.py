@@ -34,18 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import markers as _markers
 
 effect_p = _primitives.effect_p
 
 
 def _has_marker(jaxprs) -> bool:
   """Whether any of ``jaxprs`` (or equations) carries an effect of ours."""
-  return any(isinstance(e, _effects.TraceEffect)
-             for j in jaxprs for e in j.effects)
+  return any(_markers.has_own_marker(j.effects) for j in jaxprs)
 
 
 _jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]
@@ -96,13 +95,12 @@ def _eval_masked(jaxpr, consts, mask, args):
   """Evaluates ``jaxpr`` into the current trace with ``mask`` (a bool scalar:
   this element took the branch) as the first operand of every effect in it,
   at any depth. Control flow with effects inside is re-expressed with
-  ``lax`` (closing over ``mask``); call-like primitives are inlined."""
+  ``lax`` (closing over ``mask``, :data:`MASK_RULES`); call-like primitives
+  are inlined."""
   def handle(eqn, invals):
     if eqn.primitive is effect_p:
       return _masked_effect(eqn, mask, invals)
-    if _has_marker([eqn]) or (
-        eqn.primitive.name in _HIDES_EFFECTS
-        and _has_marker(_compat.jaxprs_in_params(eqn.params))):
+    if _markers.holds_effect(eqn):
       return _masked_higher_order(eqn, mask, invals)
     return _jaxpr_eval.rebind(eqn, invals)
   return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
@@ -116,63 +114,66 @@ def _closed_fn(closed, mask, leading=()):
                                     [*leading, *args])
 
 
-#: Call-like primitives whose equation does not report their callee's
-#: effects (they are inlined like every ``_core.jaxpr_eval.CALLEES`` primitive).
-_HIDES_EFFECTS = ("composite", "linear_call")
+#: A masking rule: ``rule(params, mask, invals) -> outputs``, the
+#: higher-order primitive re-expressed with ``lax`` around masked
+#: sub-computations. Primitive -> rule; the call-like ones
+#: (``_core.jaxpr_eval.CALLEES``) are inlined without one.
+MASK_RULES: dict = {}
+
+
+def _masked_cond(p, mask, invals):
+  index, *ops = invals
+  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
+                        *ops)
+
+
+MASK_RULES[jex_prims.cond_p] = _masked_cond
+
+
+def _masked_while(p, mask, invals):
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond = _closed_fn(p["cond_jaxpr"], mask, invals[:cn])
+  body = _closed_fn(p["body_jaxpr"], mask, invals[cn:cn + bn])
+  return jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c),
+                            list(invals[cn + bn:]))
+
+
+MASK_RULES[jex_prims.while_p] = _masked_while
+
+
+def _masked_scan(p, mask, invals):
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  body = _closed_fn(p["jaxpr"], mask, invals[:nc])
+
+  def step(carry, xs):
+    outs = body(*carry, *xs)
+    return outs[:ncarry], outs[ncarry:]
+  carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]),
+                           list(invals[nc + ncarry:]), length=p["length"],
+                           reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+MASK_RULES[jex_prims.scan_p] = _masked_scan
 
 
 def _masked_higher_order(eqn, mask, invals):
-  p, name = eqn.params, eqn.primitive.name
-  if name == "cond":
-    index, *ops = invals
-    return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
-                          *ops)
-  if name == "while":
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cond = _closed_fn(p["cond_jaxpr"], mask, invals[:cn])
-    body = _closed_fn(p["body_jaxpr"], mask, invals[cn:cn + bn])
-    return jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c),
-                              list(invals[cn + bn:]))
-  if name == "scan":
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    body = _closed_fn(p["jaxpr"], mask, invals[:nc])
-
-    def step(carry, xs):
-      outs = body(*carry, *xs)
-      return outs[:ncarry], outs[ncarry:]
-    carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]),
-                             list(invals[nc + ncarry:]), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]
+  rule = MASK_RULES.get(eqn.primitive)
+  if rule is not None:
+    return rule(eqn.params, mask, invals)
   if eqn.primitive in _jaxpr_eval.CALLEES:
-    return _closed_fn(p[_jaxpr_eval.CALLEES[eqn.primitive]], mask)(*invals)
+    callee = eqn.params[_jaxpr_eval.CALLEES[eqn.primitive]]
+    return _closed_fn(callee, mask)(*invals)
+  name = eqn.primitive.name
   raise NotImplementedError(
-      f"{_first_effect(eqn)} is inside JAX's higher-order primitive "
+      f"{_markers.first_effect(eqn)} is inside JAX's higher-order primitive "
       f"'{name}' inside a branch of jax.lax.cond/switch whose predicate "
       f"jax.vmap batched; jax_effects cannot run it only for the elements "
       f"that took the branch. Use jax.lax.map instead of jax.vmap, keep the "
       f"predicate unbatched, or move the effect out of the '{name}'.")
 
 
-def _first_effect(eqn) -> str:
-  for sub in _compat.jaxprs_in_params(eqn.params):
-    for e in sub.eqns:
-      if e.primitive is effect_p:
-        return e.params["host_callback"].description
-      found = _first_effect(e)
-      if found != "a jax_effects side effect":
-        return found
-  return "a jax_effects side effect"
-
-
 _jax_cond_batcher = batching.fancy_primitive_batchers[jex_prims.cond_p]
-
-
-def _jax_refuses(effect) -> bool:
-  """Effects JAX's rule refuses in a vmapped cond (io_callback, Refs): the
-  cond is left to JAX's rule and its error."""
-  return any(c.__name__ in ("IOEffect", "OrderedIOEffect", "RefEffect")
-             for c in type(effect).__mro__)
 
 
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
@@ -186,7 +187,8 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
   """
   if (dims[0] is None or "branches_platforms" in params
       or not _has_marker(branches)
-      or any(_jax_refuses(e) for b in branches for e in b.effects)):
+      or any(_compat.refused_by_jax_in_batched_cond(e)
+             for b in branches for e in b.effects)):
     return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
   size = axis_data.size
   mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)

@@ -117,9 +117,9 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   threads runtime tokens between dispatches, so program order holds, through
   JAX's slower dispatch path. Unordered effects get no token.
   """
-  if host_callback.traced_in_branch and "_fun" not in str(ctx.name_stack):
-    # A cond branch that vmap inlined (its predicate is batched): the cond
-    # lowering names each branch's ops "branch_<i>_fun"; these have no branch.
+  if (host_callback.traced_in_branch
+      and not _compat.in_cond_branch(ctx.name_stack)):
+    # A cond branch that vmap inlined (its predicate is batched).
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(
@@ -146,6 +146,8 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
 
 
 mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
+#: (Also the plain-``jax.jit`` lowering of ``_primitives.counter.counter_p``.)
+fallback_lowering = _fallback_lowering
 
 
 # --- vmap ------------------------------------------------------------------------
@@ -176,6 +178,18 @@ def control_dependent():
 
 
 def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
+  if host_callback.batch_once:
+    if any(d is not None for d in dims):
+      raise NotImplementedError(
+          f"{host_callback.description} runs once for a whole jax.vmap batch, "
+          f"but jax.vmap batched one of its operands (it differs between the "
+          f"elements: a batched count, or a branch of jax.lax.cond/switch "
+          f"whose predicate is batched). Keep it out of per-element control "
+          f"flow and pass values that are the same for every element, or run "
+          f"the elements with jax.lax.map or in a shard_map.")
+    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
+                         ordered=ordered)
+    return outs, [None] * len(outs)
   if all(d is None for d in dims) and not control_dependence.depth:
     # No operand depends on the batch index (e.g. the primal values under
     # jacfwd/hessian, whose tangents vmap batches): one run, as
@@ -269,13 +283,15 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
-                reads_placement: bool = False) -> list:
+                reads_placement: bool = False,
+                batch_once: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
   host side (flat NumPy operands -> results matching ``result_avals``);
-  ``eager`` its eager form and ``reads_placement`` whether it reads its
-  placement on every run (see :class:`~jax_effects._host_callback.HostCallback`,
+  ``eager`` its eager form, ``reads_placement`` whether it reads its
+  placement on every run and ``batch_once`` whether it runs once for a
+  ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete).
   """
   staging = _compat.enclosing_staging()
@@ -287,6 +303,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
-      reads_placement=reads_placement)
+      reads_placement=reads_placement, batch_once=batch_once)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

@@ -32,7 +32,10 @@ class HostCallback:
   (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
   format eager values as ``jax.debug.print`` does. ``reads_placement``:
   ``fn`` calls ``_runtime.placement.current()`` on every run (``print``/``log``), so
-  the host function sets ``_runtime.placement.site`` for it. Compared and hashed by
+  the host function sets ``_runtime.placement.site`` for it. ``batch_once``:
+  runs once for a whole ``vmap`` batch, also where ``vmap`` makes an effect
+  run per element for control dependence (``jax_effects.progress``: one bar
+  counts the batch); a batched operand is refused. Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
@@ -42,6 +45,7 @@ class HostCallback:
   traced_in_while_cond: bool = False
   eager: Callable[..., None] | None = None
   reads_placement: bool = False
+  batch_once: bool = False
 
   def __repr__(self):
     return f"<host callback {self.description}>"

@@ -79,8 +79,48 @@ def _setting_site(fn, running):
 # positionally), see ``_runtime.placement``. ``index(carrier)`` is the fastest read of
 # a 0-d integer array.
 
-def _threaded_once(host_callback: _host_callback.HostCallback, placement, avals_out,
-                   entry: bool):
+class FailedBit:
+  """The ``FAILED``-bit rule of a threaded effect, written once
+  (``design/errors.md``):
+
+  * a carrier with ``FAILED`` set means an earlier effect of the chain failed
+    in this execution: this one is skipped (results zeros, carrier as
+    received), as nothing runs after a ``raise`` in Python
+    (:meth:`on_failed` returns None) -- unless this effect is the chain's
+    entry (``entry``: its carrier is the runtime token), where the bit is an
+    earlier execution's and is cleared (:meth:`on_failed` returns the
+    carrier to run with);
+  * a user exception never fails the computation: it is deferred to the
+    thread whose slot the carrier holds, and the carrier gets ``FAILED``
+    (:meth:`fail`); the results are zeros.
+
+  Host functions test the bit themselves (``index(carrier) & FAILED``, the
+  hot path) and call these only when it matters.
+  """
+  __slots__ = ("entry",)
+  FAILED = int(_errors.FAILED)
+  SLOT_MASK = int(_errors.SLOT_MASK)
+
+  def __init__(self, entry: bool):
+    self.entry = entry
+
+  def on_failed(self, carrier):
+    """``carrier`` has ``FAILED`` set: None (skip this effect), or the
+    carrier to run with (the chain's entry: an earlier execution's bit)."""
+    if not self.entry:
+      return None
+    return np.bitwise_and(carrier, _errors.SLOT_MASK)
+
+  @staticmethod
+  def fail(carrier, exc: BaseException, slot: int, inline: bool = True):
+    """Defers ``exc`` to thread ``slot`` (``raising.defer_error``); returns
+    the carrier with ``FAILED`` set."""
+    _raising.defer_error(exc, slot, inline=inline)
+    return np.bitwise_or(carrier, _errors.FAILED)
+
+
+def _threaded_once(host_callback: _host_callback.HostCallback, placement,
+                   avals_out, entry: bool):
   """``host(carrier, *operands)`` of a threaded effect that runs once."""
   running = _placement.running(placement, True)
   fn = host_callback.fn
@@ -89,23 +129,25 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement, avals_
   what = host_callback.description
   result_avals = host_callback.result_avals
   n_operands = len(avals_out) - 1 - len(result_avals)
-  FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
+  rule = FailedBit(entry)
+  FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
 
   def failed(carrier, exc):
-    _raising.defer_error(exc, index(carrier) & SLOT_MASK, inline=True)
-    return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
+    return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
+            *skipped_results)
 
   def run(carrier, args):
     if index(carrier) & FAILED:
-      if not entry:   # an earlier effect of the chain failed
-        return (carrier, *skipped_results)
-      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # an earlier execution's
+      received, carrier = carrier, rule.on_failed(carrier)
+      if carrier is None:
+        return (received, *skipped_results)
     try:
       results = fn(*args)
       if result_avals:
-        return (carrier, *_host_callback.check_results(what, results, result_avals))
+        return (carrier,
+                *_host_callback.check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
       return failed(carrier, exc)
     return (carrier,)
@@ -126,8 +168,8 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement, avals_
   return host
 
 
-def _threaded_per_device(host_callback: _host_callback.HostCallback, table, avals_out,
-                         entry: bool):
+def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
+                         avals_out, entry: bool):
   """``host(carrier, *operands, partition_id)`` of a threaded effect that
   runs on every device (in a manual ``shard_map``): :func:`_threaded_once`,
   placed by the partition id through ``table``."""
@@ -137,24 +179,26 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table, aval
           if host_callback.reads_placement else (fn,) * len(placed)))
   what = host_callback.description
   result_avals = host_callback.result_avals
-  FAILED, SLOT_MASK = int(_errors.FAILED), int(_errors.SLOT_MASK)
+  rule = FailedBit(entry)
+  FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
 
   def host(carrier, *args):
     if index(carrier) & FAILED:
-      if not entry:   # an earlier effect of the chain failed
-        return (carrier, *skipped_results)
-      carrier = np.bitwise_and(carrier, _errors.SLOT_MASK)   # stale
+      received, carrier = carrier, rule.on_failed(carrier)
+      if carrier is None:
+        return (received, *skipped_results)
     pid = index(args[-1])
-    running = placed[pid]   # (read by _placement.current())
+    running = placed[pid]   # (read by _runtime.placement.current())
     try:
       results = fns[pid](*args[:-1])
       if result_avals:
-        return (carrier, *_host_callback.check_results(what, results, result_avals))
+        return (carrier,
+                *_host_callback.check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      _raising.defer_error(exc, index(carrier) & SLOT_MASK, inline=True)
-      return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
+      return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
+              *skipped_results)
     del running
     return (carrier,)
   return host
@@ -175,7 +219,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
            else tuple(_placement.running(p, threaded) for p in where.table))
   site = _placement.site
   carrier_at = passthrough - 1 if threaded and passthrough else None
-  FAILED, SLOT_MASK = _errors.FAILED, _errors.SLOT_MASK
+  rule = FailedBit(entry)
 
   def zeros(args, carrier):
     out = [*args[:passthrough],
@@ -196,12 +240,12 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       # later effects of the chain do not run.
       carrier = args[carrier_at]
       value = int(carrier) if not carrier.ndim else int(carrier.max())
-      if value & FAILED:
-        if not entry:
-          return zeros(args, carrier)
-        carrier = np.bitwise_and(carrier, SLOT_MASK)   # an earlier execution's
+      if value & rule.FAILED:
+        received, carrier = carrier, rule.on_failed(carrier)
+        if carrier is None:
+          return zeros(args, received)
         args = (*args[:carrier_at], carrier, *args[carrier_at + 1:])
-      slot = int(value & SLOT_MASK)
+      slot = value & rule.SLOT_MASK
     else:   # plain jax.jit: run on the dispatching thread if on one device
       slot = 0 if running[0].per_device else _raising.current_slot()
       if slot and _errors.has_deferred(slot):
@@ -214,9 +258,10 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       results = (_host_callback.check_results(what, results, result_avals) if result_avals
                  else ())
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      _raising.defer_error(exc, slot, inline=carrier_at is not None)
-      return zeros(args, None if carrier_at is None
-                   else np.bitwise_or(carrier, FAILED))
+      if carrier_at is None:   # plain jax.jit: no carrier, no chain to skip
+        _raising.defer_error(exc, slot, inline=False)
+        return zeros(args, None)
+      return zeros(args, rule.fail(carrier, exc, slot))
     finally:
       if reads_placement:
         site.running = prev

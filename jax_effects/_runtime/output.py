@@ -135,6 +135,12 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
   _hold_or_run(ordered, lambda: _handle_record(logger, record))
 
 
+def deliver(thunk: Callable[[], None], ordered: bool) -> None:
+  """Runs an output action of a host callback (``progress`` drawing its
+  bar), held in the deterministic view like lines."""
+  _hold_or_run(ordered, thunk)
+
+
 # --- the deterministic view ------------------------------------------------------------
 
 _hold_lock = threading.Lock()

@@ -84,16 +84,30 @@ class _Site(threading.local):
 #: ``_Site``; :func:`running` builds the value).
 site = _Site()
 
-# Code objects of host functions (``_primitives.host_functions``) that do not set ``site``: a
-# callback's host function costs no store per run; a rare query (the user's
-# ``placement()``, a barrier refusing to run in a callback) finds the
-# innermost such frame on the stack and reads its ``running`` local.
+# Code objects of host functions (``_primitives.host_functions``) that do not
+# set ``site``: a callback's host function costs no store per run; a rare
+# query (the user's ``placement()``, a barrier refusing to run in a callback)
+# finds the innermost such frame on the stack and reads its local
+# RUNNING_LOCAL.
 _host_codes: set = set()
+
+#: The name of the local (or free) variable in which a registered host
+#: function's frame holds its ``(placement, threaded)`` (see
+#: :func:`register_host_code`).
+RUNNING_LOCAL = "running"
 
 
 def register_host_code(code) -> None:
   """Registers the code of a host function whose frames hold their
-  ``(placement, threaded)`` in a local (or free) variable ``running``."""
+  ``(placement, threaded)`` in a local (or free) variable named
+  :data:`RUNNING_LOCAL`; refuses code without one (a renamed variable would
+  otherwise silently hide every placement)."""
+  if RUNNING_LOCAL not in (*code.co_varnames, *code.co_freevars,
+                           *code.co_cellvars):
+    raise AssertionError(
+        f"jax_effects: host function {code.co_name} ({code.co_filename}:"
+        f"{code.co_firstlineno}) has no variable {RUNNING_LOCAL!r} for "
+        f"placement() to read")
   _host_codes.add(code)
 
 
@@ -109,7 +123,7 @@ def _running_on_stack():
   frame = sys._getframe()
   while frame is not None:
     if frame.f_code in _host_codes:
-      return frame.f_locals.get("running")
+      return frame.f_locals.get(RUNNING_LOCAL)
     frame = frame.f_back
   return None
 

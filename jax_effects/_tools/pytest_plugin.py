@@ -83,9 +83,9 @@ def _apply_devices(config: pytest.Config, namespace: Any) -> None:
   if n is None:
     return
   import jax
-  from jax._src import xla_bridge
 
-  if xla_bridge.backends_are_initialized():
+  from jax_effects import _compat
+  if _compat.backends_are_initialized():
     try:
       have = len(jax.devices("cpu"))
     except RuntimeError:
