@@ -51,6 +51,9 @@ def test_disable_jit_runs_pure_functions_on_values(jit):
     assert float(jit(double)(jnp.float32(5.0))) == 10.0
   assert float(f(jnp.float32(6.0))) == 12.0
   assert traced == [True, False, False]
+  with jax.disable_jit():   # .trace() still traces
+    assert f.trace(jnp.ones(2)).out_info.shape == (2,)
+  assert traced[-1] is True
 
 
 def test_disable_jit_first_call_of_an_effectful_function_learns_nothing(
@@ -76,6 +79,8 @@ def test_disable_jit_first_call_of_an_effectful_function_learns_nothing(
   g(jnp.float32(1.0))
   g(jnp.float32(2.0))
   assert describe(g).state == "fast"
+  with jax.disable_jit():   # .trace() traces, threaded, and runs nothing
+    assert "jax_effects_threaded_effect" in str(g.trace(jnp.ones(2)).jaxpr)
   je.effects_barrier()
   assert effects_capture.printed == ["f -1.0", "g 0.0", "g 1.0", "g 2.0"]
 

@@ -29,8 +29,9 @@ Transitions, each through :meth:`Core.enter` under :attr:`Core.lock`: FIRST
 -> PURE when a first call found no effect; any -> THREADED when a trace
 finds a chain (:meth:`Core.learn`) or a call returns a per-device token;
 PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general call
-finds the fast hook applies (FALLBACK first waits). Calls under a trace or
-``jax.disable_jit()`` run the user function directly and change nothing.
+finds the fast hook applies (FALLBACK first waits). A call under
+``jax.disable_jit()`` runs the user function directly and changes nothing;
+so does a threaded call under an enclosing trace, which threads its effects.
 Its part of the token calling convention: which tokens a call passes
 (``keys``), see ``convention``.
 """
