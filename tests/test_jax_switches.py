@@ -23,6 +23,8 @@ import pytest
 import jax_effects as je
 from jax_effects._dispatch.function import describe
 from helpers import in_thread
+from helpers import PRELUDE_8_DEVICES
+from helpers import run_script
 
 
 # --- jax.disable_jit ----------------------------------------------------------
@@ -216,3 +218,44 @@ def test_transfer_guard_still_refuses_the_users_own_transfers(jit):
     je.effects_barrier()
 
   in_thread(run)
+
+
+def test_transfer_guard_first_call_does_not_wait_for_busy_devices():
+  # As without a guard (test_fault_contract): thread A's per-device
+  # callbacks occupy all 8 devices until thread B's first call (under the
+  # guard: its token put on the default device by an explicit transfer) has
+  # run its callback. Had that transfer waited for the devices, both would
+  # stall until A's callbacks gave up.
+  proc = run_script(PRELUDE_8_DEVICES + """
+import threading
+released = threading.Event()
+gave_up, done = [], []
+def wait_for_b(v):
+  if not released.wait(30):
+    gave_up.append(int(v[0]))
+a = je.jit(jax.shard_map(lambda v: (je.callback(wait_for_b, None, v), v)[1],
+                         mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+b = je.jit(lambda v: (je.callback(lambda _: released.set(), None, v), v)[1])
+z = jnp.zeros(2)
+released.set(); a(x); b(z); je.effects_barrier(); released.clear()
+started = threading.Event()
+def thread_a():
+  a(x)
+  started.set()
+  je.effects_barrier()
+def thread_b():
+  with jax.transfer_guard("disallow"):
+    y = b(z)
+  done.append(float(y[0]))
+ta = threading.Thread(target=thread_a)
+ta.start()
+started.wait(30)
+tb = threading.Thread(target=thread_b)
+tb.start()
+tb.join(60)
+ta.join(60)
+je.effects_barrier(all_threads=True)
+print("gave up" if gave_up else "ok" if done else "refused")
+""", timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["ok"]

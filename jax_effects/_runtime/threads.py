@@ -137,7 +137,7 @@ def thread_state() -> ThreadTokens:
     return state
 
 
-def initial_token(state: ThreadTokens) -> np.ndarray:
+def initial_token(state: ThreadTokens) -> np.ndarray | jax.Array:
   """The token of a stream that has had no effect yet in ``state``'s thread.
 
   A NumPy ``int32`` scalar holding the thread's slot: ``jax.jit`` copies it
