@@ -504,6 +504,39 @@ def no_user_mesh():
   from jax._src.mesh import empty_concrete_mesh  # JAX 0.8, 0.9
   return jax.set_mesh(empty_concrete_mesh)
 
+# ``trace_context()``: the ``jax.config`` values that change what tracing
+# produces (x64, the mesh, ...), JAX's own key for its trace caches; a
+# jax_effects.jit function's kept traces are keyed by it too
+# (``_dispatch.trace_cache``: its learnt state outlives a config change).
+# No public route; JAX 0.8-0.10.
+from jax._src.config import trace_context  # noqa: E402
+
+# The transfer guard levels in effect (``jax.transfer_guard``): the
+# thread's, else the global one. ``jax.config``'s per-direction states miss
+# the global ``jax_transfer_guard`` flag, which sets guard_lib directly.
+# No public route; JAX 0.8-0.10.
+from jax._src.lib import guard_lib as _guard_lib  # noqa: E402
+
+
+def host_transfers_guarded() -> bool:
+  """Whether a transfer guard other than "allow" is in effect for implicit
+  host-to-device transfers on this thread (``threads.initial_token``)."""
+  level = _guard_lib.thread_local_state().host_to_device
+  if level is None:
+    level = _guard_lib.global_state().host_to_device
+  return level is not None and level != _guard_lib.TransferGuardLevel.ALLOW
+
+
+#: ``transfer_guard_state()``: this thread's guard state; its
+#: ``explicit_device_put`` flag is what ``jax.device_put`` sets around its
+#: transfers (``config.explicit_device_put_scope``), so a guard of
+#: "disallow" lets them through. The adopted host side of JAX's callbacks
+#: sets it around its ``batched_device_put`` calls, so they count as the
+#: explicit puts ``debug_callback_impl``/``io_callback_impl`` make (JAX
+#: 0.8-0.10).
+transfer_guard_state = _guard_lib.thread_local_state
+
+
 # Higher-order primitives of JAX with no public handle, for the pass's rules
 # (``_pass.token_pass``); JAX 0.8, 0.9 and 0.10 define them here.
 # ``custom_vmap_call`` (jax.custom_batching.custom_vmap), ``composite``

@@ -21,6 +21,7 @@ import jax_effects as je
 
 import helpers
 from jax_effects._core import effects as _effects
+from jax_effects._dispatch.function import describe
 from helpers import in_thread as run_in_thread
 
 
@@ -340,7 +341,8 @@ def test_known_pure_function_is_called_straight_into_jax_jit():
   f = je.jit(lambda x: x * 2)
   assert float(f(jnp.float32(3))) == 6.0
   # No Python frame of ours on later calls: calling f calls the jax.jit object
-  assert f.__call__ is f._pure
+  assert describe(f).state == "pure"
+  assert type(f.__call__).__name__ == "PjitFunction"
   assert float(f(jnp.float32(4))) == 8.0
 
 
@@ -359,7 +361,7 @@ def test_function_pure_for_one_signature_effectful_for_another(effects_capture):
     return x
 
   assert float(f(jnp.float32(1), debug=False)) == 2.0
-  assert f.__call__ is f._pure
+  assert describe(f).state == "pure"
   g(jnp.float32(0))
   # The first effectful signature goes straight into jax.jit's C++ path: it
   # still runs its effect, in order, and switches f to the threaded path.
@@ -368,7 +370,7 @@ def test_function_pure_for_one_signature_effectful_for_another(effects_capture):
   assert float(f(jnp.float32(3), debug=True)) == 4.0
   assert float(f(jnp.float32(4), debug=False)) == 5.0
   # the threaded hook (the fast one: one chain, scalar tokens)
-  assert f.__call__ in (f._call_threaded, f._modes["per_effect"].fast)
+  assert describe(f).state in ("threaded", "fast")
   assert effects_capture.printed == ["g x=0.0", "debug x=2.0", "g x=5.0",
                                      "debug x=3.0"]
   assert je.DEFAULT in je.runtime_tokens().effects
@@ -394,7 +396,7 @@ def test_fast_hook_under_disable_jit_runs_the_function_eagerly_in_order():
 
   f(jnp.int32(0))
   f(jnp.int32(0))
-  assert f.__call__ is f._modes[je.get_ordering()].fast
+  assert describe(f).state == "fast"
   je.effects_barrier()
   events.clear()
   traced.clear()

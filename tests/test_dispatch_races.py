@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
+from jax_effects._dispatch import convention as _convention
 
 
-def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count():
+def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
+    monkeypatch):
   logs = {}
 
   @je.jit
@@ -27,20 +29,21 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count():
 
   f(0, 0)   # learnt in "per_effect"; "global" is learnt below, by two threads
   je.effects_barrier()
-  original_wrap = f._wrap
+  original = _convention.Traceable
   building = threading.Event()
   other_done = threading.Event()
   slow = {}
 
-  def wrap(traced, k):
+  def traceable(body, fun_ref, names, sig, k):
     # Thread A stops after deciding how many tokens its jax.jit takes (none:
     # no chain known in "global" yet) until thread B learnt the chain.
     if threading.current_thread() is slow.get("thread") and k == 0:
       building.set()
       other_done.wait(3)   # (times out where building holds a lock)
-    return original_wrap(traced, k)
+    return original(body, fun_ref, names, sig, k)
 
-  f._wrap = wrap
+  # (the g a jax.jit object of f is built around, convention.Traceable)
+  monkeypatch.setattr(_convention, "Traceable", traceable)
   errors = []
 
   def run(t):
@@ -66,7 +69,7 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count():
     b.join(60)
   finally:
     je.set_ordering(previous)
-    f._wrap = original_wrap
+    monkeypatch.setattr(_convention, "Traceable", original)
   assert errors == []
   assert logs[1] == [0, 1, 2] and logs[2] == [0, 1, 2]
   assert f.keys["global"] == (je.GLOBAL,)

@@ -18,7 +18,6 @@ raised by the dispatching thread's call (or a later one, or its barrier:
 each raise reports one error).
 """
 import collections
-import threading
 
 import jax
 import jax.numpy as jnp

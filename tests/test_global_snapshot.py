@@ -6,7 +6,6 @@ thread-local.
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jax_effects as je

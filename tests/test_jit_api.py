@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
+from jax_effects._dispatch.function import describe
 
 
 def _body(x, y, *, scale=2.0):
@@ -154,9 +155,9 @@ def test_clear_cache_retraces(effects_capture):
   f(1)
   f(2)
   assert len(traces) == 1
-  assert f._cache_size() >= 1
+  assert describe(f).executables >= 1 and describe(f).traces >= 1
   f.clear_cache()
-  assert f._cache_size() == 0
+  assert describe(f).executables == 0 and describe(f).traces == 0
   f(3)
   assert len(traces) == 2
   je.effects_barrier()
@@ -222,3 +223,73 @@ def test_stages_with_static_args_shardings_and_donation(effects_capture):
   np.testing.assert_array_equal(out, np.arange(8.0) * 3 + 1)
   je.effects_barrier()
   assert effects_capture.printed == ["n=3 x=28.0"]
+
+
+# --- the jit object is a jit object (what libraries check) --------------------
+
+@pytest.mark.parametrize("fun", [effectful, plain], ids=["effects", "pure"])
+def test_stages_are_instances_of_jax_stages(fun, effects_capture):
+  ours, theirs = je.jit(fun), jax.jit(plain)
+  traced = ours.trace(*ARGS)
+  lowered = ours.lower(*ARGS)
+  compiled = lowered.compile()
+  assert isinstance(traced, jax.stages.Traced)
+  assert isinstance(lowered, jax.stages.Lowered)
+  assert isinstance(compiled, jax.stages.Compiled)
+  assert isinstance(ours, jax.stages.Wrapped)
+  # Every public name of JAX's stage that answers on jax.jit's answers on
+  # ours (nothing of JAX's class runs on our object: it forwards or overrides)
+  for mine, jaxs in ((traced, theirs.trace(*ARGS)),
+                     (lowered, theirs.lower(*ARGS)),
+                     (compiled, theirs.lower(*ARGS).compile())):
+    for name in dir(type(jaxs).__mro__[0]):
+      if name.startswith("_"):
+        continue
+      try:
+        getattr(jaxs, name)
+      except Exception:  # noqa: BLE001 - not available on JAX's either
+        continue
+      getattr(mine, name)
+  out = compiled(*ARGS)
+  assert int(out["y"]) == 4
+  je.effects_barrier()
+  assert effects_capture.printed == (["x = [0. 1. 2. 3.]"]
+                                     if fun is effectful else [])
+
+
+def _sig_fun(x, y=2, *, z=3):
+  je.print("{}", x)
+  return x
+
+
+class _WithMethods:
+  theirs = jax.jit(lambda self, x, *, k=1: x)
+  ours = je.jit(lambda self, x, *, k=1: x)
+
+
+def test_signature_without_following_wrapped_is_jax_jits():
+  # (chex's fake pmap reads it so: inspect.signature(f, follow_wrapped=False))
+  for follow in (False, True):
+    assert (inspect.signature(je.jit(_sig_fun), follow_wrapped=follow)
+            == inspect.signature(jax.jit(_sig_fun), follow_wrapped=follow))
+    m = _WithMethods()
+    assert (inspect.signature(m.ours, follow_wrapped=follow)
+            == inspect.signature(m.theirs, follow_wrapped=follow))
+  assert str(inspect.signature(je.jit(_sig_fun), follow_wrapped=False)) == (
+      "(x, y=2, *, z=3)")
+
+
+def test_chex_detects_it_as_a_jit_function_as_jax_jits():
+  chex = pytest.importorskip("chex")
+  from chex._src import asserts_internal
+
+  def f(x):
+    return x + 1
+
+  assert asserts_internal.is_traceable(jax.jit(f))
+  assert asserts_internal.is_traceable(je.jit(f))
+  assert not asserts_internal.is_traceable(f)
+  # assert_max_traces refuses to wrap a jitted function, as for jax.jit
+  for jit in (jax.jit, je.jit):
+    with pytest.raises(ValueError, match="must not wrap"):
+      chex.assert_max_traces(jit(f), n=1)

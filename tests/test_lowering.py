@@ -219,11 +219,9 @@ def test_named_effects_in_control_flow(rec):
 # --- what the pass produces ---------------------------------------------------
 
 def _threaded_trace(f, *args):
-  """jax.jit(...).trace of the token-threaded function jax.jit dispatches."""
-  mode = je.get_ordering()
-  f.lower(*args)  # learns the chains used
-  tokens = tuple(jnp.zeros((), jnp.int32) for _ in f.keys[mode])
-  return f._threaded_jit(mode, args).trace(*tokens, *args)
+  """The trace of the token-threaded function jax.jit dispatches (``.trace``
+  of a function with effects shows its jaxpr)."""
+  return f.trace(*args)
 
 
 def test_threaded_computation_has_no_jax_effects():
@@ -244,7 +242,7 @@ def test_threaded_computation_has_no_jax_effects():
   assert "jax_effects_effect[" not in text
   assert "jax_effects_threaded_effect" in text
   # the plain jaxpr of the user function does carry our markers
-  assert jax.make_jaxpr(f._fun)(jnp.int32(0)).effects
+  assert jax.make_jaxpr(f.__wrapped__)(jnp.int32(0)).effects
 
 
 def test_compiler_tokens_are_created_inside_per_chain():

@@ -15,12 +15,12 @@ import re
 import pytest
 
 import jax_effects as je
-from jax_effects._dispatch.function import Function
+from jax_effects._dispatch.function import PjitFunction
 from jax_effects._frontends.progress import Progress
 
 REFERENCE = pathlib.Path(__file__).parent.parent / "docs" / "reference.md"
 #: What ``Owner(...)`` stands for in a member heading.
-RESULTS = {"jit": Function, "progress": Progress}
+RESULTS = {"jit": PjitFunction, "progress": Progress}
 
 
 def entries():

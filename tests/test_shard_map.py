@@ -326,3 +326,29 @@ def test_shard_map_in_scan_body_after_once_effect(mesh, effects_capture, loop):
       out = f(jnp.arange(N, dtype=jnp.int32) + 3 * call)
       np.testing.assert_array_equal(out, np.arange(N) + 3 * call + 3)
   assert effects_capture.printed == expected
+
+
+def test_per_device_token_passed_back_into_a_mesh_with_explicit_axes():
+  # The token a shard_map program returns is kept per device and passed to
+  # the next call; over a mesh with Explicit axes (jax.make_mesh's default
+  # from JAX 0.9) it arrives typed as replicated, which shard_map's in_specs
+  # check refused on the second call.
+  seen = []
+  mesh = jax.make_mesh((2,), ("i",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+
+  @je.jit
+  def f(x):
+    je.callback(lambda v: seen.append(("before", float(v))), None, x)
+    y = jax.shard_map(
+        lambda v: (je.callback(lambda w: seen.append(("in", float(w))),
+                               None, v), v + 1)[1],
+        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(x)
+    je.callback(lambda v: seen.append(("after", float(v))), None, y)
+    return y
+
+  for i in range(3):
+    assert float(f(jnp.float32(i))) == i + 1
+  je.effects_barrier()
+  assert seen == [e for i in range(3) for e in
+                  [("before", i), ("in", i), ("in", i), ("after", i + 1)]]

@@ -1,6 +1,6 @@
 """JAX's stages of a ``jax_effects.jit`` function, minus the token.
 
-``Function.trace``/``lower`` return :class:`Traced`/:class:`Lowered` and
+``PjitFunction.trace``/``lower`` return :class:`Traced`/:class:`Lowered` and
 ``Lowered.compile`` a :class:`Compiled`: each wraps JAX's stage of whichever
 ``jax.jit`` object the call would use (the pure one, or the threaded
 ``g(*tokens, *args, **kwargs) -> (outputs, token)``, see ``function``) and
@@ -10,12 +10,22 @@ cost and memory analysis and the text are those of the threaded computation.
 ``Compiled.__call__`` runs the call path (``call_path.dispatch``) with the
 tokens of the chains it was compiled for. Exporting a function with effects
 is refused: host callbacks cannot be serialized.
+
+Each is an instance of JAX's class (``jax.stages.Traced``, ``Lowered``,
+``Compiled``: libraries check for them) without being built as one: it
+defines or forwards to JAX's stage every public name of JAX's class
+(:func:`_forwarding`), so nothing of JAX's class runs on it.
 """
 from __future__ import annotations
 
+import jax
 from jax import tree_util
 
+from jax_effects._core import effects as _effects
+from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
+from jax_effects._dispatch import core as _core
+from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import threads as _threads
 
@@ -83,8 +93,25 @@ class _Stage:
     return getattr(self._inner, name)
 
 
-class Traced(_Stage):
-  """A traced :class:`Function` (as ``jax.jit(f).trace(...)``).
+def _forwarding(cls):
+  """Forwards to ``_inner`` every public name of ``cls``'s JAX base class
+  that ``cls`` does not define (JAX's methods would read slots that are not
+  set here)."""
+  jax_base = next(b for b in cls.__mro__ if b.__module__.startswith("jax."))
+  for name in dir(jax_base):
+    if name.startswith("_") or any(name in vars(b) for b in cls.__mro__
+                                   if b is not jax_base
+                                   and not b.__module__.startswith("jax.")
+                                   and b is not object):
+      continue
+    setattr(cls, name, property(
+        lambda self, name=name: getattr(self._inner, name)))
+  return cls
+
+
+@_forwarding
+class Traced(_Stage, jax.stages.Traced):
+  """A traced :class:`PjitFunction` (as ``jax.jit(f).trace(...)``).
 
   ``.jaxpr`` is the token-threaded jaxpr (what is lowered); ``args_info``,
   ``in_tree``, ``out_info``, ``out_avals`` show the user's arguments and
@@ -122,8 +149,9 @@ class Traced(_Stage):
     return Lowered(self._function, lowered, self._mode, self._keys)
 
 
-class Lowered(_Stage):
-  """A lowered :class:`Function`; ``.as_text()`` shows the threaded StableHLO."""
+@_forwarding
+class Lowered(_Stage, jax.stages.Lowered):
+  """A lowered :class:`PjitFunction`; ``.as_text()`` shows the threaded StableHLO."""
 
   def __init__(self, function, lowered, mode, keys):
     self._function = function
@@ -145,8 +173,9 @@ class Lowered(_Stage):
                     self._keys)
 
 
-class Compiled(_Stage):
-  """A compiled :class:`Function`; calling it runs the dispatch hook.
+@_forwarding
+class Compiled(_Stage, jax.stages.Compiled):
+  """A compiled :class:`PjitFunction`; calling it runs the dispatch hook.
 
   ``input_shardings``/``input_formats`` and ``output_shardings``/
   ``output_formats`` are those of the user's arguments and outputs.
@@ -189,7 +218,38 @@ class Compiled(_Stage):
   def __call__(self, *args, **kwargs):
     if self._mode is None:
       return self._inner(*args, **kwargs)
-    # compiled for scalar tokens (see Function.lower): no per-device sharding
+    # compiled for scalar tokens (see PjitFunction.lower): no per-device sharding
     out, _ = _call_path.dispatch(_threads.thread_state(), self._mode, self._keys,
                        None, self._inner, args, kwargs, self._launch)
     return out
+
+
+def trace(core, function, args, kwargs) -> Traced:
+  """``function.trace(*args, **kwargs)`` (``core``: its learnt state): the
+  stage of whichever ``jax.jit`` a call would use, learning as a call does.
+  It traces under ``jax.disable_jit()`` too, as ``jax.jit``'s does."""
+  previous_explicit = getattr(_bodies.explicit, "on", False)
+  _bodies.explicit.on = True
+  try:
+    if core.state in (_core.FIRST, _core.PURE):
+      previous = getattr(_bodies.strict, "on", False)
+      _bodies.strict.on = True
+      try:
+        return Traced(function, core.pure.trace(*args, **kwargs), None, ())
+      except _bodies.NeedsTokens as err:
+        core.learn(_effects.get_ordering(), err)
+      finally:
+        _bodies.strict.on = previous
+    mode = _effects.get_ordering()
+    while True:
+      keys, jitted = core.keys_and_jit(mode, args)
+      tokens = tuple(jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE)
+                     for _ in keys)
+      try:
+        traced = jitted.trace(*tokens, *args, **kwargs)
+      except _bodies.NeedsTokens as err:
+        core.learn(mode, err)
+        continue
+      return Traced(function, traced, mode, keys)
+  finally:
+    _bodies.explicit.on = previous_explicit

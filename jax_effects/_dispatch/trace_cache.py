@@ -1,13 +1,16 @@
 """The traces of one ``jax_effects.jit`` function, kept by signature.
 
-A ``Function``'s ``jax.jit`` objects trace ``g(*tokens, *args, **kwargs)``;
+A ``PjitFunction``'s ``jax.jit`` objects trace ``g(*tokens, *args, **kwargs)``;
 tracing ``g`` traces the user function to a closed jaxpr
 (``jax.make_jaxpr``) that the token pass then threads. The same signature
-(static leaves, avals of the dynamic ones, ordering mode) is traced again
+(static leaves, avals of the dynamic ones, ordering mode, JAX's trace
+context: ``jax.config`` values that change tracing) is traced again
 when the call learns a new chain (``NeedsTokens``: a new ``jax.jit`` object
 for one more token) or gets a new shape of runtime token (a per-device
 token); the cache keeps the last few jaxprs so the user function is traced
-once per signature, as under ``jax.jit``.
+once per signature, as under ``jax.jit``. The cache belongs to the learnt
+state every ``PjitFunction`` of one function shares, and holds the function
+only weakly (``fun_ref``, see ``registry``).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Callable
 import jax
 from jax import tree_util
 
+from jax_effects import _compat
 from jax_effects._core import effects as _effects
 
 #: How many traces (jaxprs by signature) a function keeps for reuse.
@@ -28,8 +32,8 @@ class TraceCache:
   """Jaxprs of ``fun`` by signature (at most :data:`KEPT_TRACES`, oldest
   dropped first)."""
 
-  def __init__(self, fun: Callable):
-    self._fun = fun
+  def __init__(self, fun_ref: Callable[[], Callable | None]):
+    self._fun_ref = fun_ref
     self._traces: dict = {}
     self._lock = threading.Lock()
 
@@ -37,22 +41,30 @@ class TraceCache:
     with self._lock:
       self._traces.clear()
 
-  def trace(self, args, kwargs):
+  def __len__(self) -> int:
+    return len(self._traces)
+
+  def trace(self, args, kwargs, keep: bool = True):
     """``(closed_jaxpr, dynamic_leaves, out_tree)`` of the user function on
-    the dynamic (traced) leaves of ``(args, kwargs)``."""
+    the dynamic (traced) leaves of ``(args, kwargs)``; ``keep=False``
+    neither reads nor fills the cache."""
     leaves, treedef = tree_util.tree_flatten((args, kwargs))
     dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
     dyn = [leaves[i] for i in dyn_pos]
     signature = (treedef, tuple(x.aval if isinstance(x, jax.core.Tracer) else x
-                                for x in leaves), _effects.get_ordering())
+                                for x in leaves), _effects.get_ordering(),
+                 _compat.trace_context())
     try:
-      hit = self._traces.get(signature)
+      hit = self._traces.get(signature) if keep else None
     except TypeError:  # a static leaf that cannot be hashed
       signature = hit = None
     if hit is not None:
       return hit[0], dyn, hit[1]
 
-    fun = self._fun
+    fun = self._fun_ref()
+    if fun is None:
+      raise ReferenceError("jax_effects.jit: the function was garbage-"
+                           "collected")
 
     @functools.wraps(fun)
     def flat_fun(*dyn_vals):
@@ -64,7 +76,7 @@ class TraceCache:
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
     out_tree = tree_util.tree_structure(out_shape)
-    if signature is not None and not any(
+    if keep and signature is not None and not any(
         isinstance(c, jax.core.Tracer) for c in closed.consts):
       # (a jaxpr closing over an enclosing trace's values is not reusable)
       with self._lock:

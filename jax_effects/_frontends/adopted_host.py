@@ -171,7 +171,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     try:
       device, sharding = _cpu()
       devices = [device]
-      args = [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+      args = _explicit_puts(put, aval_of, sharding, devices, operands)
       d = default_device.swap_local(device)
       c = concrete.swap_local(no_concrete)
       a = abstract.swap_local(no_abstract)
@@ -188,6 +188,18 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
       raise jax_error(exc) from exc
     return ()
   return host
+
+
+def _explicit_puts(put, aval_of, sharding, devices, operands) -> list:
+  """``operands`` on ``devices`` as ``jax.device_put`` puts them: explicit
+  transfers for ``jax.transfer_guard`` (JAX's impls call ``device_put``)."""
+  state = _compat.transfer_guard_state()
+  previous = state.explicit_device_put
+  state.explicit_device_put = True
+  try:
+    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+  finally:
+    state.explicit_device_put = previous
 
 
 def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
@@ -214,7 +226,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
     try:
       device, sharding = _cpu()
       devices = [device]
-      args = [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+      args = _explicit_puts(put, aval_of, sharding, devices, operands)
       d = default_device.swap_local(device)
       try:
         out = callback(*args)

@@ -54,6 +54,13 @@ def _to_varying(x, axes: tuple):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _explicit(mesh, axes) -> bool:
+  """Whether any of ``axes`` of ``mesh`` is an Explicit axis."""
+  types = getattr(mesh, "axis_types", ())
+  return any(t == jax.sharding.AxisType.Explicit
+             for name, t in zip(mesh.axis_names, types) if name in axes)
+
+
 def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   p = eqn.params
   mesh = p["mesh"]
@@ -87,6 +94,14 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
       carriers = [_to_varying(c, axes) for c in carriers]
     return tuple(c.reshape((1,)) for c in carriers), list(outs)
 
+  if _explicit(mesh, axes):
+    # A per-device token the next call passes back arrives typed replicated
+    # (jax.jit's type of the returned vector); over explicit axes shard_map
+    # checks in_specs against the type: split it (a local slice).
+    split = jax.sharding.NamedSharding(mesh, P(axes))
+    carriers_in = [jax.sharding.reshard(c, split)
+                   if c.shape and jax.typeof(c).sharding.spec != P(axes)
+                   else c for c in carriers_in]
   carrier_in = tuple(P(axes) if c.shape else P() for c in carriers_in)
   carrier_out = tuple(P(axes) for _ in keys)
   mapped = jax.shard_map(

@@ -26,13 +26,23 @@ inside a ``shard_map`` by the first device only (``first_device``:
 the carrier stays replicated, so no device waits in a collective for a
 callback); ``from_first_device_p`` takes a carrier from that device where
 per-device effects follow.
+
+It has no eager rule of its own: it exists only inside a threaded
+computation. The one place it is evaluated outside one is JAX's
+de-optimized re-run of a computation that produced a NaN or Inf
+(``jax_debug_nans``/``jax_debug_infs``, see ``_dispatch.bodies.replay``),
+inside :func:`already_ran`: the effect ran in that computation, so it
+returns its token and carrier unchanged and zeros for its results.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+import jax.numpy as jnp
 
 from jax_effects import _compat
 from jax_effects._primitives import first_device as _first_device
@@ -50,6 +60,34 @@ def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry):
 
 
 threaded_effect_p.def_abstract_eval(_threaded_abstract_eval)
+
+_replaying = threading.local()
+
+
+@contextlib.contextmanager
+def already_ran():
+  """A context in which threaded effects are evaluated eagerly without
+  running (their computation ran them already)."""
+  previous = getattr(_replaying, "on", False)
+  _replaying.on = True
+  try:
+    yield
+  finally:
+    _replaying.on = previous
+
+
+def _threaded_impl(token, carrier, *args, host_callback, entry):
+  del args, entry
+  if not getattr(_replaying, "on", False):
+    raise NotImplementedError(
+        f"jax_effects: the threaded effect of {host_callback} runs only "
+        f"inside the computation jax_effects.jit threads it into; it was "
+        f"evaluated outside one")
+  return [token, carrier, *(jnp.zeros(a.shape, a.dtype)
+                            for a in host_callback.result_avals)]
+
+
+threaded_effect_p.def_impl(_threaded_impl)
 
 
 def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):

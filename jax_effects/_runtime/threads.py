@@ -147,7 +147,7 @@ def thread_state() -> ThreadTokens:
     return state
 
 
-def initial_token(state: ThreadTokens) -> np.ndarray:
+def initial_token(state: ThreadTokens) -> np.ndarray | jax.Array:
   """The token of a stream that has had no effect yet in ``state``'s thread.
 
   A NumPy ``int32`` scalar holding the thread's slot: ``jax.jit`` copies it
@@ -157,11 +157,26 @@ def initial_token(state: ThreadTokens) -> np.ndarray:
   here would be put on the default device first, and a device busy with
   other threads' callbacks can hold that up). :func:`as_array` where a
   ``jax.Array`` is needed.
+
+  Under a transfer guard (``jax.transfer_guard``) that refuses or logs
+  implicit host-to-device transfers, that copy would be one: the token is
+  then put on the default device once by an explicit transfer, allowed for
+  it alone (:func:`_placed_initial_token`), and kept.
   """
   token = state.initial
   if token is None:
     token = state.initial = _errors.TOKEN_DTYPE(state.slot)
+  if type(token) is _errors.TOKEN_DTYPE and _compat.host_transfers_guarded():
+    token = state.initial = _placed_initial_token(state.slot)
   return token
+
+
+def _placed_initial_token(slot: int) -> jax.Array:
+  """An uncommitted ``int32`` scalar holding ``slot`` on the default device,
+  put there by an explicit transfer that only it is allowed (the user's own
+  transfers stay under the user's guard)."""
+  with jax.transfer_guard_host_to_device("allow"), _compat.no_user_mesh():
+    return jax.device_put(_errors.TOKEN_DTYPE(slot))
 
 
 def as_array(token) -> jax.Array:
