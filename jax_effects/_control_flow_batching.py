@@ -34,6 +34,7 @@ from jax.extend.core import primitives as jex_prims
 from jax.interpreters import batching
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _host
 from jax_effects import _jaxpr_eval
@@ -195,7 +196,7 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
   n_outs = len(branches[0].out_avals)
   branch_outs = []
   for i, branch in enumerate(branches):
-    traced = jax.make_jaxpr(
+    traced = _jax_api.make_jaxpr(
         lambda m, *xs, b=branch: _eval_masked(b.jaxpr, b.consts, m, xs))(
             jax.ShapeDtypeStruct((), np.bool_),
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in branch.in_avals))

@@ -57,6 +57,7 @@ from jax import tree_util
 from jax.extend import core as jex_core
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _runtime_tokens
@@ -269,7 +270,7 @@ class Function:
     self._learn_lock = threading.RLock()
     #: ordering mode -> the threaded path in that mode
     self._modes: dict[str, _Threaded] = {}
-    self._pure = jax.jit(self._wrap(self._trace_pure, None), **jit_kwargs)
+    self._pure = _jax_api.jit(self._wrap(self._trace_pure, None), **jit_kwargs)
 
   @property
   def keys(self) -> dict[str, tuple]:
@@ -333,7 +334,7 @@ class Function:
       a, k = tree_util.tree_unflatten(treedef, full)
       return self._fun(*a, **k)
 
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
+    closed, out_shape = _jax_api.make_jaxpr(flat_fun, return_shape=True)(*dyn)
     out_tree = tree_util.tree_structure(out_shape)
     if signature is not None and not any(
         isinstance(c, jax.core.Tracer) for c in closed.consts):
@@ -417,8 +418,9 @@ class Function:
       if jitted is None:
         k = len(keys)
         traced = functools.partial(self._trace_threaded, mode, k)
-        jitted = jax.jit(self._wrap(traced, k),
-                         **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic, k))
+        jitted = _jax_api.jit(
+            self._wrap(traced, k),
+            **_threaded_jit_kwargs(self._jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted
         self._refresh(mode)
     return keys, jitted

@@ -46,9 +46,9 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _output
@@ -655,13 +655,13 @@ def _combine(*shards):
 def _combine_and_release(*shards):
   # The callback's result is the token: the next dispatch's effects follow
   # the release.
-  return io_callback(_release_and_pass,
+  return _jax_api.io_callback(_release_and_pass,
                      jax.ShapeDtypeStruct((), TOKEN_DTYPE),
                      _combine(*shards))
 
 
-_combine_jit = jax.jit(_combine)
-_combine_release_jit = jax.jit(_combine_and_release)
+_combine_jit = _jax_api.jit(_combine)
+_combine_release_jit = _jax_api.jit(_combine_and_release)
 
 
 def combine_per_device(token):
@@ -726,7 +726,7 @@ def wait_quietly(all_threads: bool) -> None:
     except Exception:  # noqa: BLE001 - reported by a barrier
       pass
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
-    jax.effects_barrier()
+    _jax_api.effects_barrier()
   except Exception:  # noqa: BLE001
     pass
 
@@ -775,7 +775,7 @@ def effects_barrier(all_threads: bool = False) -> None:
     except Exception as err:  # noqa: BLE001
       first_error = first_error or err
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
-    jax.effects_barrier()
+    _jax_api.effects_barrier()
   except Exception as err:
     _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
     first_error = first_error or err
