@@ -176,6 +176,12 @@ from jax._src.callback import io_callback as jax_io_callback  # noqa: E402
 from jax._src.debugging import (  # noqa: E402
     debug_callback as jax_debug_callback)
 
+# The JAX configuration a trace depends on (numpy rank/dtype promotion,
+# default matmul precision, x64, the axis environment, ...): ``jax.jit``
+# keys its caches on it, and so does ``Function._trace`` (its kept traces).
+# A hashable tuple. No public handle. JAX 0.8-0.10.
+from jax._src.config import trace_context  # noqa: E402
+
 # The jax_disable_jit flag's state object: ``.value`` reads it without the
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402

@@ -308,17 +308,20 @@ class Function:
   def _trace(self, args, kwargs):
     """Traces the user function on the dynamic leaves of ``(args, kwargs)``.
 
-    The last few traces are kept by signature (static leaves and avals): the
-    retry after :class:`NeedsTokens`, or a new shape of runtime token (a
-    per-device token, see ``_runtime_tokens.per_device_tokens``), reuses the
-    jaxpr, so the user function is traced once per signature, as under
-    ``jax.jit``.
+    The last few traces are kept by signature (static leaves and avals, the
+    ordering mode, and JAX's trace context, on which ``jax.jit`` keys its
+    own caches: a trace under ``jax.numpy_rank_promotion("raise")`` is not
+    one without): the retry after :class:`NeedsTokens`, or a new shape of
+    runtime token (a per-device token, see
+    ``_runtime_tokens.per_device_tokens``), reuses the jaxpr, so the user
+    function is traced once per signature, as under ``jax.jit``.
     """
     leaves, treedef = tree_util.tree_flatten((args, kwargs))
     dyn_pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
     dyn = [leaves[i] for i in dyn_pos]
     signature = (treedef, tuple(x.aval if isinstance(x, jax.core.Tracer) else x
-                                for x in leaves), _effects.get_ordering())
+                                for x in leaves), _effects.get_ordering(),
+                 _compat.trace_context())
     try:
       hit = self._traces.get(signature)
     except TypeError:  # a static leaf that cannot be hashed

@@ -32,6 +32,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def _run_pytest(suite: Suite, mode: str, cwd: pathlib.Path, files: list,
   env = dict(os.environ)
   env.setdefault("JAX_PLATFORMS", "cpu")
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-p", "no:randomly", "-o", "addopts=", f"--junitxml={xml}",
+         "-p", "no:randomly", f"--junitxml={xml}",
          "-o", "junit_family=xunit1", "--rootdir", str(cwd)]
   if workers not in ("0", ""):
     cmd += ["-n", workers]
@@ -217,10 +218,19 @@ def _one_line(message: str) -> str:
   return line if len(line) <= 240 else line[:237] + "..."
 
 
-def _counts(outcomes: dict) -> dict:
+def _counts(log: pathlib.Path) -> dict:
+  """The counts of pytest's last summary line (``5 failed, 579 passed, ...``;
+  the JUnit report can hold fewer test cases: subtests)."""
   counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-  for outcome, _ in outcomes.values():
-    counts[outcome] += 1
+  lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+  for line in reversed(lines):
+    found = re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", line)
+    if found and (" in " in line):
+      for n, what in found:
+        counts["error" if what.startswith("error") else what] += int(n)
+      took = re.search(r" in ([\d.]+)s", line)
+      counts["seconds"] = round(float(took.group(1))) if took else None
+      break
   return counts
 
 
@@ -291,7 +301,8 @@ def main(argv=None) -> int:
                                     args.workers, args.pytest_args)
       results = _outcomes(xml)
       entry["runs"][mode] = {"seconds": took and round(took), "exit": rc,
-                             "counts": _counts(results),
+                             "counts": _counts(
+                                 workdir / f"{name}-{mode}.log"),
                              "tests": {k: list(v) for k, v in results.items()}}
       if not results:
         entry["not_run"] = (f"pytest wrote no results ({mode}, exit {rc}); "
@@ -305,7 +316,7 @@ def _report(summary: dict, workdir: pathlib.Path) -> int:
   print()
   header = f"{'suite':<10} {'version':<9}"
   for mode in MODES:
-    header += f" | {mode + ': pass fail err skip':<30}"
+    header += f" | {mode + ': pass fail err skip   s':<34}"
   print(header + " | pass->fail")
   regressions = {}
   for name, entry in summary.items():
@@ -319,8 +330,8 @@ def _report(summary: dict, workdir: pathlib.Path) -> int:
     for mode in MODES:
       c = runs.get(mode, {}).get("counts")
       cells = (f"{c['passed']:>5} {c['failed']:>4} {c['error']:>3} "
-               f"{c['skipped']:>4}") if c else "-"
-      row += f" | {cells:<30}"
+               f"{c['skipped']:>4} {c.get('seconds') or '?':>5}") if c else "-"
+      row += f" | {cells:<34}"
     if len(runs) == 2:
       plain = runs["plain"]["tests"]
       replaced = runs["replaced"]["tests"]
