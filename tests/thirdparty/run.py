@@ -108,7 +108,10 @@ def _sdist_tree(suite: Suite, version: str, workdir: pathlib.Path
   tmp = workdir / "src" / f".{root.name}.tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   with tarfile.open(archive) as tar:
-    tar.extractall(tmp, filter="data")
+    try:
+      tar.extractall(tmp, filter="data")
+    except TypeError:   # Python without extraction filters (< 3.10.12)
+      tar.extractall(tmp)
   (top,) = tmp.iterdir()
   top.rename(root)
   tmp.rmdir()
