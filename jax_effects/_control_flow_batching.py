@@ -34,9 +34,9 @@ from jax.extend.core import primitives as jex_prims
 from jax.interpreters import batching
 
 from jax_effects import _compat
-from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _host
+from jax_effects import _jax_api
 from jax_effects import _jaxpr_eval
 from jax_effects import _primitives
 

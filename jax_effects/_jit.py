@@ -57,9 +57,10 @@ from jax import tree_util
 from jax.extend import core as jex_core
 
 from jax_effects import _compat
-from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _errors
+from jax_effects import _inlined_jit
+from jax_effects import _jax_api
 from jax_effects import _runtime_tokens
 from jax_effects import _token_pass
 
@@ -503,7 +504,7 @@ class Function:
     """The general dispatch hook (the fast one, ``_Threaded.fast``, is
     installed as ``_dispatch`` whenever it applies)."""
     if not _compat.compiled_dispatch():
-      return self._fun(*args, **kwargs)
+      return self._inline(args, kwargs)
     mode = _effects.get_ordering()
     state = _runtime_tokens.thread_state()
     if self._after_fallback:   # see _trace_pure: after JAX's ordered effects
@@ -528,6 +529,19 @@ class Function:
       if threaded.fast is not None:
         self._dispatch = threaded.fast
       return out
+
+  def _inline(self, args, kwargs):
+    """Under an enclosing trace or ``jax.disable_jit()``: the user function
+    itself (the enclosing ``jax_effects.jit`` or the eager impl rules take
+    care of the effects); traced, with this function's ``in_shardings`` and
+    ``out_shardings`` as sharding constraints (``_inlined_jit``)."""
+    ins = self._jit_kwargs.get("in_shardings")
+    outs = self._jit_kwargs.get("out_shardings")
+    if (ins is None and outs is None) or _compat.disable_jit_flag.value:
+      return self._fun(*args, **kwargs)
+    args = _inlined_jit.constrain_arguments(
+        args, ins, _argnums(self._jit_kwargs.get("static_argnums")))
+    return _inlined_jit.constrain_tree(self._fun(*args, **kwargs), outs)
 
   # --- the jax.jit API -----------------------------------------------------
 

@@ -78,10 +78,10 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
-from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _host
+from jax_effects import _jax_api
 from jax_effects import _placement
 from jax_effects import _runtime_tokens
 

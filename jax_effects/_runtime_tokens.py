@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects import _jax_api
 from jax_effects import _effects
 from jax_effects import _errors
+from jax_effects import _jax_api
 from jax_effects import _output
 from jax_effects import _placement
 

@@ -50,6 +50,7 @@ from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _host
+from jax_effects import _inlined_jit
 from jax_effects import _jaxpr_eval
 from jax_effects import _primitives
 from jax_effects import _runtime_tokens
@@ -390,10 +391,17 @@ def _inline_rule(param: str, eqn, invals, chains: Chains, mode: str):
 
   Inlined: the callee is evaluated in the caller's trace with the caller's
   chains. Differentiation has already happened when the pass runs, so the
-  custom rules and remat policy of these primitives have done their work.
+  custom rules and remat policy of these primitives have done their work;
+  a ``jit``'s ``in_shardings``/``out_shardings`` are applied as sharding
+  constraints (``_inlined_jit``).
   """
   jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
-  return thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  if eqn.primitive is not jex_prims.jit_p:
+    return thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  # a jit keeps its shardings inlined (_inlined_jit)
+  invals = _inlined_jit.constrain_flat(invals, eqn.params["in_shardings"])
+  outs = thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  return _inlined_jit.constrain_flat(outs, eqn.params["out_shardings"])
 
 
 for _prim, _param in _jaxpr_eval.CALLEES.items():
