@@ -4,8 +4,9 @@ A source tree given with ``--src jax=PATH`` holding one of JAX's test file
 names, whose tests pass with JAX's ``jax.jit`` and one of which fails when
 ``jax.jit`` is ``jax_effects.jit``: the harness runs it plain and replaced
 (the replacement made before the test module is imported, also in xdist
-workers), counts both runs from pytest's summary, lists the test that
-passes plain and fails replaced with its error, and exits 1. No network:
+workers; no pytest configuration but the suite's own), counts both runs
+from pytest's summary, lists the test that passes plain and fails replaced
+with its error, and exits 1. No network:
 the real suites' sdists are only downloaded by ``tox -e thirdparty``.
 """
 import json
@@ -37,6 +38,9 @@ SUITE = textwrap.dedent("""
 
 
 def test_runs_a_suite_plain_and_replaced(tmp_path):
+  # A pytest configuration further up (as this project's tox.ini is above
+  # .tox/) is not the suite's: it must not apply.
+  (tmp_path / "tox.ini").write_text("[pytest]\naddopts = --not-an-option\n")
   src = tmp_path / "jax-src"
   (src / "tests").mkdir(parents=True)
   (src / "tests" / "debugging_primitives_test.py").write_text(SUITE)

@@ -154,6 +154,17 @@ def _workspace(suite: Suite, tree: pathlib.Path, workdir: pathlib.Path
   return run_dir, [pathlib.Path(f).name for f in files]
 
 
+def _has_pytest_config(tree: pathlib.Path) -> bool:
+  """Whether ``tree`` (its root) holds a pytest configuration."""
+  for name, marker in (("pytest.ini", ""), (".pytest.ini", ""),
+                       ("pyproject.toml", "[tool.pytest.ini_options]"),
+                       ("tox.ini", "[pytest]"), ("setup.cfg", "[tool:pytest]")):
+    path = tree / name
+    if path.is_file() and marker in path.read_text(errors="replace"):
+      return True
+  return False
+
+
 def _run_pytest(suite: Suite, mode: str, cwd: pathlib.Path, files: list,
                 workdir: pathlib.Path, workers: str, extra: list
                 ) -> tuple[pathlib.Path, float, int]:
@@ -164,6 +175,13 @@ def _run_pytest(suite: Suite, mode: str, cwd: pathlib.Path, files: list,
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-p", "no:randomly", f"--junitxml={xml}",
          "-o", "junit_family=xunit1", "--rootdir", str(cwd)]
+  if not _has_pytest_config(cwd):
+    # The suite's own configuration applies where it has one; else none
+    # (pytest would look further up, e.g. into this project's tox.ini when
+    # the work folder is under .tox/).
+    empty = workdir / "pytest-none.ini"
+    empty.write_text("[pytest]\n")
+    cmd += ["-c", str(empty)]
   if workers not in ("0", ""):
     cmd += ["-n", workers]
   if mode == "replaced":
