@@ -3,10 +3,11 @@
 Users apply ``jax_effects`` to code they do not own by replacing JAX's names
 globally: ``jax.jit = jax_effects.jit`` (likewise ``jax.effects_barrier``,
 ``jax.debug.callback``, ...). jax_effects itself must keep calling JAX's
-functions: had it read ``jax.jit`` when a :class:`~jax_effects._jit.Function`
-is built, ``jax_effects.jit`` would call itself without end. Every call into
-these JAX functions goes through the names below, never through the ``jax``
-namespace at call time:
+functions: had it read ``jax.jit`` when a
+:class:`~jax_effects._dispatch.function.Function` is built,
+``jax_effects.jit`` would call itself without end. Every call into these JAX
+functions goes through the names below, never through the ``jax`` namespace
+at call time:
 
 * the functions jax_effects offers a drop-in for (``jit``,
   ``effects_barrier``, ``io_callback``, ``debug_callback``) come from the

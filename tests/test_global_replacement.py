@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_effects as je
-from jax_effects import _jit
+from jax_effects._dispatch import function as _function
 
 JAX_JIT = jax.jit
 
@@ -78,7 +78,8 @@ def test_program_under_replaced_jax_jit_runs_as_without_jit(
   record.clear()
   monkeypatch.setattr(jax, "jit", je.jit)
   step, inner = _program(record)
-  assert isinstance(step, _jit.Function) and isinstance(inner, _jit.Function)
+  assert isinstance(step, _function.Function)
+  assert isinstance(inner, _function.Function)
   got = _run(step, record, capsys)
   assert got[1:] == expected[1:]
   np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
@@ -172,7 +173,7 @@ def test_replaced_before_jax_effects_is_imported():
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.splitlines() == [
-      "f 0", "f 1", "f 2", f"type {_jit.__name__}"]
+      "f 0", "f 1", "f 2", f"type {_function.__name__}"]
 
 
 def test_jax_api_holds_jaxs_public_functions():

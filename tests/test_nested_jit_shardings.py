@@ -1,5 +1,5 @@
 """A nested ``jit``'s ``in_shardings``/``out_shardings`` hold when jax_effects
-inlines it (``jax_effects/_inlined_jit.py``).
+inlines it (``jax_effects/_pass/inlined_jit.py``).
 
 Two places inline a jit that holds effects: the token-threading pass (a
 ``jax.jit`` equation inside a ``jax_effects.jit`` function) and a

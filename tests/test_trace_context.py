@@ -4,7 +4,7 @@
 trace depends on: NumPy rank and dtype promotion, default matmul precision,
 x64, ...), so a function first called under one setting and then inside
 ``with jax.numpy_rank_promotion("raise"):`` is traced again and raises. A
-``Function`` keeps traces of its own (``_jit.Function._trace``): they are
+``Function`` keeps traces of its own (``_dispatch.trace_cache``): they are
 keyed on the same context. Oracle: the same function under ``jax.jit``.
 Found by chex/equinox-style tests under ``jax.jit = jax_effects.jit``
 (``tox -e thirdparty``).

@@ -71,8 +71,9 @@ def _request_devices(n: int) -> None:
 
 def _sync(out) -> None:
   import jax
-  import jax_effects
   from jax_effects import _jax_api
+
+  import jax_effects
   jax.block_until_ready(out)
   jax_effects.effects_barrier()
   _jax_api.effects_barrier()
@@ -131,11 +132,12 @@ def floor_primitive():
   if _floor_p is not None:
     return _floor_p
   import jax
-  import numpy as np
   from jax.extend.core import Primitive
   from jax.interpreters import mlir
+  import numpy as np
+
   from jax_effects import _compat
-  from jax_effects import _primitives
+  from jax_effects._primitives import host_call as _host_call
 
   p = Primitive("jax_effects_bench_floor")
   p.def_abstract_eval(lambda token, *xs: token)
@@ -144,7 +146,7 @@ def floor_primitive():
     return (token,)
 
   def lowering(ctx, token, *xs):
-    target = _primitives._FFI_TARGETS[ctx.module_context.platforms[0]]
+    target = _host_call.FFI_TARGETS[ctx.module_context.platforms[0]]
     lower = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)
     ctx.module_context.add_host_callback(host)
     index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
@@ -195,10 +197,11 @@ def _quiet_output():
 
 def bench_dispatch(rounds: int, calls: int, jax_calls: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax_effects._jax_api import io_callback
-  import jax_effects
+  import jax.numpy as jnp
   from jax_effects import _jax_api
+
+  import jax_effects
 
   x = jnp.arange(8, dtype=jnp.float32)
 
@@ -268,10 +271,11 @@ def bench_dispatch(rounds: int, calls: int, jax_calls: int) -> tuple[dict, dict]
 
 def bench_loop(rounds: int, n: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax_effects._jax_api import io_callback
-  import jax_effects
+  import jax.numpy as jnp
   from jax_effects import _jax_api
+
+  import jax_effects
 
   x = jnp.float32(1.0)
 
@@ -385,10 +389,11 @@ def count_equations(closed, primitive: str | None = None) -> int:
 
 def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax_effects._jax_api import io_callback
-  import jax_effects
+  import jax.numpy as jnp
   from jax_effects import _jax_api
+
+  import jax_effects
 
   x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
 
@@ -438,7 +443,8 @@ def _sharded_input():
   it; ``(None, None)`` with fewer devices."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   devices = jax.devices()
   if len(devices) < N_DEVICES:
@@ -453,9 +459,11 @@ def _sharded_input():
 def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  import jax_effects
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   from jax_effects import _jax_api
+
+  import jax_effects
 
   mesh, x = _sharded_input()
   if mesh is None:
@@ -524,8 +532,9 @@ def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
 def bench_partitioned(rounds: int, calls: int) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
-  import jax_effects
   from jax_effects import _jax_api
+
+  import jax_effects
 
   mesh, x = _sharded_input()
   if mesh is None:
@@ -573,6 +582,7 @@ def _rss_bytes() -> int:
 
 def bench_memory(base_calls: int, total_calls: int) -> tuple[dict, dict]:
   import jax.numpy as jnp
+
   import jax_effects
 
   count = [0]
