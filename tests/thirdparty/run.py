@@ -69,6 +69,10 @@ SUITES = {
         Suite("optax", "optax", (
             "optax/_src/alias_test.py",
         ), True, "the optimizer suite"),
+        Suite("flax", "flax", (
+            "tests/nnx/transforms_test.py",
+            "tests/linen/linen_transforms_test.py",
+        ), True, "nnx.jit and linen's lifted transforms"),
         Suite("equinox", "equinox", (
             "tests/test_jit.py",
             "tests/test_errors.py",
