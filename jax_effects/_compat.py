@@ -190,6 +190,22 @@ def set_sharding(module_context, op, sharding) -> None:
   else:
     _mlir.set_sharding(op, sharding)
 
+# JAX's own functions that jax_effects calls and that it also offers a
+# drop-in for: ``jit`` (``jax.jit``), ``effects_barrier``
+# (``jax.effects_barrier``), ``io_callback`` and ``debug_callback``
+# (``jax.experimental.io_callback``, ``jax.debug.callback``). A user may
+# replace the public names by jax_effects' (``jax.jit = jax_effects.jit``),
+# even before jax_effects is imported (a wrapper that imports it lazily):
+# taken from the modules that define them, these stay JAX's, so jax_effects
+# never calls itself through them (``_jax_api``). The public names are these
+# very objects on JAX 0.8-0.10.
+from jax._src.api import effects_barrier as jax_effects_barrier  # noqa: E402
+from jax._src.api import jit as jax_jit  # noqa: E402
+from jax._src.callback import io_callback as jax_io_callback  # noqa: E402
+from jax._src.debugging import (  # noqa: E402
+    debug_callback as jax_debug_callback)
+
+from jax._src.callback import io_callback_impl  # noqa: E402
 from jax._src.callback import io_callback_p  # noqa: E402
 from jax._src.callback import IOEffect
 from jax._src.callback import OrderedIOEffect

@@ -1,7 +1,7 @@
 """``jax_effects.jit(f)`` written inline reuses f's trace and executable, as ``jax.jit(f)`` does.
 
-Every ``Function`` of one function object and equal options shares the
-learnt state (``design/architecture.md``, "Function and its states"); the
+Every ``PjitFunction`` of one function object and equal options shares the
+learnt state (``design/architecture.md``, the `_dispatch/function, core, ...` entry); the
 state lives as long as the function. Differential: the same loops under
 ``jax.jit`` trace as often.
 """

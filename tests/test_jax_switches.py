@@ -1,7 +1,7 @@
 """JAX's debugging switches on ``jax_effects.jit`` functions, as on ``jax.jit``'s.
 
 * ``jax.disable_jit()`` runs every function eagerly on values, with effects
-  or without (``design/architecture.md``, "Function and its states").
+  or without (``design/architecture.md``, the `_dispatch/function, core, ...` entry).
 * ``jax_debug_nans``/``jax_debug_infs``: a NaN/Inf output raises
   ``FloatingPointError`` naming the operation (JAX's de-optimized re-run,
   ``_dispatch.bodies.replay``); the call's effects ran once, in order, and

@@ -1,6 +1,6 @@
 """The call path: one threaded call, from runtime tokens in to the token stored.
 
-Every call of a threaded ``jax.jit`` object (``function.Function``,
+Every call of a threaded ``jax.jit`` object (``function.PjitFunction``,
 ``stages.Compiled``) goes through here. Its part of the token calling
 convention: the executable is ``g(t_1, ..., t_k, *args, **kwargs) ->
 (outputs, token)``; the call passes the calling thread's runtime token of
@@ -90,7 +90,7 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
 
 def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
               kwargs, site: _launch_lock.LaunchSite):
-  """One dispatch step (every threaded call: :class:`Function`, :class:`Compiled`).
+  """One dispatch step (every threaded call: :class:`~jax_effects._dispatch.core.Core`, :class:`Compiled`).
 
   First raises the errors earlier computations of this thread deferred
   (before dispatching anything), and after a mode switch waits for the

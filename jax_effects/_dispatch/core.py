@@ -41,14 +41,15 @@ import functools
 import threading
 from typing import Any, Callable
 
-import jax
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import convention as _convention
 from jax_effects._dispatch import trace_cache as _trace_cache
+from jax_effects._pass import inlined_jit as _inlined_jit
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
@@ -97,7 +98,7 @@ class Core:
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
-    self.pure = jax.jit(self.traceable(
+    self.pure = _jax_api.jit(self.traceable(
         functools.partial(_bodies.pure, self), None), **jit_kwargs)
     self.state = FIRST
     self.call: Callable = self.first_call
@@ -110,8 +111,18 @@ class Core:
     return fun
 
   def call_fun(self, *args, **kwargs):
-    """The user function, called directly (under a trace, disable_jit)."""
-    return self.fun()(*args, **kwargs)
+    """Under an enclosing trace or ``jax.disable_jit()``: the user function
+    itself (the enclosing ``jax_effects.jit`` or the eager impl rules take
+    care of the effects); traced, with this function's ``in_shardings`` and
+    ``out_shardings`` as sharding constraints, as a nested ``jax.jit``
+    applies them (``_pass.inlined_jit``)."""
+    ins = self.jit_kwargs.get("in_shardings")
+    outs = self.jit_kwargs.get("out_shardings")
+    if (ins is None and outs is None) or _compat.disable_jit_flag.value:
+      return self.fun()(*args, **kwargs)
+    args = _inlined_jit.constrain_arguments(
+        args, ins, _convention.argnums(self.jit_kwargs.get("static_argnums")))
+    return _inlined_jit.constrain_tree(self.fun()(*args, **kwargs), outs)
 
   def traceable(self, body: Callable, tokens: int | None):
     return _convention.Traceable(body, self.fun_ref, self.names,
@@ -149,7 +160,7 @@ class Core:
       if jitted is None:
         k = len(keys)
         body = functools.partial(_bodies.threaded, self, mode, k)
-        jitted = jax.jit(self.traceable(body, k),
+        jitted = _jax_api.jit(self.traceable(body, k),
                          **_convention.threaded_jit_kwargs(
                              self.jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted

@@ -3,9 +3,10 @@
 A ``PjitFunction``'s ``jax.jit`` objects trace ``g(*tokens, *args, **kwargs)``;
 tracing ``g`` traces the user function to a closed jaxpr
 (``jax.make_jaxpr``) that the token pass then threads. The same signature
-(static leaves, avals of the dynamic ones, ordering mode, JAX's trace
-context: ``jax.config`` values that change tracing) is traced again
-when the call learns a new chain (``NeedsTokens``: a new ``jax.jit`` object
+(static leaves, avals of the dynamic ones, ordering mode, and JAX's trace
+context, on which ``jax.jit`` keys its own caches: a trace under
+``jax.numpy_rank_promotion("raise")`` or ``jax.default_matmul_precision``
+is not one without) is traced againwhen the call learns a new chain (``NeedsTokens``: a new ``jax.jit`` object
 for one more token) or gets a new shape of runtime token (a per-device
 token); the cache keeps the last few jaxprs so the user function is traced
 once per signature, as under ``jax.jit``. The cache belongs to the learnt
@@ -22,6 +23,7 @@ import jax
 from jax import tree_util
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 
 #: How many traces (jaxprs by signature) a function keeps for reuse.
@@ -74,7 +76,7 @@ class TraceCache:
       a, k = tree_util.tree_unflatten(treedef, full)
       return fun(*a, **k)
 
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
+    closed, out_shape = _jax_api.make_jaxpr(flat_fun, return_shape=True)(*dyn)
     out_tree = tree_util.tree_structure(out_shape)
     if keep and signature is not None and not any(
         isinstance(c, jax.core.Tracer) for c in closed.consts):

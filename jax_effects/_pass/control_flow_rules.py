@@ -27,6 +27,7 @@ from jax.extend.core import primitives as jex_prims
 import jax.numpy as jnp
 
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
+from jax_effects._pass import inlined_jit as _inlined_jit
 from jax_effects._pass import token_pass as _token_pass
 
 
@@ -146,10 +147,16 @@ def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str)
 
   Inlined: the callee is evaluated in the caller's trace with the caller's
   chains. Differentiation has already happened when the pass runs, so the
-  custom rules and remat policy of these primitives have done their work.
+  custom rules and remat policy of these primitives have done their work;
+  a ``jit``'s ``in_shardings``/``out_shardings`` are applied as sharding
+  constraints (``_pass.inlined_jit``).
   """
   jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
-  return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  if eqn.primitive is not jex_prims.jit_p:
+    return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  invals = _inlined_jit.constrain_flat(invals, eqn.params["in_shardings"])
+  outs = _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
+  return _inlined_jit.constrain_flat(outs, eqn.params["out_shardings"])
 
 
 for _prim, _param in _jaxpr_eval.CALLEES.items():

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import first_device as _first_device
 
@@ -104,7 +105,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
                    else c for c in carriers_in]
   carrier_in = tuple(P(axes) if c.shape else P() for c in carriers_in)
   carrier_out = tuple(P(axes) for _ in keys)
-  mapped = jax.shard_map(
+  mapped = _jax_api.shard_map(
       body, mesh=mesh, in_specs=(carrier_in, *p["in_specs"]),
       out_specs=(carrier_out, list(p["out_specs"])),
       axis_names=set(manual), check_vma=check_vma)

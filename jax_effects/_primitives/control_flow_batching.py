@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import host_callback as _host_callback
@@ -197,7 +198,7 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
   n_outs = len(branches[0].out_avals)
   branch_outs = []
   for i, branch in enumerate(branches):
-    traced = jax.make_jaxpr(
+    traced = _jax_api.make_jaxpr(
         lambda m, *xs, b=branch: _eval_masked(b.jaxpr, b.consts, m, xs))(
             jax.ShapeDtypeStruct((), np.bool_),
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in branch.in_avals))

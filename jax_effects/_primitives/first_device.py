@@ -19,6 +19,7 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._primitives import host_call as _host_call
 
 
@@ -73,9 +74,10 @@ def on_first_device(ctx, host, operands) -> list:
     first = jax.lax.axis_index(names) == 0
     return jax.lax.cond(first, call, pass_through, *ops)
 
-  mapped = jax.shard_map(per_device, mesh=mesh,
-                         in_specs=(P(),) * len(operands),
-                         out_specs=(P(),) * len(avals_out), check_vma=False)
+  mapped = _jax_api.shard_map(per_device, mesh=mesh,
+                              in_specs=(P(),) * len(operands),
+                              out_specs=(P(),) * len(avals_out),
+                              check_vma=False)
   # (Operands are whole on every device, _gathered; under an explicit mesh
   # their types say so too, as shard_map's in_specs require.)
   ctx = dataclasses.replace(ctx, avals_in=[_unsharded(a) for a in ctx.avals_in])

@@ -12,9 +12,8 @@ would wait for.
 """
 from __future__ import annotations
 
-import jax
-
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
@@ -50,7 +49,7 @@ def wait_quietly(all_threads: bool) -> None:
     _threads.wait_quietly(state.pending())
   _threads.wait_quietly(orphans)
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
-    jax.effects_barrier()
+    _jax_api.effects_barrier()
   except Exception:  # noqa: BLE001
     pass
 
@@ -98,7 +97,7 @@ def effects_barrier(all_threads: bool = False) -> None:
     except Exception as err:  # noqa: BLE001
       first_error = first_error or err
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
-    jax.effects_barrier()
+    _jax_api.effects_barrier()
   except Exception as err:
     _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
     first_error = first_error or err

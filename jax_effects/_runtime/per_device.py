@@ -13,11 +13,11 @@ held per-device output is released at that point (``output``).
 from __future__ import annotations
 
 import jax
-from jax.experimental import io_callback
 import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
 
@@ -81,13 +81,13 @@ def _combine(*shards):
 def _combine_and_release(*shards):
   # The callback's result is the token: the next dispatch's effects follow
   # the release.
-  return io_callback(_release_and_pass,
+  return _jax_api.io_callback(_release_and_pass,
                      jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE),
                      _combine(*shards))
 
 
-_combine_jit = jax.jit(_combine)
-_combine_release_jit = jax.jit(_combine_and_release)
+_combine_jit = _jax_api.jit(_combine)
+_combine_release_jit = _jax_api.jit(_combine_and_release)
 
 
 def combine(token):
