@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _edges
 from jax_effects import _effects
 from jax_effects import _host
 
@@ -88,6 +89,34 @@ def _canonical(a):
   return a if a.dtype == dtype else a.astype(dtype)
 
 
+def summarized_print(eqn, description: str):
+  """A ``jax.debug.print`` equation whose operands NumPy will print
+  summarized, under the print options its call site captured: its
+  ``HostCallback``, whose operands arrive as their edges and are formatted
+  as the whole arrays (``_edges``), so only the edges leave the devices;
+  None when every operand is shown whole (or the format has no
+  placeholders: JAX then formats with the options of the callback's
+  thread, unknown here), which JAX's own host side prints."""
+  params = eqn.params
+  if not params["has_placeholders"]:
+    return None
+  options = dict(params["np_printoptions"])
+  edges = tuple(
+      None if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)
+      else _edges.plan(v.aval.shape, options) for v in eqn.invars)
+  if all(e is None for e in edges):
+    return None
+  return _host.HostCallback(
+      functools.partial(_summarized_print_host,
+                        _compat.debug_print_callback(params), edges),
+      description, edges=edges)
+
+
+def _summarized_print_host(callback, edges, *args):
+  callback(*_edges.host_values(args, edges))
+  return ()
+
+
 _DEBUG_NAMES = {_compat.debug_callback_p: "jax.debug.callback",
                 _compat.debug_print_p: "jax.debug.print"}
 
@@ -108,6 +137,9 @@ def adopt(eqn):
     name = _DEBUG_NAMES[prim]
     if prim is _compat.debug_print_p:
       name = f"jax.debug.print({params['fmt']!r})"
+      summarized = summarized_print(eqn, f"{name} (adopted by jax_effects.jit)")
+      if summarized is not None:
+        return summarized, effect
     host = _host.HostCallback(
         functools.partial(_debug_host, prim, dict(params)),
         f"{name} (adopted by jax_effects.jit)")

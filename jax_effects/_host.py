@@ -21,6 +21,7 @@ computation: it is deferred to the dispatching thread, which raises it once
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import types
@@ -32,6 +33,7 @@ import numpy as np
 from jax_effects import _errors
 from jax_effects import _placement
 from jax_effects import _runtime_tokens
+from jax_effects import _sequence
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,7 +49,10 @@ class HostCallback:
   (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
   format eager values as ``jax.debug.print`` does. ``reads_placement``:
   ``fn`` calls ``_placement.current()`` on every run (``print``/``log``), so
-  the host function sets ``_placement.site`` for it. Compared and hashed by
+  the host function sets ``_placement.site`` for it. ``edges``: an
+  ``_edges.Edges`` or None for each of the last ``len(edges)`` operands
+  (those the front end bound): ``fn`` receives that operand cut to its
+  edges (the lowering or the eager impl cuts it). Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
@@ -57,6 +62,7 @@ class HostCallback:
   traced_in_while_cond: bool = False
   eager: Callable[..., None] | None = None
   reads_placement: bool = False
+  edges: tuple = ()
 
   def __repr__(self):
     return f"<host callback {self.description}>"
@@ -147,6 +153,32 @@ def _setting_site(fn, running):
   return placed
 
 
+def _behind(run, running, result_avals, skipped):
+  """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
+  (``_sequence``) runs after them: as a job of its own (with its placement
+  set for it), or, if it has results, once they have run."""
+  FAILED = int(_errors.FAILED)
+  site = _placement.site
+
+  def behind(slot, carrier, args):
+    if result_avals:
+      _sequence.wait_idle((slot,))
+      return run(carrier, args)
+
+    def job() -> bool:
+      prev = site.running
+      site.running = running
+      try:
+        return bool(int(run(carrier, args)[0]) & FAILED)
+      finally:
+        site.running = prev
+
+    _sequence.submit(slot, _sequence.Job(job))
+    return (carrier, *skipped)
+
+  return behind
+
+
 # The host functions below set nothing per run for ``_placement.current()``:
 # it finds the innermost host frame on the stack and reads its ``running``
 # (a keyword-only default here, never passed: XLA passes operands
@@ -184,9 +216,14 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
       return failed(carrier, exc)
     return (carrier,)
 
+  behind = _behind(run, running, result_avals, skipped_results)
+  queues, waits = _sequence.queues, _sequence.waits
+
   if n_operands == 1 and not result_avals:
     # The common case (one operand, no result): no packing, no other frame.
     def host(carrier, x, *, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, (x,))
       if index(carrier) & FAILED:
         return run(carrier, (x,))
       try:
@@ -196,6 +233,8 @@ def _threaded_once(host_callback: HostCallback, placement, avals_out,
       return (carrier,)
   else:
     def host(carrier, *args, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, args)
       return run(carrier, args)
   return host
 
@@ -216,6 +255,10 @@ def _threaded_per_device(host_callback: HostCallback, table, avals_out,
   index = operator.index
 
   def host(carrier, *args):
+    if queues and waits(index(carrier) & SLOT_MASK):
+      behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
+                       result_avals, skipped_results)
+      return behind(index(carrier) & SLOT_MASK, carrier, args)
     if index(carrier) & FAILED:
       if not entry:   # an earlier effect of the chain failed
         return (carrier, *skipped_results)
@@ -231,6 +274,8 @@ def _threaded_per_device(host_callback: HostCallback, table, avals_out,
       return (np.bitwise_or(carrier, _errors.FAILED), *skipped_results)
     del running
     return (carrier,)
+
+  queues, waits = _sequence.queues, _sequence.waits
   return host
 
 
@@ -259,6 +304,15 @@ def _general(host_callback: HostCallback, where: _placement.Where,
     return tuple(out)
 
   def host(*args):
+    if queues and carrier_at is not None:
+      c = args[carrier_at]
+      slot = int(c if not c.ndim else c.max()) & SLOT_MASK
+      if waits(slot):
+        if not result_avals:
+          _sequence.submit(slot, _sequence.Job(functools.partial(
+              job, args, fixed if table is None else table[int(args[-1])])))
+          return zeros(args, c)
+        _sequence.wait_idle((slot,))
     if table is None:
       running = fixed
     else:
@@ -295,6 +349,19 @@ def _general(host_callback: HostCallback, where: _placement.Where,
       if reads_placement:
         site.running = prev
     return (*args[:passthrough], *results)
+
+  queues, waits = _sequence.queues, _sequence.waits
+
+  def job(args, place) -> bool:
+    # (an effect behind a thread's waiting jobs, see _behind)
+    prev = site.running
+    site.running = place
+    try:
+      out = host(*args)
+    finally:
+      site.running = prev
+    return bool(int(np.max(out[carrier_at])) & int(FAILED))
+
   return host
 
 

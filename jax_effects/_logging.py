@@ -199,7 +199,7 @@ def log(fmt: str, *args, level=logging.INFO, logger=None,
   levelno = _resolve_level(what, level)
   pathname, lineno, func, sinfo = _caller(what, stacklevel, stack_info)
   exc = _resolve_exc_info(exc_info)
-  operands, eager, jit = _printing.formatter(what, fmt, args, kwargs)
+  operands, eager, jit, edges = _printing.formatter(what, fmt, args, kwargs)
   extra_operands, extra_values = _split_extra(what, extra)
   n = len(operands)
   process_index = jax.process_index()
@@ -240,4 +240,5 @@ def log(fmt: str, *args, level=logging.INFO, logger=None,
 
   _primitives.bind_effect(emit, what, [*operands, *extra_operands],
                           effect=effect, ordered=ordered, eager=emit_eager,
-                          reads_placement=True)
+                          reads_placement=True,
+                          edges=(*edges, *(None,) * len(extra_operands)))

@@ -37,7 +37,8 @@ when a user's function is *traced* (before the pass), inside
 ``threaded_effect_p`` is what the token-threading pass replaces it with::
 
     token', carrier', results = threaded_effect_p(token, carrier, *args;
-                                                  host_callback, entry)
+                                                  host_callback, entry,
+                                                  ordered)
 
 ``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
 effects of one chain are linked by it in the program. ``carrier`` is an
@@ -49,7 +50,9 @@ does not take the token on CPU and GPU, see :func:`_threaded_lowering`). Its
 value is the dispatching thread's slot and the ``FAILED`` bit
 (``design/errors.md``); ``entry``: the carrier is the chain's runtime token
 and this effect runs once per execution, so a ``FAILED`` bit there is an
-earlier execution's and the host clears it. The primitive has *no* JAX-level
+earlier execution's and the host clears it; ``ordered``: the chain is an
+ordered one (its carrier comes from a runtime token; an unordered chain's
+starts at 0 in every execution). The primitive has *no* JAX-level
 effect, so after the pass JAX sees an effect-free function and ``jax.jit``'s
 C++ fast path stays in use.
 
@@ -59,7 +62,10 @@ automatic partitioning, where the effect runs once, that call is made
 inside a ``shard_map`` by the first device only (:func:`_on_first_device`:
 the carrier stays replicated, so no device waits in a collective for a
 callback); ``from_first_device_p`` takes a carrier from that device where
-per-device effects follow.
+per-device effects follow. An operand ``print``/``log`` will show summarized
+is cut to its edges before the call (``_edges``), or, in that case, taken
+from the devices' shards on the host (``_host_assembly``: every device
+makes a call, the first one runs the effect).
 """
 from __future__ import annotations
 
@@ -81,6 +87,7 @@ from jax_effects import _compat
 from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _host
+from jax_effects import _host_assembly
 from jax_effects import _placement
 from jax_effects import _runtime_tokens
 
@@ -126,6 +133,9 @@ def _effect_impl(*args, host_callback, effect, ordered):
   # Python scalars take JAX's canonical dtypes, as they do under jit.
   np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
              for a in args]
+  edges = _operand_edges(host_callback, len(np_args))
+  np_args = [a if e is None else e.take_numpy(a)
+             for a, e in zip(np_args, edges)]
   results = host_callback(*np_args)
   return [jnp.asarray(r) for r in results]
 
@@ -168,10 +178,14 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
-  args = _gathered(ctx, args, ctx.avals_in)
+  edges = _operand_edges(host_callback, len(args))
+  avals_in = list(ctx.avals_in)
+  if any(edges):
+    avals_in, args = _cut_edges(ctx, args, edges, first=0)
+  args = _gathered(ctx, args, avals_in)
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
-      ctx, list(args), list(ctx.avals_in))
+      ctx, list(args), avals_in)
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
   host = _host.host_function(host_callback, where, passthrough=0,
                              threaded=False, avals_out=ctx.avals_out)
@@ -314,8 +328,9 @@ threaded_effect_p = Primitive("jax_effects_threaded_effect")
 threaded_effect_p.multiple_results = True
 
 
-def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry):
-  del avals, entry
+def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry,
+                            ordered):
+  del avals, entry, ordered
   return [token, carrier, *host_callback.result_avals]
 
 
@@ -329,7 +344,7 @@ _FFI_TARGETS = {"cpu": "xla_ffi_python_cpu_callback",
 _ffi_lowerings: dict[str, Callable] = {}
 
 
-def _emit_host_call(ctx, host, operands, sharding):
+def _emit_host_call(ctx, host, operands, sharding, target=None):
   """Emits the side-effecting Python-callback custom call for ``host``.
 
   What ``mlir.emit_python_callback`` emits (same target, ``index`` attribute,
@@ -337,9 +352,11 @@ def _emit_host_call(ctx, host, operands, sharding):
   re-checks every result and costs more than the rest of the callback, and
   minus the compiler token: the carrier operand orders the call after the
   chain's previous effect (see ``_threaded_lowering``). ``ctx`` has the
-  operands' and results' avals. Returns the op's results.
+  operands' and results' avals. Returns the op's results. ``target``: another
+  of jaxlib's callback targets (``_host_assembly``'s partitioned one).
   """
-  target = _FFI_TARGETS[ctx.module_context.platforms[0]]
+  if target is None:
+    target = _FFI_TARGETS[ctx.module_context.platforms[0]]
   lower = _ffi_lowerings.get(target)
   if lower is None:
     lower = _ffi_lowerings[target] = jax.ffi.build_ffi_lowering_function(
@@ -352,7 +369,8 @@ def _emit_host_call(ctx, host, operands, sharding):
   return op.results
 
 
-def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
+def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
+                       ordered):
   """Lowers one threaded effect to a host callback ``carrier', results =
   host(carrier, *args)``.
 
@@ -364,7 +382,26 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
   token operand is returned as this effect's token result; XLA removes the
   unused ``create_token``. (On platforms without JAX's FFI callback target,
   ``emit_python_callback`` takes the token itself.)
+
+  Operands with :class:`~jax_effects._edges.Edges` (``print``/``log``
+  operands NumPy will summarize) are cut to their edges first; under
+  automatic partitioning over several devices the devices pass their parts
+  to the host instead, where ``_host_assembly`` applies (``ordered``: the
+  carrier holds the dispatching thread's slot).
   """
+  edges = _operand_edges(host_callback, len(args))
+  if (any(edges) or _host_assembly.WHOLE_ON_HOST) and _once_across_devices(
+      ctx) and _host_assembly.applies(ctx, host_callback, len(args),
+                                      ctx.avals_in[2:], edges, ordered):
+    where, _, _ = _placement.at_lowering(ctx, [], [])
+    mesh_and_names = _all_devices_mesh(
+        ctx.module_context.axis_context.num_devices)
+    return [token, *_host_assembly.lower(
+        ctx, host_callback, entry, carrier, args, edges,
+        mesh_and_names=mesh_and_names, where=where, emit=_emit_host_call)]
+  if any(edges):
+    avals_in, args = _cut_edges(ctx, args, edges, first=2)
+    ctx = dataclasses.replace(ctx, avals_in=avals_in)   # (sets no tokens)
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
@@ -387,6 +424,36 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
       operands, sub_ctx.avals_in, sub_ctx.avals_out,
       has_side_effect=True, returns_token=True, sharding=sharding)
   return [token, *results]
+
+
+def _operand_edges(host_callback, n_args: int) -> tuple:
+  """One :class:`~jax_effects._edges.Edges` or None per operand:
+  ``host_callback.edges`` belong to the last operands (those the front end
+  bound; ``vmap`` of ``cond``/``while`` adds mask operands in front)."""
+  edges = host_callback.edges
+  return (None,) * (n_args - len(edges)) + tuple(edges)
+
+
+def _cut_edges(ctx, args, edges, first: int):
+  """``(avals_in', args')``: the operands with edges cut to them (where they
+  are whole: one device, per device in ``shard_map``; under automatic
+  partitioning the partitioner moves the small edges where they go), and
+  ``ctx.avals_in`` with theirs. ``first``: the position of the first
+  operand in ``ctx.avals_in``."""
+  avals = list(ctx.avals_in)
+  args = list(args)
+  for i, e in enumerate(edges):
+    if e is None:
+      continue
+    aval = avals[first + i]
+    cut_aval = jax.core.ShapedArray(
+        aval.shape[:aval.ndim - len(e.shape)] + e.reduced_shape, aval.dtype)
+    (args[i],) = mlir.lower_fun(lambda x, e=e: [e.take(x)],
+                                multiple_results=True)(
+        dataclasses.replace(ctx, avals_in=[aval], avals_out=[cut_aval]),
+        args[i])
+    avals[first + i] = cut_aval
+  return avals, args
 
 
 def _once_across_devices(ctx) -> bool:
@@ -523,14 +590,15 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
-                reads_placement: bool = False) -> list:
+                reads_placement: bool = False, edges: tuple = ()) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_effects.resolve``); ``fn`` is the
   host side (flat NumPy operands -> results matching ``result_avals``);
   ``eager`` its eager form and ``reads_placement`` whether it reads its
   placement on every run (see :class:`~jax_effects._host.HostCallback`,
-  built here, complete).
+  built here, complete); ``edges`` one :class:`~jax_effects._edges.Edges`
+  or None per operand: ``fn`` receives the operands with edges cut to them.
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -541,6 +609,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
-      reads_placement=reads_placement)
+      reads_placement=reads_placement, edges=tuple(edges))
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

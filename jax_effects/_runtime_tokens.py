@@ -53,6 +53,7 @@ from jax_effects import _effects
 from jax_effects import _errors
 from jax_effects import _output
 from jax_effects import _placement
+from jax_effects import _sequence
 
 # int32: a token's value is the slot of the thread that dispatched it (see
 # ThreadTokens.slot); host callbacks pass it through unchanged.
@@ -706,6 +707,7 @@ def _wait_quietly(state: ThreadTokens) -> None:
       token.block_until_ready()
     except Exception:  # noqa: BLE001 - reported by the call or barrier
       pass
+  _sequence.wait_idle((state.slot,))   # effects left to run on the host
 
 
 def wait_quietly(all_threads: bool) -> None:
@@ -725,6 +727,8 @@ def wait_quietly(all_threads: bool) -> None:
       token.block_until_ready()
     except Exception:  # noqa: BLE001 - reported by a barrier
       pass
+  if all_threads:
+    _sequence.wait_idle()
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
     jax.effects_barrier()
   except Exception:  # noqa: BLE001
@@ -774,6 +778,9 @@ def effects_barrier(all_threads: bool = False) -> None:
       token.block_until_ready()
     except Exception as err:  # noqa: BLE001
       first_error = first_error or err
+  # Effects left to run on the host once every device's part is there
+  # (_sequence): their calls have all been made by now.
+  _sequence.wait_idle(None if all_threads else (states[0].slot,))
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     jax.effects_barrier()
   except Exception as err:
