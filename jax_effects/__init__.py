@@ -13,35 +13,37 @@ Public API (everything else is private):
 * :func:`ordering`, :func:`set_ordering` - "per_effect" or "global" order.
 * :func:`effects_barrier` - wait for dispatched effects.
 * :func:`runtime_tokens` - a snapshot of the calling thread's tokens.
+* :func:`progress` - progress bars for compiled loops.
 
-Layers, each importing only from the ones above it (``design/architecture.md``):
-
-1. effects and modes: ``_effects`` (``_compat`` fences JAX's internals;
-   ``_jaxpr_eval`` is the jaxpr walk both interpreters share);
-2. host-side runtime state, shared by host callbacks and dispatch:
-   ``_placement`` (where a callback runs), ``_errors`` (callback errors),
-   ``_output`` (sinks, deterministic view), ``_runtime_tokens`` (per-thread
-   runtime and output tokens, the barrier);
-3. primitives: ``_host`` (host functions, the primitives' parameter),
-   ``_primitives`` (``effect_p``/``threaded_effect_p`` with all their rules)
-   and ``_control_flow_batching`` (JAX's vmap rules of cond/while, wrapped);
-4. the token-threading pass: ``_token_pass`` (+ ``_shard_map_rule``,
-   ``_adopted``: JAX's own callbacks converted);
-5. dispatch and switching: ``_jit``, ``_modes``;
-6. front ends: ``_arguments``, ``_printing``, ``_logging``, ``_callback``;
-7. tools (``_tools``: demo, bench, multi-process launcher, pytest plugin).
+The private folders are the layers, each importing only from the ones above
+it (``design/architecture.md``): ``_core`` (effects, modes, jaxpr walking),
+``_runtime`` (host-side state shared by callbacks and dispatch),
+``_primitives``, ``_pass`` (token threading), ``_dispatch`` (the call path,
+``jit``), ``_frontends`` (``print``/``log``/``callback``), ``_tools``.
+``_compat`` alone imports ``jax._src``.
 """
-from jax_effects._callback import callback
-from jax_effects._effects import DEFAULT, GLOBAL, Effect, get_ordering
-from jax_effects._jit import jit
-from jax_effects._logging import log
-from jax_effects._modes import deterministic, ordering, set_ordering
-from jax_effects._placement import Placement
-from jax_effects._placement import current as placement
-from jax_effects._printing import print  # noqa: A004
-from jax_effects._runtime_tokens import RuntimeTokens, effects_barrier, runtime_tokens
-from jax_effects import _control_flow_batching  # noqa: F401  (vmap of cond/while)
-from jax_effects import _shard_map_rule  # noqa: F401  (registers the shard_map rule)
+from jax_effects._core.effects import DEFAULT
+from jax_effects._core.effects import Effect
+from jax_effects._core.effects import get_ordering
+from jax_effects._core.effects import GLOBAL
+from jax_effects._dispatch.function import jit
+from jax_effects._dispatch.modes import deterministic
+from jax_effects._dispatch.modes import ordering
+from jax_effects._dispatch.modes import set_ordering
+from jax_effects._frontends.callback import callback
+from jax_effects._frontends.logging import log
+from jax_effects._frontends.printing import print  # noqa: A004
+from jax_effects._frontends.progress import progress
+from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
+from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (its rule)
+from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
+from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
+from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
+from jax_effects._runtime.barrier import effects_barrier
+from jax_effects._runtime.placement import current as placement
+from jax_effects._runtime.placement import Placement
+from jax_effects._runtime.snapshot import runtime_tokens
+from jax_effects._runtime.snapshot import RuntimeTokens
 
 __version__ = "0.1.0"
 
@@ -49,5 +51,5 @@ __all__ = [
     "DEFAULT", "GLOBAL", "Effect", "RuntimeTokens", "callback",
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
-    "Placement", "deterministic", "log", "placement",
+    "Placement", "deterministic", "log", "placement", "progress",
 ]

@@ -33,15 +33,15 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
 # Unless a comment says otherwise, every ``jax._src`` name below exists with
 # the same meaning on all supported lines (JAX 0.8.3 to 0.10.x).
 
-# trace_ctx (is a trace active; the innermost jaxpr being built), DropVar.
-from jax._src import core as _core
+# _callback_op_sharding: the sharding JAX gives its own host callbacks.
+# The effect-type registries and the Effect base class.
 # runtime_tokens (JAX's per-device tokens),
 # prim_requires_devices_during_lowering.
-from jax._src import dispatch as _dispatch
-# The effect-type registries and the Effect base class.
-from jax._src import effects as _effects
-# _callback_op_sharding: the sharding JAX gives its own host callbacks.
+# trace_ctx (is a trace active; the innermost jaxpr being built), DropVar.
 from jax._src import callback as _callback
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import effects as _effects
 # ArrayImpl: building an uncommitted single-shard array (``uncommitted``).
 from jax._src.array import ArrayImpl as _ArrayImpl
 
@@ -95,6 +95,35 @@ lowerable_effects = _effects.lowerable_effects
 ordered_effects = _effects.ordered_effects
 shardable_ordered_effects = _effects.shardable_ordered_effects
 
+# Loop-invariant hoisting of scan's partial evaluation (grad, vjp, linearize
+# of a scan), JAX 0.8-0.10: ``_scan_known_hoisting`` re-traces the forward
+# ("known") scan body with its consts known, and every equation whose inputs
+# are all consts is evaluated once, outside the loop. For an effect that is
+# wrong: ``print("step")`` or a progress bar's ``bar.update()`` in the body
+# would run once instead of once per iteration (JAX's own
+# ``jax.debug.print("step")`` does so under ``jax.grad``). ``_scan_partial_eval``
+# calls it by its module-level name, so it is wrapped there: a body with one
+# of our effects (``keep_effects_in_loops``) is not hoisted (JAX's own
+# "to disable" return); every other scan is hoisted as before.
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+
+_jax_scan_known_hoisting = _loops._scan_known_hoisting
+_unhoisted_effect_types: set = set()
+
+
+def _scan_known_hoisting(jaxpr_known, known_consts, num_res):
+  if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
+    return jaxpr_known, known_consts, [False] * num_res, []
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res)
+
+
+def keep_effects_in_loops(*effect_types) -> None:
+  """Equations carrying an effect of these types stay in their scan's body
+  under partial evaluation (see ``_scan_known_hoisting`` above)."""
+  _unhoisted_effect_types.update(effect_types)
+  _loops._scan_known_hoisting = _scan_known_hoisting
+
+
 # Sharding annotation JAX gives its own callbacks: MAXIMAL on one device under
 # automatic partitioning, MANUAL (per device) inside a fully manual shard_map.
 callback_op_sharding = _callback._callback_op_sharding
@@ -105,11 +134,6 @@ callback_op_sharding = _callback._callback_op_sharding
 # annotation to the op (``mlir.set_sharding`` differs, shim below). JAX
 # 0.8-0.10.
 from jax._src.interpreters import mlir as _mlir  # noqa: E402
-# Shardy's per-value sharding, for ``replicated`` and ``on_first_device``
-# below (its fields mesh_shape, dim_shardings and logical_device_ids are the
-# same on JAX 0.8-0.10).
-from jax._src.sharding_impls import SdyArray  # noqa: E402
-
 # A replicated sharding annotation (``Sharding`` custom call or
 # ``sdy.sharding_constraint``) on the array operands of a callback that runs
 # once under automatic partitioning (JAX 0.10: shardy ``SdyArray``/``SdyDim``
@@ -120,6 +144,10 @@ from jax._src.sharding_impls import SdyArray  # noqa: E402
 from jax._src.interpreters.mlir import wrap_with_sharding_op  # noqa: E402
 from jax._src.lib import xla_client as _xc  # noqa: E402
 from jax._src.named_sharding import SdyDim  # noqa: E402
+# Shardy's per-value sharding, for ``replicated`` and ``on_first_device``
+# below (its fields mesh_shape, dim_shardings and logical_device_ids are the
+# same on JAX 0.8-0.10).
+from jax._src.sharding_impls import SdyArray  # noqa: E402
 
 
 def replicated(ctx, value, aval):
@@ -219,31 +247,35 @@ def set_sharding(module_context, op, sharding) -> None:
   else:
     _mlir.set_sharding(op, sharding)
 
+from jax._src.callback import io_callback_impl  # noqa: E402
+from jax._src.callback import io_callback_p
+from jax._src.callback import IOEffect
+from jax._src.callback import OrderedIOEffect
 # The jax_disable_jit flag's state object: ``.value`` reads it without the
 # attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
-
-# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map),
-# always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
-# The token-threading pass needs a rule for it; there is no public handle.
-from jax._src.shard_map import shard_map_p  # noqa: E402
-
 # JAX's own host-callback primitives, adopted by the token-threading pass
-# (``_adopted``): ``jax.debug.callback`` binds ``debug_callback_p``,
+# (``_pass.adopted``): ``jax.debug.callback`` binds ``debug_callback_p``,
 # ``jax.debug.print``/``log`` bind ``debug_print_p``,
 # ``jax.experimental.io_callback`` binds ``io_callback_p``. No public handle
 # on the primitives, their effect types (``jax.debug`` exports only the debug
 # ones) or io_callback's host-side implementation (``io_callback_p.impl``
 # dispatches a computation instead). JAX 0.8-0.10.
-from jax._src.debugging import debug_callback_p, debug_print_p  # noqa: E402
-from jax._src.debugging import DebugEffect, OrderedDebugEffect  # noqa: E402
-from jax._src.callback import io_callback_p, io_callback_impl  # noqa: E402
+from jax._src.debugging import debug_callback_p  # noqa: E402
+from jax._src.debugging import debug_print_p
+from jax._src.debugging import DebugEffect
+from jax._src.debugging import OrderedDebugEffect
+# shard_map's primitive (and pmap's: JAX stages jax.pmap as jit(shard_map),
+# always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
+# The token-threading pass needs a rule for it; there is no public handle.
+from jax._src.shard_map import shard_map_p  # noqa: E402
+
 # What ``jax.debug.print``'s callback does with its flat operands (rebuild the
 # arguments with the static ones, format under the call site's print options,
 # write the line or log the record): ``debug_print_impl`` builds it from
 # these two, then moves every operand to the CPU as a ``jax.Array``; an
-# adopted print whose operands arrive summarized (``_edges``) calls it with
-# our stand-ins instead. Same signatures on JAX 0.8-0.10.
+# adopted print whose operands arrive summarized (``_primitives.edges``)
+# calls it with our stand-ins instead. Same signatures on JAX 0.8-0.10.
 from jax._src.debugging import _format_print_callback  # noqa: E402
 from jax._src.debugging import _make_flat_callback  # noqa: E402
 
@@ -257,7 +289,7 @@ def debug_print_callback(params):
       params["has_placeholders"], params["logging_record"])
   return _make_flat_callback(params["in_tree"], callback,
                              params["static_args"])
-from jax._src.callback import IOEffect, OrderedIOEffect  # noqa: E402
+
 
 def shard_map_manual_axes(params) -> frozenset:
   """The mesh axes a ``shard_map`` equation makes manual (from its params).
@@ -270,11 +302,39 @@ def shard_map_manual_axes(params) -> frozenset:
     return frozenset(params["newly_manual_axes"])
   return frozenset(params["manual_axes"])
 
+# Whether JAX's backends are initialised (the pytest plugin sets the number
+# of CPU devices and must know whether that can still take effect). No
+# public query: ``jax.devices()`` would initialise them. JAX 0.8-0.10.
+from jax._src.xla_bridge import backends_are_initialized  # noqa: E402
+# Effects JAX's own vmap rule of ``cond`` refuses in a branch whose predicate
+# is batched (io_callback's, and Ref effects): a cond holding one is left to
+# JAX's rule and its error (``_primitives.control_flow_batching``). The
+# Ref effect type has no public handle. JAX 0.8-0.10.
+from jax._src.state.types import RefEffect  # noqa: E402
+
+
+def refused_by_jax_in_batched_cond(effect) -> bool:
+  """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
+  whose predicate is batched (see the imports above)."""
+  return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
+
+
+def in_cond_branch(name_stack) -> bool:
+  """Whether an op lowered under ``name_stack`` is inside a ``cond`` branch.
+
+  JAX's cond lowering names each branch's ops ``branch_<i>_fun`` in the name
+  stack (``jax/_src/lax/control_flow/conditionals.py``, JAX 0.8-0.10); a
+  branch vmap inlined into a ``select`` has no such name. No public handle.
+  """
+  return "_fun" in str(name_stack)
+
+
 # Lowering-time axis contexts: a host callback's lowering reads them to know
 # where it will run (SPMD manual = one call per device, identified by
 # partition id into the mesh; sharding context = one call on the first device
-# of the computation's device assignment). Used by ``_placement``.
-from jax._src.sharding_impls import SPMDAxisContext, ShardingContext  # noqa: E402
+# of the computation's device assignment). Used by ``_runtime.placement``.
+from jax._src.sharding_impls import ShardingContext  # noqa: E402
+from jax._src.sharding_impls import SPMDAxisContext
 
 
 def clear_jax_runtime_tokens() -> None:
@@ -283,7 +343,7 @@ def clear_jax_runtime_tokens() -> None:
   JAX keeps an output token per device for every executable with host
   callbacks and never drops a failed one, so after one callback error every
   later ``jax.effects_barrier()`` would raise it again. Called once the error
-  has been reported (``_runtime_tokens.effects_barrier``).
+  has been reported (``_barrier.effects_barrier``).
   """
   _dispatch.runtime_tokens.clear()
 
@@ -305,7 +365,7 @@ _eval_trace = _core.eval_trace
 _top_axis_env = _core.top_axis_env
 
 # What ``trace_ctx.is_top_level()`` reads, without its two Python frames
-# (read on every dispatch, see ``_runtime_tokens.fast_dispatch``). JAX 0.10
+# (read on every dispatch, see ``_call_path.fast_dispatch``). JAX 0.10
 # keeps the trace and axis environment in thread-local config states
 # (``.value``); 0.8 and 0.9 in attributes of the ``threading.local``
 # ``trace_ctx``.
@@ -346,7 +406,7 @@ def compiled_dispatch() -> bool:
 
 
 # ``jax.Array.committed`` is a Python property; the C++ attribute behind it is
-# read on every dispatch (``_runtime_tokens.update``).
+# read on every dispatch (``_threads.update``).
 committed = operator.attrgetter("_committed")
 
 
@@ -413,21 +473,20 @@ def no_user_mesh():
   from jax._src.mesh import empty_concrete_mesh  # JAX 0.8, 0.9
   return jax.set_mesh(empty_concrete_mesh)
 
-# ``batch_jaxpr(closed_jaxpr, axis_data, in_batched, instantiate)``: which
-# outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
-# jax_effects wraps (``_control_flow_batching``) call JAX's own rule unchanged
-# and use this, as that rule does, to find whether the predicate is batched
-# (JAX 0.8-0.10: same signature; no public route).
-from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
-
 # Higher-order primitives of JAX with no public handle, for the pass's rules
-# (``_token_pass``); JAX 0.8, 0.9 and 0.10 define them here.
+# (``_pass.token_pass``); JAX 0.8, 0.9 and 0.10 define them here.
 # ``custom_vmap_call`` (jax.custom_batching.custom_vmap), ``composite``
 # (jax.lax.composite) and ``linear_call`` (jax.custom_derivatives.linear_call)
 # are inlined by the pass, as their impls do.
 from jax._src.custom_batching import custom_vmap_p  # noqa: E402
-from jax._src.lax.lax import composite_p  # noqa: E402
 from jax._src.custom_derivatives import linear_call_p  # noqa: E402
+# ``batch_jaxpr(closed_jaxpr, axis_data, in_batched, instantiate)``: which
+# outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
+# jax_effects wraps (``_primitives.control_flow_batching``) call JAX's own rule unchanged
+# and use this, as that rule does, to find whether the predicate is batched
+# (JAX 0.8-0.10: same signature; no public route).
+from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
+from jax._src.lax.lax import composite_p  # noqa: E402
 
 # The jaxprs held in an equation's params (sub-computations of higher-order
 # primitives): public as ``jax.extend.core.jaxprs_in_params`` from JAX 0.10,

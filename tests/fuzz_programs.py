@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 import jax_effects as je
-from jax_effects import _output
+from jax_effects._runtime import output as _output
 
 D = 3                 # length of x
 K_MOD = 1009

@@ -6,7 +6,13 @@
 * :class:`Boom`: the exception test callbacks raise.
 * :func:`in_thread`, :func:`run_threads`: test code on other Python threads
   (each has its own token state), bounded by :data:`JOIN_TIMEOUT_S`.
+* :func:`run_script`: a program in a fresh Python process (where exit, fork
+  or the process's network is at stake), bounded in time.
 """
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -168,3 +174,78 @@ def run_threads(targets, *, start_together=True):
   assert not any(t.is_alive() for t in threads), "a worker thread hangs"
   if errors:
     raise errors[0]
+
+
+class NotReadyYet:
+  """``int32[1]`` arrays, one on each of ``devices`` (``.arrays``; ``.array``
+  the first), that are not ready until :meth:`release`: the output shards of
+  a ``shard_map`` over ``devices`` (at least 2) whose callback waits on an
+  event (a computation over several CPU devices is
+  launched asynchronously; one on one device whose inputs are ready may run
+  inline in the dispatching call). A computation dispatched on it returns at
+  once and runs on one of XLA's threads once it is released: what it did
+  before the release is what the dispatch alone did.
+
+  Use as a context manager: leaving releases it (a failed test never leaves
+  XLA's threads waiting)."""
+
+  def __init__(self, devices, value: int = 0):
+    devices = list(devices)
+    import threading
+    from jax.experimental import io_callback
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    self._event = threading.Event()
+    event = self._event
+    mesh = Mesh(np.array(devices), ("gate",))
+
+    def wait(x):
+      if not event.wait(120):
+        raise TimeoutError("NotReadyYet was never released")
+      return x
+
+    gate = jax.jit(jax.shard_map(
+        lambda x: io_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                              ordered=False),
+        mesh=mesh, in_specs=P("gate"), out_specs=P("gate")))
+    x = jax.device_put(np.full((len(devices),), value, np.int32),
+                       NamedSharding(mesh, P("gate")))
+    self._out = gate(x)
+    by_device = {s.device: s.data for s in self._out.addressable_shards}
+    self.arrays = [by_device[d] for d in devices]
+    self.array = self.arrays[0]
+    assert not self.array.is_ready(), "the gate ran synchronously"
+
+  def release(self):
+    self._event.set()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+    self._out.block_until_ready()
+
+
+#: The start of a :func:`run_script` program: 8 simulated CPU devices, a mesh
+#: ``("i",)`` over them and ``x = arange(8)`` sharded along it.
+PRELUDE_8_DEVICES = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_effects as je
+mesh = Mesh(np.array(jax.devices()), ("i",))
+x = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("i")))
+"""
+
+
+def run_script(source: str, *args: str, timeout: float = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+  """Runs ``source`` (dedented) as ``python -c`` with ``args``; returns the
+  completed process (text stdout, stderr, returncode). Raises
+  ``subprocess.TimeoutExpired`` (killing it) after ``timeout`` seconds."""
+  full_env = None if env is None else {**os.environ, **env}
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(source), *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=full_env)

@@ -473,7 +473,7 @@ def run_python(program: Block, x: int):
 
 
 def _with_printed(ctx: Context, fn):
-  from jax_effects import _output
+  from jax_effects._runtime import output as _output
 
   def on_line(line):
     event = parse_printed(line)

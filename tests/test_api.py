@@ -14,6 +14,8 @@ import pytest
 
 import jax_effects as je
 
+import helpers
+
 
 # --- print -------------------------------------------------------------------
 
@@ -212,7 +214,7 @@ def test_lower_chains_callbacks_through_the_carrier():
   # carrier operand of callback i+1 is the carrier result of callback i (the
   # data dependency that orders them), and the last one's is the token the
   # computation returns. No custom call takes or returns a !stablehlo.token
-  # (the carrier orders them; see _primitives._threaded_lowering).
+  # (the carrier orders them; see threaded._threaded_lowering).
   signature = _main_signature(text)
   assert signature.startswith("%arg0: tensor<i32>")
   prev = "%arg0"
@@ -336,22 +338,27 @@ def test_effect_argument_must_be_an_effect():
 
 # --- effects_barrier and runtime_tokens -------------------------------------------
 
-def test_effects_barrier_waits_for_dispatched_effects():
+def test_effects_barrier_waits_for_dispatched_effects(devices):
+  # design/tokens.md "effects_barrier": the calls return before their
+  # effects ran (their input is not ready); the barrier returns after.
   done = []
 
   def slow(x):
     time.sleep(0.2)
-    done.append(int(x))
+    done.append(int(x[0]))
 
   @je.jit
   def f(x):
     je.callback(slow, None, x)
     return x
 
-  for i in range(3):
-    f(jnp.int32(i))
-  je.effects_barrier()
-  assert done == [0, 1, 2]
+  with helpers.NotReadyYet(devices[:2]) as gate:
+    for i in range(3):
+      f(gate.array + i)
+    assert done == []          # dispatched; nothing ran yet
+    gate.release()
+    je.effects_barrier()
+    assert done == [0, 1, 2]
 
 
 def test_effects_barrier_waits_for_unordered_effects():

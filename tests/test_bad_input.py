@@ -92,12 +92,12 @@ def test_wrong_number_of_results_under_vmap(effects_capture):
 
 
 def test_host_callback_result_count_is_checked():
-  from jax_effects import _host
+  from jax_effects._primitives import host_callback as _host_callback
   avals = (jax.core.ShapedArray((), jnp.float32),) * 2
   with pytest.raises(TypeError, match=r"my effect returned 1 results; expected 2"):
-    _host.check_results("my effect", (np.float32(1),), avals)
+    _host_callback.check_results("my effect", (np.float32(1),), avals)
   with pytest.raises(TypeError, match="my effect returned a non-sequence"):
-    _host.check_results("my effect", np.float32(1), avals)
+    _host_callback.check_results("my effect", np.float32(1), avals)
 
 
 # --- format strings --------------------------------------------------------------

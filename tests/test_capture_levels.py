@@ -196,7 +196,7 @@ def test_readme_example_in_a_fresh_pytest_run(pytester):
               "sum = 3.0"]
 
       def test_listeners_of_earlier_tests_are_gone(effects_capture):
-          from jax_effects import _output
+          from jax_effects._runtime import output as _output
           assert len(_output._line_listeners) == 1
           assert len(_output._all_record_listeners) == 1
   """))

@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent(r"""
 
     f = je.jit(effectful)
     lines = []
-    from jax_effects import _output
+    from jax_effects._runtime import output as _output
     _output.add_line_listener(lines.append)
     out = f(x)
     f(x)

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
-from jax_effects import _effects
+
+import helpers
+from jax_effects._core import effects as _effects
 from helpers import in_thread as run_in_thread
 
 
@@ -182,12 +184,15 @@ def test_order_across_devices_and_functions():
 
 
 def test_effects_barrier_blocks_on_output_tokens_of_every_device():
+  # design/tokens.md "effects_barrier": unordered effects on 4 devices
+  # (no runtime token orders them); the barrier waits for each device's
+  # output token, not just the last dispatch's (whose callback is fastest).
   done = []
   devices = jax.devices()
 
   def slow(i):
-    time.sleep(0.05)
-    done.append(int(i))
+    time.sleep(0.3 if int(i[0]) < 3 else 0)
+    done.append(int(i[0]))
 
   @je.jit
   def f(i):
@@ -195,11 +200,14 @@ def test_effects_barrier_blocks_on_output_tokens_of_every_device():
     return i
 
   def in_thread():
-    for k in range(4):
-      f(jax.device_put(jnp.int32(k), devices[k]))
-    assert set(je.runtime_tokens().devices) == set(devices[:4])
-    je.effects_barrier()
-    return sorted(done)
+    with helpers.NotReadyYet(devices[:4]) as gate:
+      for k in range(4):
+        f(gate.arrays[k] + k)
+      assert set(je.runtime_tokens().devices) == set(devices[:4])
+      assert done == []          # dispatched; nothing ran yet
+      gate.release()
+      je.effects_barrier()
+      return sorted(done)
 
   assert run_in_thread(in_thread) == [0, 1, 2, 3]
 

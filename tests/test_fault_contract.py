@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
-from jax_effects import _errors
-from jax_effects import _runtime_tokens
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import barrier as _barrier
+from jax_effects._runtime import threads as _threads
 
 N = 8
 
@@ -66,7 +67,7 @@ def flat(report):
 
 def wait_for_dispatched():
   """Blocks on this thread's tokens without reporting anything."""
-  _runtime_tokens.wait_for_thread()
+  _barrier.wait_for_thread()
 
 
 def run_script(script, timeout=120):
@@ -442,7 +443,7 @@ def test_exited_threads_release_their_token_state_and_arrays():
   je.effects_barrier(all_threads=True)
   gc.collect()
   arrays_before = len(jax.live_arrays())
-  states_before = len(_runtime_tokens._all_states)
+  states_before = len(_threads._all_states)
 
   def short_lived(i):
     f(jnp.int32(i))
@@ -459,10 +460,10 @@ def test_exited_threads_release_their_token_state_and_arrays():
   # No all-threads barrier: exiting is enough to release a thread's state.
   # (Tokens of exited threads still pending are kept until complete; the
   # effects here are tiny, so wait for them without a barrier.)
-  for t in list(getattr(_runtime_tokens, "_orphans", [])):
+  for t in list(getattr(_threads, "_orphans", [])):
     t.block_until_ready()
   gc.collect()
-  assert len(_runtime_tokens._all_states) <= states_before
+  assert len(_threads._all_states) <= states_before
   # 200 threads x (initial token + token) were held before the fix
   assert len(jax.live_arrays()) <= arrays_before + 10
   je.effects_barrier(all_threads=True)   # and the others' lines are all out
@@ -520,7 +521,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   # SIGINT's KeyboardInterrupt is raised at the next Python instruction of
   # the dispatching thread: after a per-device computation is dispatched (it
   # runs asynchronously) and before its token is stored, at the entry of
-  # _runtime_tokens.update. Simulated there, deterministically, once.
+  # _threads.update. Simulated there, deterministically, once.
   order = []
   lock = threading.Lock()
 
@@ -539,7 +540,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   je.effects_barrier()
   order.clear()
 
-  real_update = _runtime_tokens.update
+  real_update = _threads.update
   calls = []
 
   def interrupted_update(*args):
@@ -548,10 +549,10 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
       raise KeyboardInterrupt
     return real_update(*args)
 
-  monkeypatch.setattr(_runtime_tokens, "update", interrupted_update)
+  monkeypatch.setattr(_threads, "update", interrupted_update)
   with pytest.raises(KeyboardInterrupt):
     f(x)
-  monkeypatch.setattr(_runtime_tokens, "update", real_update)
+  monkeypatch.setattr(_threads, "update", real_update)
   g(jnp.int32(1))           # must follow the interrupted call's effects
   je.effects_barrier()      # and the barrier must wait for them
   assert len(order) == N + 1, order

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
-from jax_effects import _errors
+from jax_effects._runtime import errors as _errors
 import helpers
 from helpers import Boom, FailingRecorder, run_threads
 

@@ -34,7 +34,7 @@ from jax import tree_util
 import helpers
 from helpers import Boom
 import jax_effects as je
-from jax_effects import _output
+from jax_effects._runtime import output as _output
 
 # sizes chosen at collection: CI's, or --run-slow's
 N_CASES = helpers.scale(60, 300)

@@ -3,6 +3,9 @@
 Runs in fresh threads: runtime tokens (and the ordering context) are
 thread-local.
 """
+import time
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,22 +45,31 @@ def test_global_block_snapshot_has_exactly_the_global_entry(effects_capture):
 
 def test_global_snapshot_token_orders_the_next_call():
   # The listed token is the thread's real global stream: waiting on it waits
-  # for every effect dispatched in the block.
+  # for every effect dispatched in the block (dispatched on an input that is
+  # not ready yet, so none of them ran when the token is read).
   ran = []
+
+  def slow(v):
+    time.sleep(0.1)
+    ran.append(int(v[0]))
 
   @je.jit
   def f(x):
-    je.callback(lambda v: ran.append(int(v)), None, x,
-                effect=je.Effect("snapshot-c"))
+    je.callback(slow, None, x, effect=je.Effect("snapshot-c"))
     return x
 
   def go():
-    with je.ordering("global"):
+    # (the gate inside the block: entering it waits for dispatched effects)
+    with je.ordering("global"), helpers.NotReadyYet(jax.devices()[:2]) as gate:
       for i in range(3):
-        f(jnp.int32(i))
+        f(gate.array + i)
       (token,) = je.runtime_tokens().effects.values()
+      assert ran == []           # dispatched; nothing ran yet
+      gate.release()
       token.block_until_ready()
       return list(ran)
 
   assert in_thread(go) == [0, 1, 2]
   np.testing.assert_array_equal(ran, [0, 1, 2])
+
+

@@ -1,13 +1,13 @@
 """Several threads dispatching computations over 8 CPU devices (no hang).
 
 XLA's CPU client deadlocks when executables spanning several devices are
-launched from several threads at once (see ``_runtime_tokens.launch_lock``):
+launched from several threads at once (see ``_launch_lock.launch_lock``):
 8 threads calling a ``shard_map`` over the 8 devices hung every time, with
 every dispatching thread inside the launch and the client's thread pool
 blocked on the devices' in-flight limits; so did plain ``jax.jit`` (no
 callback needed). ``jax_effects`` launches such computations one at a time.
 A callback that runs once in such a computation adds no collective in which
-the other devices wait for it (``_primitives._on_first_device``): with one,
+the other devices wait for it (``first_device.on_first_device``): with one,
 the rendezvous stalled under this load and XLA aborted the process.
 
 Run in a subprocess, bounded: a hang dumps every thread's stack and fails.

@@ -164,3 +164,22 @@ def test_callback_results_used_on_tangents_cannot_be_transposed():
                            r".*custom_vjp"):
     je.jit(jax.grad(f))(1.0)
   take()
+
+
+@pytest.mark.parametrize("how", ["jit_of_grad", "grad_of_jit"])
+def test_effect_with_constant_operands_in_a_scan_runs_every_iteration_under_grad(
+    effects_capture, how):
+  """JAX's partial evaluation of a scan (grad) moves equations whose inputs
+  do not change between iterations out of the forward loop; an effect stays
+  in it and runs once per iteration, as without grad (JAX's own
+  ``jax.debug.print("step")`` runs once there)."""
+  def loss(w):
+    def step(c, _):
+      je.print("step")
+      return c * w, None
+    return jax.lax.scan(step, 1.0, None, length=3)[0]
+
+  g = (je.jit(jax.grad(loss)) if how == "jit_of_grad"
+       else jax.grad(je.jit(loss)))
+  assert g(2.0) == 12.0
+  assert effects_capture.printed == ["step"] * 3

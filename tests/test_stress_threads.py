@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_effects as je
-from jax_effects import _runtime_tokens
+from jax_effects._runtime import threads as _threads
 import helpers
 from helpers import run_threads
 
@@ -208,8 +208,8 @@ def _churn(n_long, n_short_waves, short_per_wave, n_long_effects,
   assert barrier_calls[0] > 0
   # Exited threads are forgotten once a barrier has waited for them.
   je.effects_barrier(all_threads=True)
-  with _runtime_tokens._all_lock:
-    states = list(_runtime_tokens._all_states)
+  with _threads._all_lock:
+    states = list(_threads._all_states)
   assert all(s.alive() for s in states)
 
 

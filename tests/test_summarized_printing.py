@@ -18,10 +18,7 @@ the edges to the host, adding no collective to the compiled module.
 """
 import contextlib
 import io
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -473,12 +470,7 @@ def test_order_holds_and_nothing_stalls_with_the_programs_collectives():
   # waits for the first device: a deadlock, which XLA ends by aborting the
   # process). The effect is left to the call bringing the last part; the
   # thread's later effects keep their order behind it.
-  root = os.path.dirname(os.path.dirname(je.__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", ORDER_WITH_COLLECTIVES],
-                        capture_output=True, text=True, timeout=600, env=env)
+  proc = helpers.run_script(ORDER_WITH_COLLECTIVES, timeout=600)
   assert proc.returncode == 0 and proc.stdout.strip() == "OK", (
       f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
 

@@ -58,7 +58,8 @@ _LEGACY_PMAP = """
       print("REPORT " + json.dumps({"option": False}))
       raise SystemExit
     import jax_effects as je
-    from jax_effects import _output, _compat
+    from jax_effects._runtime import output as _output
+    from jax_effects import _compat
     lines = []
     _output.add_line_listener(lines.append)
 
@@ -113,7 +114,8 @@ _SIMPLIFIED_CONSTANTS = """
     import json
     import jax, jax.numpy as jnp, numpy as np
     import jax_effects as je
-    from jax_effects import _output, _compat
+    from jax_effects._runtime import output as _output
+    from jax_effects import _compat
     lines = []
     _output.add_line_listener(lines.append)
     x = jnp.ones(4, jnp.float32)

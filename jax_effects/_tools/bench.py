@@ -69,6 +69,7 @@ def _request_devices(n: int) -> None:
 
 def _sync(out) -> None:
   import jax
+
   import jax_effects
   jax.block_until_ready(out)
   jax_effects.effects_barrier()
@@ -128,11 +129,12 @@ def floor_primitive():
   if _floor_p is not None:
     return _floor_p
   import jax
-  import numpy as np
   from jax.extend.core import Primitive
   from jax.interpreters import mlir
+  import numpy as np
+
   from jax_effects import _compat
-  from jax_effects import _primitives
+  from jax_effects._primitives import host_call as _host_call
 
   p = Primitive("jax_effects_bench_floor")
   p.def_abstract_eval(lambda token, *xs: token)
@@ -141,7 +143,7 @@ def floor_primitive():
     return (token,)
 
   def lowering(ctx, token, *xs):
-    target = _primitives._FFI_TARGETS[ctx.module_context.platforms[0]]
+    target = _host_call.FFI_TARGETS[ctx.module_context.platforms[0]]
     lower = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)
     ctx.module_context.add_host_callback(host)
     index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
@@ -192,8 +194,9 @@ def _quiet_output():
 
 def bench_dispatch(rounds: int, calls: int, jax_calls: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax.experimental import io_callback
+  import jax.numpy as jnp
+
   import jax_effects
 
   x = jnp.arange(8, dtype=jnp.float32)
@@ -264,8 +267,9 @@ def bench_dispatch(rounds: int, calls: int, jax_calls: int) -> tuple[dict, dict]
 
 def bench_loop(rounds: int, n: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax.experimental import io_callback
+  import jax.numpy as jnp
+
   import jax_effects
 
   x = jnp.float32(1.0)
@@ -380,8 +384,9 @@ def count_equations(closed, primitive: str | None = None) -> int:
 
 def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
   import jax
-  import jax.numpy as jnp
   from jax.experimental import io_callback
+  import jax.numpy as jnp
+
   import jax_effects
 
   x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
@@ -432,7 +437,8 @@ def _sharded_input():
   it; ``(None, None)`` with fewer devices."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   devices = jax.devices()
   if len(devices) < N_DEVICES:
@@ -447,7 +453,9 @@ def _sharded_input():
 def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   import jax_effects
 
   mesh, x = _sharded_input()
@@ -517,6 +525,7 @@ def bench_shard_map(rounds: int, calls: int) -> tuple[dict, dict]:
 def bench_partitioned(rounds: int, calls: int) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
+
   import jax_effects
 
   mesh, x = _sharded_input()
@@ -565,6 +574,7 @@ def _rss_bytes() -> int:
 
 def bench_memory(base_calls: int, total_calls: int) -> tuple[dict, dict]:
   import jax.numpy as jnp
+
   import jax_effects
 
   count = [0]

@@ -34,8 +34,8 @@ def section_ordered_printing(args) -> None:
   """Prints from jitted code with cond, while_loop (effects in cond_fun too)
   and scan, in program order."""
   import jax
-  import jax.numpy as jnp
   from jax import lax
+  import jax.numpy as jnp
 
   import jax_effects as je
 
@@ -160,8 +160,10 @@ def section_multidevice(args) -> None:
 
   import jax
   import jax.numpy as jnp
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import jax_effects as je
 

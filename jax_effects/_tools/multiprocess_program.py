@@ -34,11 +34,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_effects
-from jax_effects import _output
+from jax_effects._runtime import output as _output
 
 STEPS = 3
 AXIS = "devices"

@@ -83,9 +83,9 @@ def _apply_devices(config: pytest.Config, namespace: Any) -> None:
   if n is None:
     return
   import jax
-  from jax._src import xla_bridge
 
-  if xla_bridge.backends_are_initialized():
+  from jax_effects import _compat
+  if _compat.backends_are_initialized():
     try:
       have = len(jax.devices("cpu"))
     except RuntimeError:
@@ -291,7 +291,7 @@ class EffectsCapture:
 @pytest.fixture
 def effects_capture():
   """Captures jax_effects.print lines and jax_effects.log records."""
-  from jax_effects import _output
+  from jax_effects._runtime import output as _output
 
   cap = EffectsCapture()
   _output.add_line_listener(cap._on_line)

@@ -1,0 +1,263 @@
+"""Effects: named streams of ordered side effects, and the ordering mode.
+
+An :class:`Effect` names one *runtime-token stream*. Two ordered side effects
+with the same ``Effect`` happen in program order, within one computation (a
+compiler-token chain) and across dispatches (a runtime token per thread).
+Side effects with different effects are not ordered relative to each other,
+unless the ordering mode is ``"global"``, where every ordered effect shares one
+stream (:data:`GLOBAL`) and so one total order. The mode is state here
+(:func:`get_ordering`); switching it (``_dispatch.modes``) first waits for the effects
+dispatched under the old one.
+
+Inside a trace, every side-effect primitive carries a :class:`TraceEffect`, a
+JAX-level effect that tells JAX's transformations to keep the equation (no
+dead-code elimination, no duplication under remat). It is not one of JAX's
+*ordered* effects; ordered side effects also carry :data:`PLAIN_JIT_ORDER`,
+which is, but only matters where the pass never runs (plain ``jax.jit``). The
+token-threading pass (``_pass.token_pass``) reads these markers to learn which
+streams a sub-computation touches and then removes them: after the pass, JAX
+sees an effect-free function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import numpy as np
+
+from jax_effects import _compat
+
+__all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
+           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "marker",
+           "jax_effects_of", "chain_key"]
+
+ORDERING_MODES = ("per_effect", "global")
+
+
+@functools.total_ordering
+class Effect:
+  """A named effect: its own runtime-token stream.
+
+  ``Effect(name)`` is interned: the same name always gives the same object, so
+  effects compare and hash by name (and sort by name) and can be created
+  wherever they are used.
+
+  >>> Effect("metrics") is Effect("metrics")
+  True
+
+  Setting: ``ordered`` (default True) is the default of the ``ordered=``
+  argument of ``print``/``log``/``callback`` calls that use this effect;
+  ``Effect("telemetry", ordered=False)`` names a stream of unordered effects.
+  A name's settings are fixed by its first creation: ``Effect(name)`` without
+  settings returns the existing effect, and creating it again with a different
+  setting is a ``ValueError`` naming the effect.
+  """
+  __slots__ = ("name", "ordered", "__weakref__")
+  _registry: dict[str, "Effect"] = {}
+  _registry_lock = threading.Lock()
+
+  def __new__(cls, name: str, *, ordered: bool | None = None):
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"Effect name must be a non-empty str, got {name!r}")
+    if ordered is not None and not isinstance(ordered, bool):
+      raise TypeError(f"Effect({name!r}): ordered= must be a bool, got {ordered!r}")
+    with cls._registry_lock:
+      eff = cls._registry.get(name)
+      if eff is None:
+        eff = object.__new__(cls)
+        object.__setattr__(eff, "name", name)
+        object.__setattr__(eff, "ordered", True if ordered is None else ordered)
+        cls._registry[name] = eff
+      elif ordered is not None and ordered != eff.ordered:
+        raise ValueError(
+            f"{eff!r} already exists with ordered={eff.ordered}; it cannot be "
+            f"created again with ordered={ordered} (an effect name has one "
+            f"setting: use another name, or Effect({name!r}) to get the "
+            f"existing one)")
+      return eff
+
+  def __setattr__(self, key, value):
+    raise AttributeError("Effect is immutable")
+
+  def __reduce__(self):
+    return (_make_effect, (self.name, self.ordered))
+
+  def __repr__(self):
+    if self.ordered:
+      return f"Effect({self.name!r})"
+    return f"Effect({self.name!r}, ordered=False)"
+
+  def __lt__(self, other):
+    if not isinstance(other, Effect):
+      return NotImplemented
+    return self.name < other.name
+
+
+def _make_effect(name: str, ordered: bool) -> Effect:
+  return Effect(name, ordered=ordered)
+
+
+#: The effect of ``print``, ``log`` and ``callback`` when ``effect=None``: one
+#: shared stream, so by default all of them keep program order with each other.
+DEFAULT = Effect("default")
+#: The single stream every ordered effect maps to in ``"global"`` mode.
+GLOBAL = Effect("<global>")
+
+
+class _Unordered:
+  """Chain key of unordered effects: no runtime token, only the output token."""
+  __slots__ = ()
+
+  def __repr__(self):
+    return "UNORDERED"
+
+
+UNORDERED = _Unordered()
+
+
+# --- ordering mode (state; switching waits for dispatched effects: _modes) ---------
+
+class _ModeStack(threading.local):
+  # Class default: reading ``stack`` on a thread that never entered
+  # ``ordering`` raises nothing (``get_ordering`` runs on every dispatch).
+  stack: "list[str] | tuple" = ()
+  # The process-wide mode: a class attribute, so every thread's instance
+  # reads the one value (set_process_mode).
+  process: str = "per_effect"
+
+
+_local = _ModeStack()
+
+
+def check_mode(mode: str) -> str:
+  if mode not in ORDERING_MODES:
+    raise ValueError(
+        f"Unknown ordering mode {mode!r}; expected one of {ORDERING_MODES}")
+  return mode
+
+
+def get_ordering() -> str:
+  """The ordering mode in effect on this thread."""
+  stack = _local.stack
+  return stack[-1] if stack else _local.process
+
+
+def process_mode() -> str:
+  """The process-wide mode (threads outside an ``ordering`` context)."""
+  return _ModeStack.process
+
+
+def set_process_mode(mode: str) -> None:
+  """Sets the process-wide mode (``_dispatch.modes.set_ordering`` waits first)."""
+  _ModeStack.process = check_mode(mode)
+
+
+def push_mode(mode: str) -> None:
+  """Enters ``mode`` on this thread (``_dispatch.modes.ordering``)."""
+  stack = _local.stack
+  if isinstance(stack, tuple):  # the class default: this thread's first use
+    stack = _local.stack = []
+  stack.append(check_mode(mode))
+
+
+def pop_mode() -> None:
+  _local.stack.pop()
+
+
+# --- resolving a call's settings ---------------------------------------------------
+
+def resolve(what: str, effect, ordered) -> tuple[Effect, bool]:
+  """``(effect, ordered)`` of a ``print``/``log``/``callback`` call.
+
+  ``effect=None`` is :data:`DEFAULT`; ``ordered=None`` takes the effect's
+  setting (``Effect.ordered``). Resolved once, when the call is traced;
+  errors name the call (``what``).
+  """
+  if effect is None:
+    effect = DEFAULT
+  elif not isinstance(effect, Effect):
+    raise TypeError(
+        f"{what}: effect= must be a jax_effects.Effect or None, got {effect!r}")
+  if ordered is None:
+    ordered = effect.ordered
+  elif not isinstance(ordered, (bool, np.bool_)):
+    raise TypeError(
+        f"{what}: ordered= must be a bool (or None for the effect's setting), "
+        f"got {ordered!r}")
+  return effect, bool(ordered)
+
+
+# --- trace-time marker --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TraceEffect(_compat.Effect):
+  """JAX-level marker on a side-effect equation before token threading.
+
+  ``effect`` is the user's :class:`Effect` for an ordered side effect, or None
+  for an unordered one (see :func:`marker`).
+  """
+  effect: Effect | None
+
+  def __str__(self):
+    return f"jax_effects[{self.effect.name if self.effect else 'unordered'}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainJitOrder(_compat.Effect):
+  """A JAX *ordered* effect carried by every ordered side effect (one value).
+
+  Only for code that ends up under plain ``jax.jit`` (or JAX's eager dispatch
+  of ``cond``/``while``/``scan``), never seen by the token-threading pass:
+  JAX then threads its own runtime and compiler tokens through these effects,
+  one stream for all of them, so they happen in one program order (through
+  JAX's slower dispatch path). The pass removes every side-effect equation,
+  so ``jax_effects.jit`` never meets JAX's machinery.
+  """
+
+  def __str__(self):
+    return "jax_effects[plain jax.jit order]"
+
+
+PLAIN_JIT_ORDER = PlainJitOrder()
+
+
+def marker(effect: Effect, ordered: bool) -> TraceEffect:
+  """The marker of an effect equation (equal settings give equal markers)."""
+  return TraceEffect(effect if ordered else None)
+
+
+def jax_effects_of(effect: Effect, ordered: bool,
+                   in_while_cond: bool = False) -> set:
+  """The JAX effects of an effect equation: its marker (+ PLAIN_JIT_ORDER).
+
+  An effect traced directly in a ``while_loop``'s ``cond_fun`` is not
+  JAX-ordered: JAX's lowering of a ``while`` with ordered effects in
+  ``cond_fun`` ignores a vmap-batched predicate (wrong results).
+  """
+  if ordered and not in_while_cond:
+    return {marker(effect, ordered), PLAIN_JIT_ORDER}
+  return {marker(effect, ordered)}
+
+
+for _registry in (_compat.control_flow_allowed_effects,
+                  _compat.custom_derivatives_allowed_effects,
+                  _compat.remat_allowed_effects,
+                  _compat.partial_eval_kept_effects,
+                  _compat.lowerable_effects):
+  _registry.add_type(TraceEffect)
+  _registry.add_type(PlainJitOrder)
+# Under grad, an effect in a scan body runs once per iteration, even with no
+# operand that changes from one iteration to the next.
+_compat.keep_effects_in_loops(TraceEffect)
+# Shardable: on several devices JAX orders them like its own ordered
+# io_callback (once per program point, on the first device).
+_compat.ordered_effects.add_type(PlainJitOrder)
+_compat.shardable_ordered_effects.add_type(PlainJitOrder)
+
+
+def chain_key(trace_effect: TraceEffect, mode: str):
+  """The compiler-token chain (and runtime-token stream) of a marker."""
+  if trace_effect.effect is None:
+    return UNORDERED
+  return GLOBAL if mode == "global" else trace_effect.effect

@@ -1,0 +1,80 @@
+"""Evaluating a jaxpr equation by equation into the current trace.
+
+The two jaxpr interpreters of jax_effects (the token-threading pass,
+``_pass.token_pass``, and the masking of effects in a vmapped ``cond`` branch,
+``_primitives.control_flow_batching``) walk a jaxpr the same way and differ only in what
+they do with an equation: :func:`eval_jaxpr` is that walk, with the
+equation's source info and context in effect, and a ``handle(eqn, invals)``
+that returns its outputs (:func:`rebind` re-emits it unchanged).
+
+:data:`CALLEES` names the call-like primitives (a callee jaxpr run as it is:
+``jit``, ``checkpoint``, ``closed_call``, custom derivatives and batching,
+``composite``, ``linear_call``) and the parameter holding the callee; both
+interpreters inline them (their custom rules have done their work when
+jax_effects sees the jaxpr). No part of the token calling convention: the
+callers add it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+from jax.extend.core import primitives as jex_prims
+
+from jax_effects import _compat
+
+#: Call-like primitive -> the parameter holding its callee (a ClosedJaxpr or
+#: a Jaxpr), whose evaluation is the primitive's evaluation.
+CALLEES: dict[jex_core.Primitive, str] = {
+    jex_prims.jit_p: "jaxpr",
+    jex_prims.remat_p: "jaxpr",
+    jex_prims.closed_call_p: "call_jaxpr",
+    jex_prims.call_p: "call_jaxpr",
+    jex_prims.custom_jvp_call_p: "call_jaxpr",
+    jex_prims.custom_vjp_call_p: "call_jaxpr",
+    _compat.custom_vmap_p: "call",
+    _compat.composite_p: "jaxpr",
+    _compat.linear_call_p: "callee",
+}
+
+
+def split(closed) -> tuple:
+  """``(jaxpr, consts)`` of a ClosedJaxpr or a Jaxpr."""
+  if isinstance(closed, jex_core.ClosedJaxpr):
+    return closed.jaxpr, closed.consts
+  return closed, ()
+
+
+def rebind(eqn, invals):
+  """The equation re-emitted unchanged (the default of a handler)."""
+  return _compat.bind_equation(eqn, invals)
+
+
+def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
+               args: Sequence[Any],
+               handle: Callable[[Any, list], Any]) -> list:
+  """Evaluates ``jaxpr`` in the current trace; ``handle(eqn, invals)``
+  returns each equation's output(s) (one value unless the primitive has
+  multiple results)."""
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=eqn.source_info.name_stack), \
+        eqn.ctx.manager:
+      outs = handle(eqn, invals)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]

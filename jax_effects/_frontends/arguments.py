@@ -1,0 +1,185 @@
+"""Splitting user arguments into traced arrays and static values.
+
+Every user-facing effect takes ``*args, **kwargs`` pytrees. Array leaves
+(``jax.Array``, tracers, NumPy arrays and scalars of numbers or bools, Python
+``bool``/``int``/``float``/``complex``) become operands of the side-effect
+primitive (they take no part in the token calling convention: the pass adds
+the token and carrier in front of them) and reach the host callback as NumPy
+arrays. Arrays that are not arrays of numbers (object, str, bytes, datetime
+dtypes) are refused with an error naming the argument. Other leaves are
+refused by :func:`split` (``callback``) and kept as static values by
+:func:`split_for_format` (``print``/``log``, as ``jax.debug.print`` keeps
+them), where PRNG key arrays travel as their key data and are rebuilt for
+formatting (see ``design/formatting.md``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+import numpy as np
+
+_PY_NUMBERS = (bool, int, float, complex)
+
+
+def _describe(path) -> str:
+  """'#1[0]' for positional argument 1, "'x'['a']" for keyword argument x."""
+  top, first, *rest = path
+  name = f"#{first.idx}" if top.idx == 0 else repr(first.key)
+  return name + tree_util.keystr(tuple(rest))
+
+
+def _is_key(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return (dtype is not None
+          and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _numeric(dtype) -> bool:
+  """bool, integer, floating or complex, including ml_dtypes (bfloat16, int4)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind in "biufc":
+    return True
+  if dtype.kind != "V":  # object, str, bytes, datetime64, timedelta64
+    return False
+  try:  # ml_dtypes register as kind "V"
+    return bool(jax.numpy.issubdtype(dtype, np.number))
+  except TypeError:
+    return False
+
+
+def _classify(leaf) -> str:
+  """'array', 'key', 'static' (not an array), or 'bad' (a non-number array)."""
+  if isinstance(leaf, (jax.Array, jax.core.Tracer)):
+    return "key" if _is_key(leaf) else "array"
+  if isinstance(leaf, (np.str_, np.bytes_)):
+    return "static"  # a str/bytes that happens to be a NumPy scalar
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    return "array" if _numeric(leaf.dtype) else "bad"
+  if isinstance(leaf, _PY_NUMBERS):
+    return "array"
+  return "static"
+
+
+def _bad_array(what: str, path, leaf, fix: str) -> TypeError:
+  dtype = leaf.dtype
+  kind = {"O": "object", "U": "str", "S": "bytes", "M": "datetime64",
+          "m": "timedelta64", "V": "void/structured"}.get(dtype.kind, str(dtype))
+  return TypeError(
+      f"{what}: argument {_describe(path)} is a NumPy "
+      f"{'array' if isinstance(leaf, np.ndarray) else 'scalar'} of dtype "
+      f"{dtype} ({kind}), which is not an array of numbers; {fix}")
+
+
+def split(what: str, args: tuple, kwargs: dict):
+  """Returns ``(operands, calling)`` for a host callback taking the arguments.
+
+  Every leaf must be an array of numbers or bools. ``calling(fn)`` is the
+  host-side function of the NumPy operands that calls ``fn`` with the
+  arguments rebuilt: each operand replaced by its NumPy value (0-d arrays as
+  NumPy scalars). It is ``fn`` itself when the NumPy operands *are* the
+  arguments (only positional array arguments, none 0-d): no frame of ours
+  on every run.
+  """
+  paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
+  operands, leaves = [], []
+  fix = "pass arrays, NumPy or Python numbers (convert others yourself)"
+  for path, leaf in paths_leaves:
+    kind = _classify(leaf)
+    if kind == "bad":
+      raise _bad_array(what, path, leaf, fix)
+    if kind == "key":
+      raise TypeError(
+          f"{what}: argument {_describe(path)} is a PRNG key array; pass its "
+          "data (jax.random.key_data(key)) and rebuild it in the callback")
+    if kind == "static":
+      raise TypeError(
+          f"{what}: argument {_describe(path)} is of type "
+          f"{type(leaf).__name__}, which is not an array; {fix}")
+    leaves.append(leaf)
+    operands.append(leaf)
+
+  scalar = [getattr(x, "shape", ()) == () for x in operands]
+  if not (not kwargs and len(operands) == len(args)
+          and all(a is leaf for a, leaf in zip(args, leaves))):
+    def calling(fn):
+      def call(*np_operands):
+        a, k = tree_util.tree_unflatten(
+            treedef, [x[()] if x.ndim == 0 else x for x in np_operands])
+        return fn(*a, **k)
+      return call
+  elif not any(scalar):   # the NumPy operands are the arguments
+    def calling(fn):
+      return fn
+  elif len(operands) == 1:   # one 0-d argument: a NumPy scalar
+    def calling(fn):
+      def call(x):
+        return fn(x[()])
+      return call
+  else:   # positional arguments, some 0-d
+    def calling(fn):
+      def call(*np_operands):
+        return fn(*[x[()] if s else x for x, s in zip(np_operands, scalar)])
+      return call
+  return operands, calling
+
+
+class Formatting:
+  """The arguments of ``print``/``log``, split for formatting.
+
+  ``operands``: what the primitive binds (array leaves; a PRNG key array as
+  its key data). ``rebuild(values)`` gives ``(args, kwargs)`` with the
+  operands replaced by ``values`` (one per operand) and the static leaves as
+  they were. ``key_impls[i]`` is the PRNG implementation of operand ``i``
+  when it is a key array (None otherwise), for the eager path, which shows
+  keys as ``jax.debug.print`` shows them eagerly.
+  """
+  __slots__ = ("operands", "rebuild", "key_impls")
+
+  def __init__(self, operands: list, rebuild: Callable[[Any], tuple],
+               key_impls: tuple):
+    self.operands = operands
+    self.rebuild = rebuild
+    self.key_impls = key_impls
+
+
+def split_for_format(what: str, args: tuple, kwargs: dict) -> Formatting:
+  """Splits ``print``/``log`` arguments like ``jax.debug.print`` does.
+
+  Leaves that are not arrays (str, None is no leaf, dtypes, any object) are
+  static. NumPy arrays and scalars of object, str, bytes or datetime dtypes
+  are refused, naming the argument.
+  """
+  paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
+  operands, positions, leaves, key_impls = [], [], [], []
+  fix = ("format it on the host first (e.g. pass str(value)), or pass an "
+         "array of numbers")
+  for i, (path, leaf) in enumerate(paths_leaves):
+    leaves.append(leaf)
+    kind = _classify(leaf)
+    if kind == "bad":
+      raise _bad_array(what, path, leaf, fix)
+    if kind == "static":
+      continue
+    positions.append(i)
+    if kind == "key":
+      key_impls.append(jax.random.key_impl(leaf))
+      operands.append(jax.random.key_data(leaf))
+    else:
+      key_impls.append(None)
+      operands.append(leaf)
+
+  if (not kwargs and len(positions) == len(args)
+      and all(a is leaf for a, leaf in zip(args, leaves))):
+    def rebuild(values) -> tuple[tuple, dict]:
+      return tuple(values), {}
+  else:
+    def rebuild(values) -> tuple[tuple, dict]:
+      full = list(leaves)
+      for i, x in zip(positions, values):
+        full[i] = x
+      return tree_util.tree_unflatten(treedef, full)
+
+  return Formatting(operands, rebuild, tuple(key_impls))

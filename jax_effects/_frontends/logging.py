@@ -1,0 +1,250 @@
+"""``jax_effects.log``: standard ``logging`` records from compiled code.
+
+The call binds one ``effect_p`` (its operands: the array arguments of the
+message, then those of ``extra``; the pass adds the token and carrier as for
+every effect). What ``logging.Logger.log`` decides when it is called is
+decided when ``log`` is traced: the format string is checked (as for
+``print``), the logger resolved (a name, a ``Logger`` or a
+``LoggerAdapter``), the source location found on the Python stack
+(honouring ``stacklevel`` as ``logging`` does, jax and jax_effects frames
+not counting), ``stack_info`` and ``exc_info`` captured. At run time the host
+callback formats the message as ``print`` formats its line, applies the
+adapters' ``process()``, builds a :class:`logging.LogRecord` with
+``logger.makeRecord`` (so the logger's record factory and filters apply) and
+hands it to :func:`jax_effects._output.deliver_record` (which holds it in
+the deterministic view). Every record carries:
+
+* ``device_id``: the device whose computation ran the callback (None when run
+  eagerly, outside a compiled computation);
+* ``shard_index``: the device's position along the mesh axes in per-device
+  code (``shard_map``/``pmap``; an ``int`` for a one-axis mesh, a tuple of ints
+  otherwise), None where the value is not per-device;
+* ``process_index``: the JAX process index of that device (of this process
+  when run eagerly).
+
+``record.getMessage()`` is the formatted text (``record.msg`` holds it and
+``record.args`` is empty), so ``%``-style handler formatting never re-applies.
+A record whose level the logger does not enable is built only while a
+capturing listener (the pytest fixture) wants every level.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+import io
+import logging
+import os
+import sys
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_effects._core import effects as _effects
+from jax_effects._core.effects import Effect
+from jax_effects._frontends import arguments as _arguments
+from jax_effects._frontends import printing as _printing
+from jax_effects._primitives import effect as _primitives
+from jax_effects._runtime import output as _output
+from jax_effects._runtime import placement as _placement
+
+#: The logger of :func:`log` when ``logger=None``.
+LOGGER_NAME = "jax_effects"
+
+#: Attributes jax_effects sets on every record (``extra`` may not set them).
+PLACEMENT_KEYS = ("device_id", "shard_index", "process_index")
+
+# The package's root folder (this module is in one of its layer folders).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+_RECORD_KEYS = frozenset(
+    logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+        "message", "asctime"}
+
+
+def _resolve_logger(what: str, logger):
+  """Returns ``(logger, adapters)``, adapters outermost first."""
+  if logger is None:
+    return logging.getLogger(LOGGER_NAME), ()
+  if isinstance(logger, str):
+    return logging.getLogger(logger), ()
+  adapters = []
+  while isinstance(logger, logging.LoggerAdapter):
+    adapters.append(logger)
+    logger = logger.logger
+  if isinstance(logger, logging.Logger):
+    return logger, tuple(adapters)
+  raise TypeError(
+      f"{what}: logger= must be None, a logger name (str), a logging.Logger "
+      f"or a logging.LoggerAdapter, got {type(logger).__name__}")
+
+
+def _resolve_level(what: str, level) -> int:
+  if isinstance(level, bool):
+    raise TypeError(f"{what}: level= must be an int or a level name, got {level!r}")
+  if isinstance(level, int):
+    return level
+  if isinstance(level, str):
+    levels = logging.getLevelNamesMapping()
+    if level.upper() in levels:
+      return levels[level.upper()]
+    raise ValueError(
+        f"{what}: unknown level name {level!r}; expected one of "
+        f"{sorted(levels)} or an int")
+  raise TypeError(f"{what}: level= must be an int or a level name, got {level!r}")
+
+
+def _internal(frame) -> bool:
+  return frame.f_code.co_filename.startswith((_PACKAGE_DIR, _JAX_DIR))
+
+
+def _caller(what: str, stacklevel, stack_info: bool):
+  """(pathname, lineno, funcName, sinfo) as ``Logger.findCaller`` finds them.
+
+  ``stacklevel=1`` is the frame that called ``log``; each level above counts
+  one more frame that is not jax's or jax_effects' (tracing and
+  transformations put theirs in between), as ``logging`` skips its own.
+  """
+  if isinstance(stacklevel, bool) or not isinstance(stacklevel, int):
+    raise TypeError(f"{what}: stacklevel= must be an int, got {stacklevel!r}")
+  f = sys._getframe(1)
+  while f is not None and _internal(f):
+    f = f.f_back
+  if f is None:
+    return "(unknown file)", 0, "(unknown function)", None
+  level = stacklevel - 1
+  while level > 0:
+    up = f.f_back
+    if up is None:
+      break
+    f = up
+    if not _internal(f):
+      level -= 1
+  sinfo = None
+  if stack_info:
+    with io.StringIO() as sio:
+      sio.write("Stack (most recent call last):\n")
+      traceback.print_stack(f, file=sio)
+      sinfo = sio.getvalue().rstrip("\n")
+  return f.f_code.co_filename, f.f_lineno, f.f_code.co_name, sinfo
+
+
+def _resolve_exc_info(exc_info):
+  """``exc_info`` as ``Logger._log`` resolves it, at trace time."""
+  if not exc_info:
+    return None
+  if isinstance(exc_info, BaseException):
+    return (type(exc_info), exc_info, exc_info.__traceback__)
+  if not isinstance(exc_info, tuple):
+    return sys.exc_info()
+  return exc_info
+
+
+def _split_extra(what: str, extra):
+  """Returns ``(operands, rebuild)``; ``rebuild(np_values)`` gives the dict."""
+  if extra is None:
+    return [], lambda values: None
+  if not isinstance(extra, Mapping):
+    raise TypeError(
+        f"{what}: extra= must be a mapping (dict) of record attributes, got "
+        f"{type(extra).__name__}")
+  for key in extra:
+    if not isinstance(key, str):
+      raise TypeError(f"{what}: extra= keys must be str, got {key!r}")
+    if key in PLACEMENT_KEYS:
+      raise ValueError(
+          f"{what}: extra= sets {key!r}, which jax_effects sets on every "
+          f"record (one of {list(PLACEMENT_KEYS)}); use another name")
+    if key in _RECORD_KEYS:
+      raise ValueError(
+          f"{what}: extra= sets {key!r}, an attribute of every LogRecord "
+          "(logging would raise KeyError: \"Attempt to overwrite\"); use "
+          "another name")
+  fa = _arguments.split_for_format(f"{what} extra=", (), dict(extra))
+  rebuild = fa.rebuild
+
+  def values(np_values):
+    vals = [np.asarray(x) for x in np_values]
+    return rebuild([x[()] if x.ndim == 0 else x for x in vals])[1]
+
+  return fa.operands, values
+
+
+def log(fmt: str, *args: Any, level: int | str = logging.INFO,
+        logger: str | logging.Logger | logging.LoggerAdapter[Any] | None = None,
+        ordered: bool | None = None, effect: Effect | None = None,
+        extra: Mapping[str, Any] | None = None, stacklevel: int = 1,
+        stack_info: bool = False, exc_info: Any = None,
+        **kwargs: Any) -> None:
+  """Emits a ``logging`` record with ``fmt.format(*args, **kwargs)``.
+
+  Works inside and outside ``jax_effects.jit`` like :func:`jax_effects.print`
+  (and formats the message as it does): the record is emitted when the
+  computation runs, in program order with the other ordered effects of
+  ``effect`` (default :data:`jax_effects.DEFAULT`). ``ordered=None`` (the
+  default) takes the effect's default, True unless the
+  :class:`~jax_effects.Effect` was created with ``ordered=False``, as for
+  ``print``.
+
+  ``logger`` is None (the ``"jax_effects"`` logger), a logger name, a
+  :class:`logging.Logger` or a :class:`logging.LoggerAdapter` (its
+  ``process()`` applies to the formatted message, as ``LoggerAdapter.log``
+  does); ``level`` an int or a level name. ``extra``, ``stacklevel``,
+  ``stack_info`` and ``exc_info`` mean what they mean for
+  :meth:`logging.Logger.log`, resolved when the call is traced (``extra``
+  values may be arrays: the record then holds their NumPy values).
+  Whether the level is enabled is decided when the record would be emitted.
+
+  Records carry ``device_id``, ``shard_index`` and ``process_index`` (see
+  :mod:`jax_effects._logging`); in per-device code (``shard_map``, ``pmap``)
+  each device emits its own record.
+  """
+  what = f"jax_effects.log({fmt!r})"
+  effect, ordered = _effects.resolve(what, effect, ordered)
+  lg, adapters = _resolve_logger(what, logger)
+  levelno = _resolve_level(what, level)
+  pathname, lineno, func, sinfo = _caller(what, stacklevel, stack_info)
+  exc = _resolve_exc_info(exc_info)
+  operands, eager, jit, edges = _printing.formatter(what, fmt, args, kwargs)
+  extra_operands, extra_values = _split_extra(what, extra)
+  n = len(operands)
+  process_index = jax.process_index()
+
+  def emit_record(message, np_extra):
+    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
+      return
+    extra = extra_values(np_extra)
+    if adapters:
+      kw = {"extra": extra, "exc_info": exc, "stack_info": stack_info,
+            "stacklevel": stacklevel}
+      for adapter in adapters:
+        message, kw = adapter.process(message, kw)
+      extra = kw.get("extra")
+    extra = dict(extra) if extra else {}
+    place = _placement.current()
+    if place is None:
+      extra.update(device_id=None, shard_index=None,
+                   process_index=process_index)
+    else:
+      extra.update(device_id=place.device_id, shard_index=place.shard_index,
+                   process_index=place.process_index)
+    record = lg.makeRecord(lg.name, levelno, pathname, lineno, message, (),
+                           exc, func, extra, sinfo)
+    _output.deliver_record(lg, record, ordered)
+
+  def emit(*np_operands):
+    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
+      return ()
+    emit_record(jit(*np_operands[:n]), np_operands[n:])
+    return ()
+
+  def emit_eager(*all_operands):
+    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
+      return
+    emit_record(eager(*all_operands[:n]),
+                [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
+
+  _primitives.bind_effect(emit, what, [*operands, *extra_operands],
+                          effect=effect, ordered=ordered, eager=emit_eager,
+                          reads_placement=True,
+                          edges=(*edges, *(None,) * len(extra_operands)))

@@ -1,0 +1,240 @@
+"""``jax_effects.print``: formatted lines from compiled code, in order.
+
+The format string is checked when the call is traced (fields against
+arguments, with Python's own ``str.format`` rules, no unused arguments, no
+attribute or index access in a field, format specs against the arguments'
+shapes and dtypes), so a bad format fails at trace time naming the format
+string and the field, never inside XLA. The call binds one ``effect_p``
+whose operands are the array arguments (its place in the token calling
+convention is that of every effect: the pass adds the token and carrier).
+At run time the host callback formats the values as ``jax.debug.print``
+does (see ``design/formatting.md``: :class:`Value` stands for each array,
+the NumPy print options of the call site apply) and hands the line to
+:func:`jax_effects._output.deliver_line` (``sys.stdout`` plus listeners).
+"""
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_effects._core import effects as _effects
+from jax_effects._core.effects import Effect
+from jax_effects._frontends import arguments as _arguments
+from jax_effects._primitives import edges as _edges
+from jax_effects._primitives import effect as _primitives
+from jax_effects._runtime import output as _output
+
+# --- trace-time checks --------------------------------------------------------
+
+class _Probe:
+  """Stands for an argument during the trace-time format check."""
+  __slots__ = ("used",)
+
+  def __init__(self):
+    self.used = False
+
+  def __format__(self, spec):
+    self.used = True
+    return ""
+
+  def __str__(self):
+    self.used = True
+    return ""
+
+  __repr__ = __str__
+
+
+_FORMATTER = string.Formatter()
+
+
+def _fields(fmt: str):
+  """Yields every replacement field's name, nested ones (``{:{w}}``) too."""
+  for _, name, spec, _ in _FORMATTER.parse(fmt):
+    if name is not None:
+      yield name
+      if spec:
+        yield from _fields(spec)
+
+
+def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
+  """Raises ValueError/TypeError naming ``fmt`` if it does not fit the args.
+
+  A field may name an argument (``{}``, ``{0}``, ``{x}``) with a conversion
+  (``!r``, ``!s``, ``!a``) and a format spec, but not reach into it
+  (``{0.shape}``, ``{x[0]}``): the host never evaluates attribute or index
+  access on user data.
+  """
+  if not isinstance(fmt, str):
+    raise TypeError(f"{what}: the format must be a str, got {type(fmt).__name__}")
+  try:
+    fields = list(_fields(fmt))
+  except ValueError as err:
+    raise ValueError(f"{what}: bad format string {fmt!r}: {err}") from None
+  for name in fields:
+    cut = min((i for i in (name.find("."), name.find("[")) if i >= 0),
+              default=-1)
+    if cut >= 0:
+      raise ValueError(
+          f"{what}: format string {fmt!r} has the field {{{name}}}, which "
+          f"accesses {name[cut:]!r} of argument {name[:cut] or '#auto'!r}; "
+          f"jax_effects formats whole arguments only (the host never "
+          f"evaluates attribute or index access on your data): pass the part "
+          f"you need as an argument of its own, e.g. "
+          f"print('{{}}', x.shape) or print('{{}}', x[0])")
+  probes = [_Probe() for _ in args]
+  kw_probes = {k: _Probe() for k in kwargs}
+  try:
+    fmt.format(*probes, **kw_probes)
+  except IndexError:
+    raise ValueError(
+        f"{what}: format string {fmt!r} refers to more positional arguments "
+        f"than the {len(args)} given") from None
+  except KeyError as err:
+    raise ValueError(
+        f"{what}: format string {fmt!r} refers to keyword argument "
+        f"{err.args[0]!r}, which was not given (given: {sorted(kwargs)})") from None
+  except ValueError as err:
+    raise ValueError(f"{what}: bad format string {fmt!r}: {err}") from None
+  unused = [f"#{i}" for i, p in enumerate(probes) if not p.used]
+  unused += [repr(k) for k, p in kw_probes.items() if not p.used]
+  if unused:
+    raise ValueError(
+        f"{what}: format string {fmt!r} does not use argument(s) "
+        f"{', '.join(unused)}")
+
+
+def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
+  """Formats zero-valued stand-ins of the operands' shapes and dtypes.
+
+  Catches format specs that do not fit the values (``"{:d}"`` of a float,
+  ``"{:.2f}"`` of a non-scalar array) at trace time, naming ``fmt``. The
+  stand-ins are broadcast views of one zero: no memory per element. Key
+  arrays are formatted as their key data, as under ``jax.jit``.
+  """
+  samples = []
+  for x in fa.operands:
+    dtype = getattr(x, "dtype", None)
+    dtype = np.dtype(np.asarray(x).dtype if dtype is None else dtype)
+    samples.append(Value(np.broadcast_to(np.zeros((), dtype), np.shape(x))))
+  a, k = fa.rebuild(samples)
+  try:
+    fmt.format(*a, **k)
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+        f"{what}: format string {fmt!r} does not fit its arguments: "
+        f"{err}") from None
+
+
+# --- run-time formatting ------------------------------------------------------
+
+_cpu_device: list = []
+
+
+def _cpu():
+  """The first local CPU device (where ``jax.debug.print`` puts values), or
+  None (the default device) where JAX has no CPU backend."""
+  if not _cpu_device:
+    try:
+      _cpu_device.append(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+      _cpu_device.append(None)
+  return _cpu_device[0]
+
+
+#: An array operand as the host callback formats it (``_edges.Value``).
+Value = _edges.Value
+
+
+def printoptions():
+  """The NumPy print options of the caller, to apply when formatting."""
+  return np.get_printoptions()
+
+
+def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
+  """Checks ``fmt`` against the arguments; returns ``(operands, eager, jit,
+  edges)``.
+
+  ``jit(*np_operands)`` and ``eager(*operands)`` return the formatted text:
+  the first for values arriving from a compiled computation (as NumPy
+  arrays), the second for the values bound outside any trace (as
+  ``jax.debug.print`` formats them eagerly: ``jax.Array`` on the CPU, key
+  arrays as keys, Python scalars weakly typed). ``edges``: per operand, the
+  ``_edges.Edges`` NumPy will show of it under the print options in effect
+  here, or None (shown whole); ``jit`` receives such an operand cut to its
+  edges (bind with ``edges=``) and formats it as the whole array.
+  """
+  check_format(what, fmt, args, kwargs)
+  fa = _arguments.split_for_format(what, args, kwargs)
+  check_format_specs(what, fmt, fa)
+  options = printoptions()
+  rebuild = fa.rebuild
+  key_impls = fa.key_impls
+  edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
+
+  def fmt_values(values):
+    a, k = rebuild(values)
+    if np.get_printoptions() == options:
+      return fmt.format(*a, **k)
+    with np.printoptions(**options):
+      return fmt.format(*a, **k)
+
+  if any(e is not None for e in edges):
+    def jit(*np_operands):
+      return fmt_values(_edges.host_values(np_operands, edges))
+  else:
+    def jit(*np_operands):
+      return fmt_values([Value(x) for x in np_operands])
+
+  def eager(*operands):
+    cpu = _cpu()
+    values = []
+    for x, impl in zip(operands, key_impls):
+      if impl is not None:
+        x = jax.random.wrap_key_data(x, impl=impl)
+      values.append(jax.device_put(x, cpu))
+    return fmt_values(values)
+
+  return fa.operands, eager, jit, edges
+
+
+def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
+          effect: Effect | None = None, **kwargs: Any) -> None:
+  """Prints ``fmt.format(*args, **kwargs)`` when the computation runs.
+
+  Works inside and outside ``jax_effects.jit`` (outside any trace it prints
+  immediately). Ordered (the default: ``ordered=None`` takes
+  ``effect.ordered``, True unless the :class:`Effect` was created with
+  ``ordered=False``), it keeps program order with every other ordered effect
+  of the same ``effect`` (default :data:`jax_effects.DEFAULT`, shared with
+  ``log`` and ``callback``).
+
+  Arguments are formatted as ``jax.debug.print`` formats them: pytrees whose
+  array leaves are printed as ``jax.Array`` values (0-d arrays as scalars,
+  ``{'a': Array(2, dtype=int32)}`` inside containers), other leaves (str,
+  dtypes, any object) as they are; the NumPy print options in effect at the
+  call apply. Fields name whole arguments, with conversions and format specs
+  (``{x!r}``, ``{:.3f}``); attribute or index access (``{x.shape}``) is an
+  error. See ``design/formatting.md``.
+
+  In per-device code (``shard_map``, ``pmap``) every device prints its own
+  line, prefixed with where it ran: ``[device D shard S process P] text``
+  (``S`` is the position in the mesh: ``3``, or ``(1, 2)`` for a 2-D mesh);
+  see ``design/placement.md``.
+  """
+  what = f"jax_effects.print({fmt!r})"
+  effect, ordered = _effects.resolve(what, effect, ordered)
+  operands, eager, jit, edges = formatter(what, fmt, args, kwargs)
+
+  def emit(*np_operands):
+    # Per-device lines get a "[device D shard S process P] " prefix.
+    _output.deliver_line(jit(*np_operands), ordered)
+    return ()
+
+  def emit_eager(*operands):
+    _output.deliver_line(eager(*operands), ordered)
+
+  _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
+                          eager=emit_eager, reads_placement=True, edges=edges)

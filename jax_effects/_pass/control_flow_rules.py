@@ -1,0 +1,179 @@
+"""The pass's rules for control flow and call-like primitives.
+
+Each rule (``rule(eqn, invals, chains, mode) -> outputs``, registered with
+``token_pass.register_rule`` right under it) re-expresses its primitive
+with ``lax`` so that the carriers of the chains used inside cross the
+boundary as extra operands and results (compiler tokens cannot: JAX's
+``cond``/``scan`` abstract evaluation and ``while`` lowering refuse them):
+
+* ``cond`` as ``lax.switch`` whose branches run threaded (``kind="branch"``);
+* ``while`` as ``lax.while_loop``; effects in ``cond_fun`` are evaluated once
+  before the loop and once at the end of each iteration, so every
+  evaluation happens in order; under vmap with a batched predicate, each
+  element's effects run only while it is live;
+* ``scan`` as ``lax.scan`` (a loop region);
+* call-like primitives (``_core.jaxpr_eval.CALLEES``) inlined, and
+  ``custom_linear_solve`` as its ``solve`` jaxpr (differentiation has
+  already happened when the pass runs).
+
+See ``design/tokens.md`` and ``design/transformations.md``.
+"""
+from __future__ import annotations
+
+import functools
+
+from jax import lax
+from jax.extend.core import primitives as jex_prims
+import jax.numpy as jnp
+
+from jax_effects._core import jaxpr_eval as _jaxpr_eval
+from jax_effects._pass import token_pass as _token_pass
+
+
+def _cond_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  keys = _token_pass.chain_keys(eqn.effects, mode)
+  index, *ops = invals
+  branches = [_token_pass.region(b, keys, mode, kind="branch")
+              for b in eqn.params["branches"]]
+  carriers, outs = lax.switch(index, branches, chains.take(keys), *ops)
+  chains.put(keys, carriers)
+  return outs
+
+
+_token_pass.register_rule(jex_prims.cond_p, _cond_rule)
+
+
+def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  p = eqn.params
+  cond_n, body_n = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
+  init = invals[cond_n + body_n:]
+  keys = _token_pass.chain_keys(eqn.effects, mode)
+  cond_effectful = _token_pass.has_marker(p["cond_jaxpr"].effects)
+  cond_fn = _token_pass.region(p["cond_jaxpr"], keys if cond_effectful else (), mode,
+                   cond_consts, kind="loop")
+  body_fn = _token_pass.region(p["body_jaxpr"], keys, mode, body_consts, kind="loop")
+
+  if p["cond_jaxpr"].out_avals[0].shape:
+    carriers, outs = _batched_while(cond_fn, body_fn, cond_effectful,
+                                    chains.take(keys), init)
+  elif not cond_effectful:
+    def loop_cond(state):
+      return cond_fn((), *state[1])[1][0]
+
+    def loop_body(state):
+      return body_fn(state[0], *state[1])
+
+    carriers, outs = lax.while_loop(loop_cond, loop_body,
+                                    (chains.take(keys), list(init)))
+  else:
+    # Effects in cond_fun: run the predicate once before the loop and again at
+    # the end of every iteration, carrying it (as JAX does for its own
+    # ordered effects), so every evaluation of cond_fun happens in order.
+    carriers, (pred,) = cond_fn(chains.take(keys), *init)
+
+    def loop_body(state):
+      carriers, _, vals = state
+      carriers, vals = body_fn(carriers, *vals)
+      carriers, (pred,) = cond_fn(carriers, *vals)
+      return carriers, pred, vals
+
+    carriers, _, outs = lax.while_loop(lambda s: s[1], loop_body,
+                                       (carriers, pred, list(init)))
+  chains.put(keys, carriers)
+  return outs
+
+
+_token_pass.register_rule(jex_prims.while_p, _while_rule)
+
+
+def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
+  """A while_loop that ``vmap`` gave a batched predicate (a bool array).
+
+  As JAX's own lowering does, the body runs while any element is live and a
+  finished element keeps its carry (a select); in addition, the effects of
+  the body and of ``cond_fun`` get the live mask, so they run only for the
+  elements still iterating (``_host_callback.masked``).
+  """
+  def cond(carriers, vals):
+    c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
+    return (c if cond_effectful else carriers), pred
+
+  carriers, pred = cond(carriers, init)
+
+  def loop_body(state):
+    carriers, live, vals = state
+    with _token_pass.in_region(mask=live):
+      carriers, new = body_fn(carriers, *vals)
+      vals = [lax.select(lax.broadcast_in_dim(live, jnp.shape(n),
+                                              tuple(range(live.ndim))), n, v)
+              for n, v in zip(new, vals)]
+      carriers, pred = cond(carriers, vals)
+    return carriers, jnp.logical_and(pred, live), vals
+
+  carriers, _, outs = lax.while_loop(lambda s: jnp.any(s[1]), loop_body,
+                                     (carriers, pred, list(init)))
+  return carriers, outs
+
+
+def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  consts = invals[:n_consts]
+  init = invals[n_consts:n_consts + n_carry]
+  xs = invals[n_consts + n_carry:]
+  keys = _token_pass.chain_keys(eqn.effects, mode)
+  body_fn = _token_pass.region(p["jaxpr"], keys, mode, consts, kind="loop")
+
+  def body(carry, x):
+    carriers, c = carry
+    carriers, outs = body_fn(carriers, *c, *x)
+    return (carriers, outs[:n_carry]), outs[n_carry:]
+
+  (carriers, carry), ys = lax.scan(
+      body, (chains.take(keys), list(init)), list(xs), length=p["length"],
+      reverse=p["reverse"], unroll=p["unroll"])
+  chains.put(keys, carriers)
+  return [*carry, *ys]
+
+
+_token_pass.register_rule(jex_prims.scan_p, _scan_rule)
+
+
+def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str):
+  """Call-like primitives (``_core.jaxpr_eval.CALLEES``: jit, checkpoint,
+  custom_jvp/vjp/vmap, closed_call, composite, linear_call).
+
+  Inlined: the callee is evaluated in the caller's trace with the caller's
+  chains. Differentiation has already happened when the pass runs, so the
+  custom rules and remat policy of these primitives have done their work.
+  """
+  jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
+  return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
+
+
+for _prim, _param in _jaxpr_eval.CALLEES.items():
+  _token_pass.register_rule(_prim, functools.partial(_inline_rule, _param))
+
+
+def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  """``custom_linear_solve`` (e.g. ``jax.scipy.sparse.linalg.cg``): as its
+  impl, the ``solve`` jaxpr on its consts and the right-hand side.
+
+  The other jaxprs (``matvec``, ``vecmat``, ``transpose_solve``) are only for
+  differentiation, which has already happened: their effects are in the
+  equations JAX's jvp/transpose rules produced. So a print in the matvec of
+  ``cg`` runs where ``cg``'s solver loop calls the matvec, in order.
+  """
+  p = eqn.params
+  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
+  consts, start = {}, 0
+  for name, n in zip(jaxprs._fields, lengths):
+    consts[name] = invals[start:start + n]
+    start += n
+  solve = jaxprs.solve
+  return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts,
+                      [*consts["solve"], *invals[start:]], chains, mode)
+
+
+_token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule)

@@ -1,0 +1,227 @@
+"""vmap of ``cond``/``while`` whose predicate is batched, with our effects inside.
+
+JAX's vmap rules of these primitives are wrapped: JAX's own rule runs
+unchanged unless a branch (or the loop) holds a ``jax_effects`` effect and
+the predicate is batched (programs without our effects get JAX's behaviour
+bit for bit, ``tests/test_vmap_cond.py``).
+
+* **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
+  for every element and selects. Here too, but each branch's effects get
+  ``index == i`` as an extra batched operand (``_host_callback.MaskedHost``), at any
+  depth (:func:`_eval_masked` re-expresses control flow inside the branch),
+  so an element runs only the effects of the branch it took, in batch order,
+  branch after branch.
+* **while** (:func:`_while_batcher`): JAX's rule, unchanged; while it batches
+  the body and ``cond_fun`` of a loop whose predicate is batched, every
+  effect there is batched per element even with no batched operand
+  (``_primitives.control_dependent``), so the pass can run it only for the
+  elements still iterating (``_host_callback.masked``).
+
+Part of the token calling convention: none directly. These rules act when
+the user's function is traced; the effects they produce are ordinary
+``effect_p`` equations (a mask operand first), which the pass threads like
+any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_prims
+from jax.interpreters import batching
+import jax.numpy as jnp
+import numpy as np
+
+from jax_effects import _compat
+from jax_effects._core import jaxpr_eval as _jaxpr_eval
+from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import markers as _markers
+
+effect_p = _primitives.effect_p
+
+
+def _has_marker(jaxprs) -> bool:
+  """Whether any of ``jaxprs`` (or equations) carries an effect of ours."""
+  return any(_markers.has_own_marker(j.effects) for j in jaxprs)
+
+
+_jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]
+
+
+def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
+                   body_nconsts, body_jaxpr, **params):
+  """JAX's vmap rule of ``while``, unchanged; effects made per element
+  when the predicate is batched (found as JAX's rule finds it)."""
+  kw = dict(cond_nconsts=cond_nconsts, cond_jaxpr=cond_jaxpr,
+            body_nconsts=body_nconsts, body_jaxpr=body_jaxpr, **params)
+  if (_primitives.control_dependence.depth or all(d is None for d in dims)
+      or not _has_marker([cond_jaxpr, body_jaxpr])):
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+  batched = [d is not None for d in dims]
+  cconst = batched[:cond_nconsts]
+  bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
+  carry = batched[cond_nconsts + body_nconsts:]
+  # (instantiate=False, unlike JAX's rule: JAX caches batched jaxprs by their
+  # in/out axes, and a probe traced outside ``_control_dependent`` must never
+  # be the entry JAX's final batching of the body (all outputs at axis 0)
+  # finds. OR-ing with ``carry`` gives the same fixpoint.)
+  for _ in range(1 + len(carry)):
+    _, out = _compat.batch_jaxpr(body_jaxpr, axis_data, bconst + carry, False)
+    new = [a or b for a, b in zip(carry, out)]
+    if new == carry:
+      break
+    carry = new
+  _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
+  if not pred:
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+  with _primitives.control_dependent():
+    return _jax_while_batcher(axis_data, args, dims, **kw)
+
+
+batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
+
+
+def _masked_effect(eqn, mask, invals):
+  hc = eqn.params["host_callback"]
+  masked = dataclasses.replace(
+      hc, fn=_host_callback.MaskedHost(hc.fn, tuple(hc.result_avals)),
+      traced_in_branch=False, eager=None)
+  return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
+
+
+def _eval_masked(jaxpr, consts, mask, args):
+  """Evaluates ``jaxpr`` into the current trace with ``mask`` (a bool scalar:
+  this element took the branch) as the first operand of every effect in it,
+  at any depth. Control flow with effects inside is re-expressed with
+  ``lax`` (closing over ``mask``, :data:`MASK_RULES`); call-like primitives
+  are inlined."""
+  def handle(eqn, invals):
+    if eqn.primitive is effect_p:
+      return _masked_effect(eqn, mask, invals)
+    if _markers.holds_effect(eqn):
+      return _masked_higher_order(eqn, mask, invals)
+    return _jaxpr_eval.rebind(eqn, invals)
+  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
+
+
+def _closed_fn(closed, mask, leading=()):
+  """``closed`` as a function evaluated by :func:`_eval_masked`; ``leading``
+  are its first arguments (consts of the enclosing trace)."""
+  jaxpr, consts = _jaxpr_eval.split(closed)
+  return lambda *args: _eval_masked(jaxpr, consts, mask,
+                                    [*leading, *args])
+
+
+#: A masking rule: ``rule(params, mask, invals) -> outputs``, the
+#: higher-order primitive re-expressed with ``lax`` around masked
+#: sub-computations. Primitive -> rule; the call-like ones
+#: (``_core.jaxpr_eval.CALLEES``) are inlined without one.
+MASK_RULES: dict = {}
+
+
+def _masked_cond(p, mask, invals):
+  index, *ops = invals
+  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
+                        *ops)
+
+
+MASK_RULES[jex_prims.cond_p] = _masked_cond
+
+
+def _masked_while(p, mask, invals):
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond = _closed_fn(p["cond_jaxpr"], mask, invals[:cn])
+  body = _closed_fn(p["body_jaxpr"], mask, invals[cn:cn + bn])
+  return jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c),
+                            list(invals[cn + bn:]))
+
+
+MASK_RULES[jex_prims.while_p] = _masked_while
+
+
+def _masked_scan(p, mask, invals):
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  body = _closed_fn(p["jaxpr"], mask, invals[:nc])
+
+  def step(carry, xs):
+    outs = body(*carry, *xs)
+    return outs[:ncarry], outs[ncarry:]
+  carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]),
+                           list(invals[nc + ncarry:]), length=p["length"],
+                           reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+MASK_RULES[jex_prims.scan_p] = _masked_scan
+
+
+def _masked_higher_order(eqn, mask, invals):
+  rule = MASK_RULES.get(eqn.primitive)
+  if rule is not None:
+    return rule(eqn.params, mask, invals)
+  if eqn.primitive in _jaxpr_eval.CALLEES:
+    callee = eqn.params[_jaxpr_eval.CALLEES[eqn.primitive]]
+    return _closed_fn(callee, mask)(*invals)
+  name = eqn.primitive.name
+  raise NotImplementedError(
+      f"{_markers.first_effect(eqn)} is inside JAX's higher-order primitive "
+      f"'{name}' inside a branch of jax.lax.cond/switch whose predicate "
+      f"jax.vmap batched; jax_effects cannot run it only for the elements "
+      f"that took the branch. Use jax.lax.map instead of jax.vmap, keep the "
+      f"predicate unbatched, or move the effect out of the '{name}'.")
+
+
+_jax_cond_batcher = batching.fancy_primitive_batchers[jex_prims.cond_p]
+
+
+def _cond_batcher(axis_data, args, dims, *, branches, **params):
+  """JAX's vmap rule of ``cond``, unchanged, unless the predicate is batched
+  and a branch holds an effect of ours.
+
+  JAX's rule then evaluates every branch for every element and selects. Here
+  too, but each branch's effects get ``index == i`` as an extra (batched)
+  operand (:class:`~jax_effects._host_callback.MaskedHost`), so an element runs only the effects of the
+  branch it took, in batch order, branch after branch.
+  """
+  if (dims[0] is None or "branches_platforms" in params
+      or not _has_marker(branches)
+      or any(_compat.refused_by_jax_in_batched_cond(e)
+             for b in branches for e in b.effects)):
+    return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
+  size = axis_data.size
+  mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
+  index, *ops = (batching.bdim_at_front(x, d, size, mesh_axis=mesh_axis)
+                 for x, d in zip(args, dims))
+  n_outs = len(branches[0].out_avals)
+  branch_outs = []
+  for i, branch in enumerate(branches):
+    traced = jax.make_jaxpr(
+        lambda m, *xs, b=branch: _eval_masked(b.jaxpr, b.consts, m, xs))(
+            jax.ShapeDtypeStruct((), np.bool_),
+            *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in branch.in_avals))
+    batched, _ = _compat.batch_jaxpr(traced, axis_data,
+                                     [True] * (1 + len(ops)), [True] * n_outs)
+    taken = jax.lax.eq(index, jax.lax.full_like(index, i))
+    ops_ = [_bcast_select(taken, x, jax.lax.stop_gradient(x)) for x in ops]
+    branch_outs.append(jex_core.jaxpr_as_fun(batched)(taken, *ops_))
+  outs = [_bcast_select_n(index, *o) for o in zip(*branch_outs)]
+  return outs, [0] * len(outs)
+
+
+def _bcast_select(pred, on_true, on_false):
+  if jnp.ndim(pred) != jnp.ndim(on_true):
+    pred = jax.lax.broadcast_in_dim(pred, jnp.shape(on_true),
+                                    tuple(range(jnp.ndim(pred))))
+  return jax.lax.select(pred, on_true, on_false)
+
+
+def _bcast_select_n(which, *cases):
+  if jnp.ndim(which) != jnp.ndim(cases[0]):
+    which = jax.lax.broadcast_in_dim(which, jnp.shape(cases[0]),
+                                     tuple(range(jnp.ndim(which))))
+  return jax.lax.select_n(which, *cases)
+
+
+batching.fancy_primitive_batchers[jex_prims.cond_p] = _cond_batcher

@@ -1,0 +1,208 @@
+"""Device-side counters: an ``int32`` count kept inside a computation.
+
+A :class:`Counter` is a chain of its own that holds a number instead of
+ordering effects: the token-threading pass threads its value through control
+flow exactly as it threads an effect chain's carrier (an extra operand and
+result of every ``cond``, ``while``, ``scan`` and ``shard_map`` whose
+sub-computation uses it, ``_token_pass.chain_keys``), so a loop body can
+count without a carry of the user's. ``counter_p`` reads and writes it::
+
+    count' = counter_p(x; counter, op)   # op "set": count' = x
+                                         # op "add": count' = count + x
+
+Part in the token calling convention: a counter is a chain key with neither a
+compiler token nor a runtime token. It starts at 0 in each computation (its
+first use there), never crosses a dispatch (the pass leaves it out of the
+token the executable returns, and ``jax_effects.jit`` asks no runtime token
+for it), and orders nothing: an effect that must follow a count takes the
+count as an operand. Inside ``shard_map`` each device counts on its own.
+
+Each equation carries a :class:`CounterEffect` marker, registered like the
+effects' markers (``_core.effects``), so JAX keeps it through its
+transformations: never removed as dead code, kept in the forward ("known")
+computation of a derivative, never run again by rematerialization. Rules:
+
+* **vmap**: one count for the whole batch. An unbatched ``x`` (the common
+  ``bar.update()``) stays unbatched, also in a ``while_loop`` whose predicate
+  ``vmap`` batched (the count then advances once per iteration of the batched
+  loop); a batched ``x`` is refused, naming the counter.
+* **jvp**: the count of the primal computation; its tangent is zero.
+* **eager** (no trace): the count is kept on the host, per thread.
+* **plain ``jax.jit``** (the pass never runs, e.g. an eager ``lax.scan``
+  under ``jax.grad``): nothing carries the count through the program, so
+  each operation is an ordered host callback keeping the count on the host,
+  per device (correct, but one host call per operation).
+
+Used by ``jax_effects.progress`` (``every=k``: one host call per k updates).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+from jax_effects import _compat
+from jax_effects._core import effects as _effects
+from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._runtime import placement as _placement
+
+__all__ = ["Counter", "CounterEffect", "counter_p", "set_count", "add_count",
+           "is_counter_effect"]
+
+#: The dtype of every count (that of the carriers it is threaded with).
+COUNT_DTYPE = np.int32
+
+_ids = itertools.count(1)
+
+
+class Counter:
+  """One device-side count (a chain key of the pass; compared by identity).
+
+  ``description`` names its user in errors (``jax_effects.progress(...)``).
+  ``name`` sorts it among chain keys (after every ``Effect``).
+  """
+  __slots__ = ("name", "description", "eager", "lock", "host_counts",
+               "__weakref__")
+
+  def __init__(self, description: str):
+    self.name = f"~counter {next(_ids)}"
+    self.description = description
+    self.eager = threading.local()   # the count of eager code, per thread
+    self.lock = threading.Lock()
+    self.host_counts: dict = {}      # under plain jax.jit: per device
+
+  def __repr__(self):
+    return f"<{self.name}: {self.description}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterEffect(_compat.Effect):
+  """JAX-level marker on a ``counter_p`` equation (see the module docstring)."""
+  counter: Counter
+
+  def __str__(self):
+    return f"jax_effects[{self.counter.name}]"
+
+
+for _registry in (_compat.control_flow_allowed_effects,
+                  _compat.custom_derivatives_allowed_effects,
+                  _compat.remat_allowed_effects,
+                  _compat.partial_eval_kept_effects,
+                  _compat.lowerable_effects):
+  _registry.add_type(CounterEffect)
+# (an update in a scan body counts once per iteration under grad too)
+_compat.keep_effects_in_loops(CounterEffect)
+
+
+def is_counter_effect(effect) -> bool:
+  return type(effect) is CounterEffect
+
+
+counter_p = Primitive("jax_effects_counter")
+
+
+def _abstract_eval(x, *, counter, op):
+  # (The type of x, the count's new value: varying over the manual axes
+  # around it inside shard_map, as the carrier the pass gives it there.)
+  # PLAIN_JIT_ORDER: under plain jax.jit, JAX orders it with the effects
+  # around it (see _fallback_lowering).
+  del op
+  return x, {CounterEffect(counter), _effects.PLAIN_JIT_ORDER}
+
+
+counter_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _impl(x, *, counter, op):
+  """Eager: the count lives on the host, per thread."""
+  state = counter.eager
+  value = int(x) if op == "set" else getattr(state, "value", 0) + int(x)
+  state.value = value
+  return jnp.asarray(value, COUNT_DTYPE)
+
+
+counter_p.def_impl(_impl)
+
+
+def _jvp(primals, tangents, *, counter, op):
+  del tangents
+  out = counter_p.bind(*primals, counter=counter, op=op)
+  return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+
+
+ad.primitive_jvps[counter_p] = _jvp
+
+
+def _batcher(axis_data, args, dims, *, counter, op):
+  del axis_data
+  if dims[0] is not None:
+    raise NotImplementedError(
+        f"{counter.description}: the count given to it is batched by "
+        f"jax.vmap (it differs between the elements of the batch), but the "
+        f"batch has one count: pass a count that is the same for every "
+        f"element (e.g. the default n=1), or run the elements with "
+        f"jax.lax.map or in a shard_map (one bar per device).")
+  return counter_p.bind(*args, counter=counter, op=op), None
+
+
+batching.fancy_primitive_batchers[counter_p] = _batcher
+
+
+def _host_count(counter: Counter, op: str, x) -> tuple:
+  """The count under plain ``jax.jit``: kept on the host, per device."""
+  p = _placement.current()
+  where = None if p is None else (p.device_id, p.shard_index)
+  with counter.lock:
+    counts = counter.host_counts
+    value = int(x) if op == "set" else counts.get(where, 0) + int(x)
+    counts[where] = value
+  return (np.asarray(value, COUNT_DTYPE),)
+
+
+def _fallback_lowering(ctx, x, *, counter, op):
+  """Plain ``jax.jit`` (the pass never runs): nothing carries the count
+  through the program, so each ``counter_p`` is an ordered host callback
+  (JAX threads its tokens: ``PLAIN_JIT_ORDER``) keeping the count on the
+  host, per device. Correct, and one host call per operation."""
+  host = _host_callback.HostCallback(
+      functools.partial(_host_count, counter, op),
+      f"{counter.description} (its count, kept on the host under plain "
+      f"jax.jit)", (jax.core.ShapedArray((), COUNT_DTYPE),))
+  return _primitives.fallback_lowering(
+      ctx, x, host_callback=host, effect=_effects.DEFAULT, ordered=True)
+
+
+mlir.register_lowering(counter_p, _fallback_lowering, cacheable=False)
+
+
+def _as_count(x):
+  """``x`` as a count: an ``int32`` scalar that, inside ``shard_map``
+  (``check_vma``), varies over the manual axes around it, as the count does
+  once the pass has made it the counter's per-device carrier."""
+  x = jnp.asarray(x, COUNT_DTYPE)
+  if jnp.shape(x):
+    raise TypeError(f"a count must be a scalar, got shape {jnp.shape(x)}")
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  missing = tuple(a for a in manual
+                  if a not in _compat.varying_axes(jax.typeof(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def set_count(counter: Counter, value) -> jax.Array:
+  """Sets ``counter`` to ``value``; returns it."""
+  return counter_p.bind(_as_count(value), counter=counter, op="set")
+
+
+def add_count(counter: Counter, n) -> jax.Array:
+  """Adds ``n`` to ``counter``; returns the new count."""
+  return counter_p.bind(_as_count(n), counter=counter, op="add")

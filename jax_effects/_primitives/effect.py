@@ -1,0 +1,318 @@
+"""``effect_p``: the side-effect primitive user code binds while it is traced.
+
+``effect_p`` is what user-facing functions (``print``, ``log``, ``callback``)
+bind while a program is being traced::
+
+    results = effect_p(*args; host_callback, effect, ordered)
+
+(``host_callback``, a :class:`~jax_effects._host_callback.HostCallback`, holds the
+host function and ``result_avals``.) It carries a
+:class:`~jax_effects._core.effects.TraceEffect` marker so JAX keeps it through its
+transformations, and every rule of it lives here: abstract evaluation, the
+eager impl, a fallback lowering for plain ``jax.jit``, and the rules that act
+when a user's function is *traced* (before the pass), inside
+``jax_effects.jit``, under plain ``jax.jit`` and eagerly alike (see
+``design/transformations.md``):
+
+* **vmap** (a *fancy* batcher, called even when no operand is batched): the
+  equation is re-bound with a :class:`~jax_effects._host_callback.BatchedHost` that
+  runs the user's host function once per batch element, in batch
+  (row-major) order, and stacks the results. Nested vmaps flatten into one
+  ``BatchedHost`` with a multi-dimensional ``batch_shape`` (outermost vmap
+  first); an operand that is not batched at some level is not broadcast,
+  just reused for every element.
+* **jvp**: the effect runs once, on the primal values; tangents of its
+  results are symbolic zeros (host results are not differentiable). There is
+  no linear part, so linearize/vjp/grad never stage an effect into the
+  tangent or cotangent computation, and rematerialization
+  (``jax.checkpoint``) never re-runs it: the equation carries a marker JAX
+  keeps in the primal ("known") computation (``partial_eval_kept_effects``).
+* **vmap of cond/switch with a batched predicate**: JAX converts it to a
+  ``select`` that evaluates every branch, erasing the ``cond``. An effect
+  records at bind time whether it was traced directly in a ``cond`` branch
+  (``HostCallback.traced_in_branch``); the pass (and the eager impl) then
+  reports an effect that reappears outside any branch with an error naming
+  the limitation (:func:`branch_vmapped_error`).
+
+After the pass it is replaced by ``threaded.threaded_effect_p``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+import jax.numpy as jnp
+import numpy as np
+
+from jax_effects import _compat
+from jax_effects._core import effects as _effects
+from jax_effects._primitives import edges as _edges
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._primitives import host_call as _host_call
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import threads as _threads
+
+# --- trace-time primitive ------------------------------------------------------
+
+effect_p = Primitive("jax_effects_effect")
+effect_p.multiple_results = True
+
+
+def _effect_abstract_eval(*avals, host_callback, effect, ordered):
+  del avals
+  return host_callback.result_avals, _effects.jax_effects_of(
+      effect, ordered, host_callback.traced_in_while_cond)
+
+
+effect_p.def_effectful_abstract_eval(_effect_abstract_eval)
+
+
+def _effect_impl(*args, host_callback, effect, ordered):
+  """Eager execution: wait for this stream's earlier dispatches, then run."""
+  if host_callback.traced_in_branch:  # a cond branch inlined by vmap
+    raise branch_vmapped_error(host_callback)
+  if _errors.deferred:   # a dispatched callback failed: raise it first
+    _raising.raise_deferred(_threads.thread_state())
+  if ordered:
+    state = _threads.thread_state()
+    marker = _effects.marker(effect, True)
+    mode = _effects.get_ordering()
+    if state.mode != mode:   # after a mode switch: follow earlier dispatches
+      _threads.switch_mode(state, mode)
+    key = _effects.chain_key(marker, mode)
+    token = state.runtime.get(key)
+    if token is not None:
+      token.block_until_ready()
+    # ... and for effects under plain jax.jit (incl. eager cond/while).
+    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
+    if token is not None:
+      token.block_until_ready()
+  if host_callback.eager is not None:
+    host_callback.eager(*args)
+    return []
+  # Python scalars take JAX's canonical dtypes, as they do under jit.
+  np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
+             for a in args]
+  edges = _edges.of_operands(host_callback, len(np_args))
+  np_args = [a if e is None else e.take_numpy(a)
+             for a, e in zip(np_args, edges)]
+  results = host_callback(*np_args)
+  return [jnp.asarray(r) for r in results]
+
+
+effect_p.def_impl(_effect_impl)
+
+
+def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
+  """Lowering under plain ``jax.jit`` (no token threading by jax_effects).
+
+  An ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``: JAX
+  passes its own compiler token for it (one stream for all effects) and
+  threads runtime tokens between dispatches, so program order holds, through
+  JAX's slower dispatch path. Unordered effects get no token.
+  """
+  if (host_callback.traced_in_branch
+      and not _compat.in_cond_branch(ctx.name_stack)):
+    # A cond branch that vmap inlined (its predicate is batched).
+    raise branch_vmapped_error(host_callback)
+  marker = _effects.PLAIN_JIT_ORDER
+  ordered = marker in _effects.jax_effects_of(
+      effect, ordered, host_callback.traced_in_while_cond)
+  token = ctx.tokens_in.get(marker) if ordered else None
+  edges = _edges.of_operands(host_callback, len(args))
+  avals_in = list(ctx.avals_in)
+  if any(edges):   # (summarized operands: only their edges cross)
+    avals_in, args = _edges.cut(ctx, args, edges, first=0)
+  args = _host_call.gathered(ctx, args, avals_in)
+  # Where it runs (device, shard): may add the partition id as an operand.
+  where, operands, avals_in = _placement.at_lowering(
+      ctx, list(args), avals_in)
+  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
+  host = _host_functions.host_function(host_callback, where, passthrough=0,
+                             threaded=False, avals_out=ctx.avals_out)
+  results, token, _ = mlir.emit_python_callback(
+      sub_ctx, host, token,
+      operands, avals_in, ctx.avals_out, has_side_effect=True,
+      returns_token=ordered,
+      sharding=_compat.callback_op_sharding(
+          ctx.module_context.axis_context, None, ctx.avals_out))
+  if ordered:
+    # Uncacheable lowering: tokens_in holds every ordered effect of the
+    # enclosing region (e.g. a cond's branches); pass the others through.
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({marker: token})))
+  return results
+
+
+mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
+#: (Also the plain-``jax.jit`` lowering of ``_primitives.counter.counter_p``.)
+fallback_lowering = _fallback_lowering
+
+
+# --- vmap ------------------------------------------------------------------------
+
+class _BatchedControl(threading.local):
+  """Depth of the vmap rules of control flow whose predicate is batched.
+
+  While JAX's rule of such a ``while_loop`` batches the body and ``cond_fun``,
+  an effect there depends on the batch index through the predicate (it runs
+  for an element only while that element iterates) even if none of its
+  operands does: it is batched per element, so the pass can skip the
+  finished elements (``_host_callback.masked``).
+  """
+  depth = 0
+
+
+#: Read by the vmap rule of ``effect_p`` (one run when nothing is batched).
+control_dependence = _BatchedControl()
+
+
+@contextlib.contextmanager
+def control_dependent():
+  control_dependence.depth += 1
+  try:
+    yield
+  finally:
+    control_dependence.depth -= 1
+
+
+def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
+  if host_callback.batch_once:
+    if any(d is not None for d in dims):
+      raise NotImplementedError(
+          f"{host_callback.description} runs once for a whole jax.vmap batch, "
+          f"but jax.vmap batched one of its operands (it differs between the "
+          f"elements: a batched count, or a branch of jax.lax.cond/switch "
+          f"whose predicate is batched). Keep it out of per-element control "
+          f"flow and pass values that are the same for every element, or run "
+          f"the elements with jax.lax.map or in a shard_map.")
+    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
+                         ordered=ordered)
+    return outs, [None] * len(outs)
+  if all(d is None for d in dims) and not control_dependence.depth:
+    # No operand depends on the batch index (e.g. the primal values under
+    # jacfwd/hessian, whose tangents vmap batches): one run, as
+    # jax.debug.print does; its results are the same for every element.
+    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
+                         ordered=ordered)
+    return outs, [None] * len(outs)
+  size = axis_data.size
+  fn = host_callback.fn
+  if isinstance(fn, _host_callback.BatchedHost):
+    element, shape, levels = fn.element, fn.batch_shape, fn.levels
+    element_avals = fn.element_avals
+  else:
+    element, shape, levels = host_callback, (), tuple(() for _ in args)
+    element_avals = host_callback.result_avals
+  new_args, new_levels = [], []
+  for x, d, lv in zip(args, dims, levels):
+    if d is None:
+      new_args.append(x)
+      new_levels.append((False, *lv))
+    else:
+      new_args.append(jnp.moveaxis(x, d, 0))
+      new_levels.append((True, *lv))
+  new_shape = (size, *shape)
+  new_avals = tuple(jax.core.ShapedArray(new_shape + a.shape, a.dtype)
+                    for a in element_avals)
+  batched = dataclasses.replace(
+      host_callback,
+      fn=_host_callback.BatchedHost(element, new_shape, tuple(new_levels),
+                           element_avals),
+      result_avals=new_avals, eager=None)   # eager too: once per element
+  outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
+                       ordered=ordered)
+  return outs, [0] * len(outs)
+
+
+batching.fancy_primitive_batchers[effect_p] = _effect_batcher
+
+
+# --- jvp -------------------------------------------------------------------------
+
+def _effect_jvp(primals, tangents, **params):
+  del tangents  # the host function sees primal values only
+  outs = effect_p.bind(*primals, **params)
+  return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+
+
+ad.primitive_jvps[effect_p] = _effect_jvp
+
+
+def _effect_transpose(cts, *args, host_callback, effect, ordered):
+  """An effect whose operands are linear values (tangents), transposed.
+
+  Only code that passes tangents to an effect explicitly puts one in the
+  linear part of a derivative: a ``custom_jvp`` rule printing its tangent, or
+  a function given to ``linear_transpose``. The reverse pass computes
+  cotangents, never those tangents, so, as ``jax.debug.print`` does there,
+  the effect is dropped (forward mode, ``jvp``/``linearize``, runs it with
+  the tangents). A callback whose results the linear computation uses has no
+  transpose: that is an error naming it.
+  """
+  del effect, ordered
+  if any(type(ct) is not ad.Zero for ct in cts):
+    raise NotImplementedError(
+        f"{host_callback.description} takes tangents (it is in the linear "
+        f"part of a derivative, e.g. in a jax.custom_jvp rule) and its "
+        f"results are used there, so reverse-mode differentiation (grad, "
+        f"vjp, linear_transpose) would have to transpose the host function. "
+        f"Compute the callback from primal values, or give the function a "
+        f"jax.custom_vjp rule.")
+  return [None] * len(args)
+
+
+ad.primitive_transposes[effect_p] = _effect_transpose
+
+
+# --- vmap of cond with a batched predicate -------------------------------------
+
+def branch_vmapped_error(host_callback) -> NotImplementedError:
+  return NotImplementedError(
+      f"{host_callback.description} is inside a branch of jax.lax.cond/switch "
+      f"whose predicate jax.vmap batched: JAX then evaluates every branch for "
+      f"every element (a select), so this effect would also run for the "
+      f"elements that did not take its branch. Use jax.lax.map instead of "
+      f"jax.vmap for this function, keep the predicate unbatched, or move the "
+      f"effect out of the branch (e.g. a while_loop runs effects only for the "
+      f"live iterations of each element).")
+
+
+def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
+                flat_args: Sequence[Any], *, effect: _effects.Effect,
+                ordered: bool, result_avals: tuple = (),
+                eager: Callable[..., None] | None = None,
+                reads_placement: bool = False,
+                batch_once: bool = False, edges: tuple = ()) -> list:
+  """Binds ``effect_p``: the one entry point of every user-facing effect.
+
+  ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
+  host side (flat NumPy operands -> results matching ``result_avals``);
+  ``eager`` its eager form, ``reads_placement`` whether it reads its
+  placement on every run and ``batch_once`` whether it runs once for a
+  ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
+  built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
+  ``fn`` receives the operands with edges cut to them.
+  """
+  staging = _compat.enclosing_staging()
+  if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
+    _compat.require("effects in jax.pmap", description)
+  if _compat.has_4bit_integers(flat_args):
+    _compat.require("4-bit integer operands", description)
+  host_callback = _host_callback.HostCallback(
+      fn, description, tuple(result_avals),
+      traced_in_branch=staging in ("cond", "switch"),
+      traced_in_while_cond=staging == "while_cond", eager=eager,
+      reads_placement=reads_placement, batch_once=batch_once,
+      edges=tuple(edges))
+  return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
+                       ordered=ordered)

@@ -1,0 +1,146 @@
+"""An effect that runs once in a computation over several devices.
+
+Under automatic partitioning over several devices a callback runs once, on
+the first device. Its part of the token calling convention: the carrier
+must stay a replicated value that no device waits for, so the host call is
+made inside a ``shard_map`` by the first device's branch of a ``cond``
+(:func:`on_first_device`, :data:`first_device_call_p`), and where per-device
+effects follow, the carrier is taken from the first device
+(:data:`from_first_device_p`). See ``design/placement.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import PartitionSpec as P
+
+from jax_effects import _compat
+from jax_effects._primitives import host_call as _host_call
+
+
+def once_across_devices(ctx) -> bool:
+  """Whether ``ctx`` lowers a computation over several devices under
+  automatic partitioning, where a callback runs once, on the first device."""
+  axis_context = ctx.module_context.axis_context
+  return (isinstance(axis_context, _compat.ShardingContext)
+          and axis_context.num_devices > 1)
+
+
+def on_first_device(ctx, host, operands) -> list:
+  """The host call of an effect that runs once in a computation over several
+  devices, with a carrier no other device waits for.
+
+  JAX's rule for such a callback (``MAXIMAL`` sharding on device 0) makes
+  its carrier a value only device 0 holds; wherever the chain then needs a
+  replicated value (the carry of a loop, the executable's token) the
+  partitioner broadcasts it from device 0 with an all-reduce, every
+  iteration and at the end, in which the other devices wait for the
+  callback: a callback that takes longer than XLA's collective timeout (a
+  debugger, ``input()``) aborts the process, and executions in flight on
+  several threads stall on the rendezvous. Instead the call is made inside a
+  ``shard_map`` over all the devices, as a per-device call that only the
+  first device's branch of a ``cond`` makes (the others pass their copy of
+  the carrier through)::
+
+      carrier', results = shard_map(
+          lambda c, *a: cond(axis_index == 0, host_call, pass_through, c, *a),
+          in_specs=P(), out_specs=P())(carrier, *args)
+
+  The carrier stays replicated, as the partitioner sees it, and needs no
+  collective anywhere; device 0's copy is the chain's (the others' copies
+  are stale and never read by a callback: a ``shard_map`` whose per-device
+  effects follow takes it from device 0, see :data:`from_first_device_p`,
+  and the runtime token is device 0's copy, ``_compat.uncommitted``).
+  Results are device 0's (annotated so, ``_compat.on_first_device``): where
+  other devices use them the partitioner broadcasts them, as for JAX's own
+  callbacks. ``ctx`` has the operands' and results' avals.
+  """
+  avals_out = tuple(ctx.avals_out)
+  mesh, names = _all_devices_mesh(ctx.module_context.axis_context.num_devices)
+
+  def call(*ops):
+    return tuple(first_device_call_p.bind(*ops, host=host,
+                                          avals_out=avals_out))
+
+  def pass_through(carrier, *ops):
+    return (carrier, *(jnp.zeros(a.shape, a.dtype) for a in avals_out[1:]))
+
+  def per_device(*ops):
+    first = jax.lax.axis_index(names) == 0
+    return jax.lax.cond(first, call, pass_through, *ops)
+
+  mapped = jax.shard_map(per_device, mesh=mesh,
+                         in_specs=(P(),) * len(operands),
+                         out_specs=(P(),) * len(avals_out), check_vma=False)
+  # (Operands are whole on every device, _gathered; under an explicit mesh
+  # their types say so too, as shard_map's in_specs require.)
+  ctx = dataclasses.replace(ctx, avals_in=[_unsharded(a) for a in ctx.avals_in])
+  carrier, *results = mlir.lower_fun(mapped, multiple_results=True)(
+      ctx, *operands)
+  return [carrier, *(_compat.on_first_device(ctx, r, a)
+                     for r, a in zip(results, avals_out[1:]))]
+
+
+def _unsharded(aval):
+  """``aval`` with a replicated sharding in its type (explicit sharding)."""
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", ())
+  if any(s is not None for s in spec):
+    return aval.update(sharding=jax.sharding.NamedSharding(sharding.mesh, P()))
+  return aval
+
+
+def _all_devices_mesh(num_devices: int):
+  """``(mesh, axis_names)`` spanning the ``num_devices`` devices of the
+  computation being lowered, whose flat axis index is the partition id: the
+  user's ambient mesh if one of that size is set (``jax.shard_map`` requires
+  the context's mesh), else a one-axis abstract mesh of our own."""
+  context = jax.sharding.get_abstract_mesh()
+  if (context is not None and not context.empty
+      and context.size == num_devices):
+    return context, tuple(context.axis_names)
+  names = ("jax_effects_devices",)
+  return jax.sharding.AbstractMesh((num_devices,), names), names
+
+
+# The host call inside on_first_device's shard_map (a per-device custom call
+# there: the cond makes it on device 0 only).
+first_device_call_p = Primitive("jax_effects_first_device_call")
+first_device_call_p.multiple_results = True
+# (The carrier keeps its operand's type and the results are strong-typed, as
+# the pass-through branch's are: cond requires equal types.)
+first_device_call_p.def_abstract_eval(
+    lambda carrier, *avals, host, avals_out: [
+        carrier, *(a.update(weak_type=False) for a in avals_out[1:])])
+
+
+def _first_device_call_lowering(ctx, *operands, host, avals_out):
+  sharding = _compat.callback_op_sharding(
+      ctx.module_context.axis_context, None, avals_out)
+  return _host_call.emit(ctx, host, operands, sharding)
+
+
+mlir.register_lowering(first_device_call_p, _first_device_call_lowering,
+                       cacheable=False)
+
+
+# Identity on a carrier that enters a shard_map (``_pass.shard_map_rule``): where
+# the chain's last effect ran once on the first device of several
+# (on_first_device), only device 0's copy is current, so it is broadcast from
+# there; every device's effects inside then follow that effect.
+from_first_device_p = Primitive("jax_effects_from_first_device")
+from_first_device_p.def_abstract_eval(lambda aval: aval)
+from_first_device_p.def_impl(lambda x: x)
+
+
+def _from_first_device_lowering(ctx, x):
+  if once_across_devices(ctx):
+    return [_compat.on_first_device(ctx, x, ctx.avals_in[0])]
+  return [x]
+
+
+mlir.register_lowering(from_first_device_p, _from_first_device_lowering)

@@ -1,0 +1,190 @@
+"""``HostCallback``: the side-effect primitives' parameter, and its vmap forms.
+
+:class:`HostCallback` is the parameter of the side-effect primitives: the
+user-facing function's host side (``fn``), built once, complete, when the
+effect is bound, and never mutated (JAX compares and hashes primitive
+parameters; this one by identity). :class:`BatchedHost` is its ``fn`` under
+``vmap`` (once per batch element, in batch order), :class:`MaskedHost` that
+of an effect in a ``cond`` branch whose predicate vmap batched, and
+:func:`masked` skips the elements of a vmapped ``while_loop`` that are no
+longer iterating. ``host_functions`` builds what XLA calls around it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostCallback:
+  """A host function run by a side-effect primitive (a primitive parameter).
+
+  ``fn`` takes the flat operands as NumPy arrays; its results must match
+  ``result_avals`` (checked by :func:`check_results`, with a message naming
+  ``description``). ``traced_in_branch``: bound directly in a
+  ``cond``/``switch`` branch; ``traced_in_while_cond``: bound directly in a
+  ``while_loop``'s ``cond_fun``. ``eager`` (optional, result-free effects
+  only): run instead of ``fn`` outside any trace, with the operands as bound
+  (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
+  format eager values as ``jax.debug.print`` does. ``reads_placement``:
+  ``fn`` calls ``_runtime.placement.current()`` on every run (``print``/``log``), so
+  the host function sets ``_runtime.placement.site`` for it. ``batch_once``:
+  runs once for a whole ``vmap`` batch, also where ``vmap`` makes an effect
+  run per element for control dependence (``jax_effects.progress``: one bar
+  counts the batch); a batched operand is refused. ``edges``: an
+  ``edges.Edges`` or None for each of the last ``len(edges)`` operands
+  (those the front end bound): ``fn`` receives that operand cut to its
+  edges (the lowering or the eager impl cuts it). Compared and hashed by
+  identity.
+  """
+  fn: Callable[..., Sequence[Any]]
+  description: str
+  result_avals: tuple = ()
+  traced_in_branch: bool = False
+  traced_in_while_cond: bool = False
+  eager: Callable[..., None] | None = None
+  reads_placement: bool = False
+  batch_once: bool = False
+  edges: tuple = ()
+
+  def __repr__(self):
+    return f"<host callback {self.description}>"
+
+  def __call__(self, *args):
+    """Runs ``fn`` and checks its results (eagerly, and per batch element)."""
+    results = self.fn(*args)
+    avals = self.result_avals
+    if not avals:
+      return ()
+    return check_results(self.description, results, avals)
+
+
+def check_results(description, results, avals):
+  if not isinstance(results, (tuple, list)) or len(results) != len(avals):
+    n = len(results) if isinstance(results, (tuple, list)) else "a non-sequence"
+    raise TypeError(
+        f"{description} returned {n} results; expected {len(avals)} "
+        f"(shapes/dtypes {[str(a.str_short()) for a in avals]})")
+  out = []
+  for i, (r, aval) in enumerate(zip(results, avals)):
+    if type(r) is not np.ndarray:
+      if (isinstance(r, (bool, int, float, complex, list, tuple))
+          and not isinstance(r, np.generic)):
+        # Python scalars and lists take the declared dtype, like literals
+        # (not NumPy scalars, even those that are Python floats or complexes:
+        # np.float64 has its own dtype).
+        r = np.asarray(r, dtype=aval.dtype)
+      else:
+        # NumPy scalars, jax.Array, anything with __array__ (whatever its
+        # signature: asarray without a dtype calls it without one).
+        r = np.asarray(r)
+    if r.shape != aval.shape or r.dtype != aval.dtype:
+      raise TypeError(
+          f"{description} result #{i} has shape {r.shape} and dtype {r.dtype}; "
+          f"expected shape {aval.shape} and dtype {aval.dtype}")
+    out.append(r)
+  return tuple(out)
+
+
+# --- vmap ------------------------------------------------------------------------------
+
+class BatchedHost:
+  """Host function of a vmapped effect: the element callback per element.
+
+  ``levels[i][j]`` says whether operand ``i`` has the batch axis of vmap level
+  ``j`` (levels outermost first); its leading axes are the levels it has, in
+  order. ``live`` (optional, a bool array of ``batch_shape``) skips elements:
+  their results are zeros (JAX discards them).
+  """
+  __slots__ = ("element", "batch_shape", "levels", "element_avals")
+
+  def __init__(self, element: HostCallback, batch_shape: tuple,
+               levels: tuple, element_avals: tuple):
+    self.element = element
+    self.batch_shape = batch_shape
+    self.levels = levels
+    self.element_avals = element_avals
+
+  def __call__(self, *args, live=None):
+    shape = self.batch_shape
+    outs = [np.zeros(shape + a.shape, a.dtype) for a in self.element_avals]
+    for idx in np.ndindex(*shape):
+      if live is not None and not live[idx]:
+        continue
+      el_args = []
+      for x, lv in zip(args, self.levels):
+        sub = tuple(i for i, has in zip(idx, lv) if has)
+        el_args.append(np.asarray(x[sub]) if sub else x)
+      results = self.element(*el_args)
+      for out, r in zip(outs, results):
+        out[idx] = r
+    return tuple(outs)
+
+
+
+class MaskedHost:
+  """Host function of an effect in a ``cond`` branch that vmap batched the
+  predicate of: its first operand says whether this element took the branch.
+  Elements that did not take it run nothing; their results are zeros (the
+  ``select`` after the branches discards them)."""
+  __slots__ = ("inner", "result_avals")
+
+  def __init__(self, inner, result_avals: tuple):
+    self.inner = inner
+    self.result_avals = result_avals
+
+  def __call__(self, taken, *args):
+    if np.asarray(taken):
+      return self.inner(*args)
+    return tuple(np.zeros(a.shape, a.dtype) for a in self.result_avals)
+
+
+# --- liveness under vmap-of-while -------------------------------------------------------
+
+def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:
+  """Increasing positions p with batch_shape[p[i]] == mask_shape[i]."""
+  return [p for p in itertools.combinations(range(len(batch_shape)),
+                                            len(mask_shape))
+          if all(batch_shape[j] == n for j, n in zip(p, mask_shape))]
+
+
+def masked(host_callback: HostCallback, masks: Sequence):
+  """``(host_callback', extra_operands)``: skip elements where a mask is False.
+
+  ``masks`` are bool arrays (traced values), each the batched predicate of an
+  enclosing vmapped ``while_loop``: its axes are some of the effect's vmap
+  levels, in order (outermost first).
+  """
+  fn = host_callback.fn
+  what = host_callback.description
+  if not isinstance(fn, BatchedHost):
+    raise AssertionError(
+        f"{what}: inside a vmapped while_loop but not batched")
+  shape = fn.batch_shape
+  reshapes = []
+  for m in masks:
+    mshape = tuple(jnp.shape(m))
+    found = _alignments(mshape, shape)
+    if len(found) != 1:
+      raise NotImplementedError(
+          f"{what} is inside a jax.lax.while_loop whose predicate jax.vmap "
+          f"batched over axes of sizes {mshape}, but the effect is batched "
+          f"over vmap axes of sizes {shape}, so which element is still "
+          f"iterating is ambiguous. Give the vmapped axes different sizes, or "
+          f"move the effect out of the loop.")
+    (pos,) = found
+    reshapes.append(tuple(shape[j] if j in pos else 1 for j in range(len(shape))))
+  k = len(masks)
+
+  def run(*args):
+    live = np.ones(shape, dtype=bool)
+    for m, rs in zip(args[:k], reshapes):
+      live &= np.reshape(np.asarray(m, dtype=bool), rs)
+    return fn(*args[k:], live=live)
+
+  return (dataclasses.replace(host_callback, fn=run),
+          [jnp.asarray(m, dtype=bool) for m in masks])

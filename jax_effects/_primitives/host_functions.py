@@ -1,0 +1,338 @@
+"""Host functions: what XLA calls when a side effect runs.
+
+:func:`host_function` builds the one Python function XLA calls for a
+lowered effect. Its operands are, in order: ``passthrough`` values it
+returns as received (for a threaded effect the ``int32`` carrier, which
+holds the dispatching thread's slot and the ``_runtime.errors.FAILED`` bit, and
+orders the call after the chain's previous effect; the compiler token stays
+in the program, see ``threaded._threaded_lowering``), the effect's
+operands, and, for a per-device callback, the partition id. While the user's function runs,
+``_runtime.placement.site`` says where. A user exception never fails the
+computation: it is deferred to the dispatching thread, which raises it once
+(see ``design/errors.md``), and the results are zeros.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import types
+from typing import Sequence
+
+import numpy as np
+
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import sequence as _sequence
+
+
+# --- the function XLA calls ------------------------------------------------------------
+
+def host_function(host_callback: _host_callback.HostCallback, where: _placement.Where, *,
+                  passthrough: int, threaded: bool, avals_out: Sequence,
+                  entry: bool = False):
+  """The function XLA calls for one lowered effect (see the module docstring).
+
+  ``where``: from ``_runtime.placement.at_lowering``. ``threaded``: lowered from
+  ``threaded_effect_p`` (the carrier, the last passthrough operand, holds the
+  dispatching thread's slot and the ``FAILED`` bit). ``avals_out``: of all
+  results, passthrough ones first. ``entry``: the carrier is the chain's
+  runtime token (``threaded_effect_p``'s parameter): a ``FAILED`` bit there
+  is an earlier execution's, cleared instead of skipping the effect.
+
+  It never fails its computation (``design/errors.md``): a user exception is
+  deferred to the dispatching thread (``_raising.defer_error``) and
+  the results are zeros (the passthrough ones as received, the carrier with
+  ``FAILED`` set, so the later effects of the chain are skipped).
+
+  Specialised when lowered: the common case (a threaded effect with a scalar
+  carrier, running once at a fixed placement) gets
+  :func:`_threaded_once`, which does only what that case needs.
+  """
+  if threaded and passthrough == 1 and avals_out[0].shape == ():
+    if where.table is None:
+      return _threaded_once(host_callback, where.fixed, avals_out, entry)
+    return _threaded_per_device(host_callback, where.table, avals_out, entry)
+  return _general(host_callback, where, passthrough, threaded, avals_out,
+                  entry)
+
+
+def _setting_site(fn, running):
+  """``fn`` with ``_runtime.placement.site`` set to ``running`` while it runs: the
+  host side of an effect that reads its placement on every run
+  (``HostCallback.reads_placement``: ``print``, ``log``; they clear it again
+  around the user code they call, see ``_runtime.output``)."""
+  site = _placement.site
+
+  def placed(*args):
+    prev = site.running
+    site.running = running
+    try:
+      return fn(*args)
+    finally:
+      site.running = prev
+  return placed
+
+
+def _behind(run, running, result_avals, skipped):
+  """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
+  (``_runtime.sequence``) runs after them: as a job of its own (with its
+  placement set for it), or, if it has results, once they have run."""
+  FAILED = int(_errors.FAILED)
+  site = _placement.site
+
+  def behind(slot, carrier, args):
+    if result_avals:
+      _sequence.wait_idle((slot,))
+      return run(carrier, args)
+
+    def job() -> bool:
+      prev = site.running
+      site.running = running
+      try:
+        return bool(int(run(carrier, args)[0]) & FAILED)
+      finally:
+        site.running = prev
+
+    _sequence.submit(slot, _sequence.Job(job))
+    return (carrier, *skipped)
+
+  return behind
+
+
+# The host functions below set nothing per run for ``_runtime.placement.current()``:
+# it finds the innermost host frame on the stack and reads its ``running``
+# (a keyword-only default here, never passed: XLA passes operands
+# positionally), see ``_runtime.placement``. ``index(carrier)`` is the fastest read of
+# a 0-d integer array.
+
+class FailedBit:
+  """The ``FAILED``-bit rule of a threaded effect, written once
+  (``design/errors.md``):
+
+  * a carrier with ``FAILED`` set means an earlier effect of the chain failed
+    in this execution: this one is skipped (results zeros, carrier as
+    received), as nothing runs after a ``raise`` in Python
+    (:meth:`on_failed` returns None) -- unless this effect is the chain's
+    entry (``entry``: its carrier is the runtime token), where the bit is an
+    earlier execution's and is cleared (:meth:`on_failed` returns the
+    carrier to run with);
+  * a user exception never fails the computation: it is deferred to the
+    thread whose slot the carrier holds, and the carrier gets ``FAILED``
+    (:meth:`fail`); the results are zeros.
+
+  Host functions test the bit themselves (``index(carrier) & FAILED``, the
+  hot path) and call these only when it matters.
+  """
+  __slots__ = ("entry",)
+  FAILED = int(_errors.FAILED)
+  SLOT_MASK = int(_errors.SLOT_MASK)
+
+  def __init__(self, entry: bool):
+    self.entry = entry
+
+  def on_failed(self, carrier):
+    """``carrier`` has ``FAILED`` set: None (skip this effect), or the
+    carrier to run with (the chain's entry: an earlier execution's bit)."""
+    if not self.entry:
+      return None
+    return np.bitwise_and(carrier, _errors.SLOT_MASK)
+
+  @staticmethod
+  def fail(carrier, exc: BaseException, slot: int, inline: bool = True):
+    """Defers ``exc`` to thread ``slot`` (``raising.defer_error``); returns
+    the carrier with ``FAILED`` set."""
+    _raising.defer_error(exc, slot, inline=inline)
+    return np.bitwise_or(carrier, _errors.FAILED)
+
+
+def _threaded_once(host_callback: _host_callback.HostCallback, placement,
+                   avals_out, entry: bool):
+  """``host(carrier, *operands)`` of a threaded effect that runs once."""
+  running = _placement.running(placement, True)
+  fn = host_callback.fn
+  if host_callback.reads_placement:
+    fn = _setting_site(fn, running)
+  what = host_callback.description
+  result_avals = host_callback.result_avals
+  n_operands = len(avals_out) - 1 - len(result_avals)
+  rule = FailedBit(entry)
+  FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
+  skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  index = operator.index
+
+  def failed(carrier, exc):
+    return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
+            *skipped_results)
+
+  def run(carrier, args):
+    if index(carrier) & FAILED:
+      received, carrier = carrier, rule.on_failed(carrier)
+      if carrier is None:
+        return (received, *skipped_results)
+    try:
+      results = fn(*args)
+      if result_avals:
+        return (carrier,
+                *_host_callback.check_results(what, results, result_avals))
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      return failed(carrier, exc)
+    return (carrier,)
+
+  behind = _behind(run, running, result_avals, skipped_results)
+  queues, waits = _sequence.queues, _sequence.waits
+
+  if n_operands == 1 and not result_avals:
+    # The common case (one operand, no result): no packing, no other frame.
+    def host(carrier, x, *, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, (x,))
+      if index(carrier) & FAILED:
+        return run(carrier, (x,))
+      try:
+        fn(x)
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return failed(carrier, exc)
+      return (carrier,)
+  else:
+    def host(carrier, *args, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, args)
+      return run(carrier, args)
+  return host
+
+
+def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
+                         avals_out, entry: bool):
+  """``host(carrier, *operands, partition_id)`` of a threaded effect that
+  runs on every device (in a manual ``shard_map``): :func:`_threaded_once`,
+  placed by the partition id through ``table``."""
+  placed = tuple(_placement.running(p, True) for p in table)
+  fn = host_callback.fn
+  fns = ((tuple(_setting_site(fn, r) for r in placed)
+          if host_callback.reads_placement else (fn,) * len(placed)))
+  what = host_callback.description
+  result_avals = host_callback.result_avals
+  rule = FailedBit(entry)
+  FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
+  skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  index = operator.index
+
+  def host(carrier, *args):
+    if queues and waits(index(carrier) & SLOT_MASK):
+      behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
+                       result_avals, skipped_results)
+      return behind(index(carrier) & SLOT_MASK, carrier, args)
+    if index(carrier) & FAILED:
+      received, carrier = carrier, rule.on_failed(carrier)
+      if carrier is None:
+        return (received, *skipped_results)
+    pid = index(args[-1])
+    running = placed[pid]   # (read by _runtime.placement.current())
+    try:
+      results = fns[pid](*args[:-1])
+      if result_avals:
+        return (carrier,
+                *_host_callback.check_results(what, results, result_avals))
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
+              *skipped_results)
+    del running
+    return (carrier,)
+
+  queues, waits = _sequence.queues, _sequence.waits
+  return host
+
+
+def _general(host_callback: _host_callback.HostCallback, where: _placement.Where,
+             passthrough: int, threaded: bool, avals_out: Sequence,
+             entry: bool):
+  """Every other lowered effect: per device (the partition id is the last
+  operand), not threaded (plain ``jax.jit``: no carrier), or with a
+  non-scalar carrier."""
+  fn = host_callback.fn
+  what = host_callback.description
+  result_avals = host_callback.result_avals
+  reads_placement = host_callback.reads_placement
+  fixed = _placement.running(where.fixed, threaded)
+  table = (None if where.table is None
+           else tuple(_placement.running(p, threaded) for p in where.table))
+  site = _placement.site
+  carrier_at = passthrough - 1 if threaded and passthrough else None
+  rule = FailedBit(entry)
+
+  def zeros(args, carrier):
+    out = [*args[:passthrough],
+           *(np.zeros(a.shape, a.dtype) for a in avals_out[passthrough:])]
+    if carrier_at is not None:
+      out[carrier_at] = carrier
+    return tuple(out)
+
+  def host(*args):
+    if queues and carrier_at is not None:
+      c = args[carrier_at]
+      slot = int(c if not c.ndim else c.max()) & rule.SLOT_MASK
+      if waits(slot):
+        if not result_avals:
+          _sequence.submit(slot, _sequence.Job(functools.partial(
+              job, args, fixed if table is None else table[int(args[-1])])))
+          return zeros(args, c)
+        _sequence.wait_idle((slot,))
+    if table is None:
+      running = fixed
+    else:
+      running = table[int(args[-1])]
+      args = args[:-1]
+    if carrier_at is not None:
+      # The carrier holds the dispatching thread's slot, and FAILED once an
+      # earlier effect of its chain failed: as after a raise in Python, the
+      # later effects of the chain do not run.
+      carrier = args[carrier_at]
+      value = int(carrier) if not carrier.ndim else int(carrier.max())
+      if value & rule.FAILED:
+        received, carrier = carrier, rule.on_failed(carrier)
+        if carrier is None:
+          return zeros(args, received)
+        args = (*args[:carrier_at], carrier, *args[carrier_at + 1:])
+      slot = value & rule.SLOT_MASK
+    else:   # plain jax.jit: run on the dispatching thread if on one device
+      slot = 0 if running[0].per_device else _raising.current_slot()
+      if slot and _errors.has_deferred(slot):
+        return zeros(args, None)   # after an unreported failure: skipped
+    if reads_placement:   # (else _placement.current() finds ``running`` here)
+      prev = site.running
+      site.running = running
+    try:
+      results = fn(*args[passthrough:])
+      results = (_host_callback.check_results(what, results, result_avals) if result_avals
+                 else ())
+    except BaseException as exc:  # noqa: BLE001 - reported by the thread
+      if carrier_at is None:   # plain jax.jit: no carrier, no chain to skip
+        _raising.defer_error(exc, slot, inline=False)
+        return zeros(args, None)
+      return zeros(args, rule.fail(carrier, exc, slot))
+    finally:
+      if reads_placement:
+        site.running = prev
+    return (*args[:passthrough], *results)
+
+  queues, waits = _sequence.queues, _sequence.waits
+
+  def job(args, place) -> bool:
+    # (an effect behind a thread's waiting jobs, see _behind)
+    prev = site.running
+    site.running = place
+    try:
+      out = host(*args)
+    finally:
+      site.running = prev
+    return bool(int(np.max(out[carrier_at])) & rule.FAILED)
+
+  return host
+
+
+for _factory in (_threaded_once, _threaded_per_device, _general):
+  for _code in _factory.__code__.co_consts:
+    if isinstance(_code, types.CodeType) and _code.co_name == "host":
+      _placement.register_host_code(_code)

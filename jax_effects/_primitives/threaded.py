@@ -1,0 +1,120 @@
+"""``threaded_effect_p``: an effect after the token-threading pass.
+
+``threaded_effect_p`` is what the token-threading pass replaces it with::
+
+    token', carrier', results = threaded_effect_p(token, carrier, *args;
+                                                  host_callback, entry,
+                                                  ordered)
+
+``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
+effects of one chain are linked by it in the program. ``carrier`` is an
+``int32`` scalar standing for the same chain where a token cannot go (across
+``cond``/``while``/``scan`` boundaries, and out to the runtime token): the
+host callback takes it as an operand and returns it, a real data dependency
+XLA must respect, so it is what orders the lowered calls (the custom call
+does not take the token on CPU and GPU, see :func:`_threaded_lowering`). Its
+value is the dispatching thread's slot and the ``FAILED`` bit
+(``design/errors.md``); ``entry``: the carrier is the chain's runtime token
+and this effect runs once per execution, so a ``FAILED`` bit there is an
+earlier execution's and the host clears it; ``ordered``: the chain is an
+ordered one (its carrier comes from a runtime token; an unordered chain's
+starts at 0 in every execution). The primitive has *no* JAX-level
+effect, so after the pass JAX sees an effect-free function and ``jax.jit``'s
+C++ fast path stays in use.
+
+Both lower to one ``xla_ffi_python_*_callback`` custom call with
+``has_side_effect = true``. In a computation over several devices under
+automatic partitioning, where the effect runs once, that call is made
+inside a ``shard_map`` by the first device only (``first_device``:
+the carrier stays replicated, so no device waits in a collective for a
+callback); ``from_first_device_p`` takes a carrier from that device where
+per-device effects follow. An operand ``print``/``log`` will show summarized
+is cut to its edges before the call (``edges``); in that case the devices
+pass their parts of it to the host instead (``host_assembly``: every device
+makes a call, the first one's runs the effect).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_effects import _compat
+from jax_effects._primitives import edges as _edges
+from jax_effects._primitives import first_device as _first_device
+from jax_effects._primitives import host_assembly as _host_assembly
+from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._primitives import host_call as _host_call
+from jax_effects._runtime import placement as _placement
+
+threaded_effect_p = Primitive("jax_effects_threaded_effect")
+threaded_effect_p.multiple_results = True
+
+
+def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry,
+                            ordered):
+  del avals, entry, ordered
+  return [token, carrier, *host_callback.result_avals]
+
+
+threaded_effect_p.def_abstract_eval(_threaded_abstract_eval)
+
+
+def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
+                       ordered):
+  """Lowers one threaded effect to a host callback ``carrier', results =
+  host(carrier, *args)``.
+
+  The compiler token is threaded through the program by the pass, but the
+  custom call need not take it: the carrier is an operand and a result of
+  every effect of the chain, a data dependency that orders the call after
+  the chain's previous effect as the token would, and the token costs an
+  operand and a result of every call (about 3% of a whole dispatch). The
+  token operand is returned as this effect's token result; XLA removes the
+  unused ``create_token``. (On platforms without JAX's FFI callback target,
+  ``emit_python_callback`` takes the token itself.)
+
+  Operands with :class:`~jax_effects._primitives.edges.Edges`
+  (``print``/``log`` operands NumPy will summarize) are cut to their edges
+  first; under automatic partitioning over several devices the devices
+  pass their parts to the host instead, where ``host_assembly`` applies
+  (``ordered``: the carrier holds the dispatching thread's slot).
+  """
+  edges = _edges.of_operands(host_callback, len(args))
+  if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (
+      _first_device.once_across_devices(ctx)) and _host_assembly.applies(
+          ctx, host_callback, ctx.avals_in[2:], edges, ordered):
+    return [token, *_host_assembly.lower(ctx, host_callback, entry, carrier,
+                                         args, edges)]
+  if any(edges):
+    avals_in, args = _edges.cut(ctx, args, edges, first=2)
+    ctx = dataclasses.replace(ctx, avals_in=avals_in)   # (sets no tokens)
+  platforms = ctx.module_context.platforms
+  sharding = _compat.callback_op_sharding(
+      ctx.module_context.axis_context, None, ctx.avals_out[1:])
+  args = _host_call.gathered(ctx, args, ctx.avals_in[2:])
+  # Where it runs (device, shard): may add the partition id as an operand.
+  where, operands, avals_in = _placement.at_lowering(
+      ctx, [carrier, *args], list(ctx.avals_in[1:]))
+  host = _host_functions.host_function(host_callback, where, passthrough=1,
+                             threaded=True, avals_out=ctx.avals_out[1:],
+                             entry=entry)
+  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
+                                avals_out=ctx.avals_out[1:])
+  if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:
+    if _first_device.once_across_devices(ctx):
+      return [token, *_first_device.on_first_device(sub_ctx, host, operands)]
+    return [token, *_host_call.emit(sub_ctx, host, operands, sharding)]
+  # Other platforms (TPU): through emit_python_callback, which adds the token.
+  results, token, _ = mlir.emit_python_callback(
+      sub_ctx, host, token,
+      operands, sub_ctx.avals_in, sub_ctx.avals_out,
+      has_side_effect=True, returns_token=True, sharding=sharding)
+  return [token, *results]
+
+
+mlir.register_lowering(threaded_effect_p, _threaded_lowering, cacheable=False)
+# The lowering reads the device assignment: which device runs each callback
+# (device_id of log records, see _placement).
+_compat.require_devices_during_lowering(threaded_effect_p)

@@ -1,0 +1,101 @@
+"""Per-device runtime tokens: kept on their devices, combined for elsewhere.
+
+After a per-device (``shard_map``) program the returned token is a vector,
+one element per device (each device's chain); after a program whose effects
+ran once over several devices it is a scalar copied on each of them (the
+first device's copy is the chain's). Either stays on its devices
+(:func:`kept_on_devices`) as the next runtime token of a call over the same
+devices, so that call continues each device's chain with no copy; any other
+computation gets one scalar on the first device (:func:`combine`), ready
+only once every device's effects have run. In the deterministic view the
+held per-device output is released at that point (``output``).
+"""
+from __future__ import annotations
+
+import jax
+from jax.experimental import io_callback
+import jax.numpy as jnp
+import numpy as np
+
+from jax_effects import _compat
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import output as _output
+
+
+def kept_on_devices(token) -> bool:
+  """Whether ``token`` (returned by a computation) stays on its devices for
+  the next call of a program over them (:func:`tokens_for_sharding`).
+
+  So does one element per device (a ``shard_map`` program: each device's
+  chain) and a scalar over several devices (automatic partitioning: its
+  effects ran once, on the first device, whose copy is the chain's; the
+  others' copies are stale, see ``first_device.on_first_device``, and only
+  that program's devices other than the first read them, to pass them
+  through). Passing it back whole spares copying the first device's copy to
+  the others before every call (a third of a call on 8 CPU devices). A
+  thread's initial token (a NumPy scalar) is on no device.
+  """
+  if isinstance(token, np.generic):
+    return False
+  return bool(token.ndim) or len(token.sharding.device_set) > 1
+
+
+
+def tokens_for_sharding(state, keys, tokens: tuple, sharding) -> tuple:
+  """``tokens`` with each per-device token not on ``sharding`` combined.
+
+  A per-device runtime token (:func:`kept_on_devices`) can be handed as it is
+  only to a computation over the same devices (``sharding``: that of the
+  token the callee returned last time, or None). Any other computation gets
+  one scalar token on the first device, which is stored back: one element per
+  device combined (:func:`combine`), or of a scalar the first
+  device's copy (``_compat.uncommitted``).
+  """
+  out = []
+  for key, token in zip(keys, tokens):
+    if kept_on_devices(token) and (sharding is None
+                                   or token.sharding != sharding):
+      token = state.runtime[key] = (combine(token) if token.ndim
+                                    else _compat.uncommitted(token))
+    out.append(token)
+  state.per_device = any(kept_on_devices(t) for t in state.runtime.values())
+  return tuple(out)
+
+
+def _release_and_pass(token):
+  _output.release_held()
+  return token
+
+
+def _combine(*shards):
+  return jnp.max(jnp.concatenate([s.reshape((-1,)) for s in shards]))
+
+
+def _combine_and_release(*shards):
+  # The callback's result is the token: the next dispatch's effects follow
+  # the release.
+  return io_callback(_release_and_pass,
+                     jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE),
+                     _combine(*shards))
+
+
+_combine_jit = jax.jit(_combine)
+_combine_release_jit = jax.jit(_combine_and_release)
+
+
+def combine(token):
+  """The next runtime token from a per-device token (one element per device).
+
+  The elements are copied to the first device (plain copies, no collective)
+  and reduced there; the result, uncommitted on that device, is ready only
+  once every device's effects have run. In the deterministic view, the held
+  per-device output is released at that point (a host callback).
+  """
+  shards = [s.data for s in token.addressable_shards]
+  fn = _combine_release_jit if _output.holding() else _combine_jit
+  # Our own computation, on the token's devices: never the user's mesh.
+  with _compat.no_user_mesh():
+    moved = jax.device_put(shards, shards[0].device)
+    return _compat.uncommitted(fn(*moved))
+
+
