@@ -32,7 +32,11 @@ Measurements (per call unless noted):
     partitioning): plain; ours with one ordered no-op
     ``jax_effects.callback``, which runs once; JAX's unordered
     ``jax.debug.callback`` (reported, no target);
-(h) resident memory after 100,000 ordered calls minus after 1,000.
+(h) resident memory after 100,000 ordered calls minus after 1,000;
+(k) on 8 (simulated) devices, printing a float32 array of 2^24 elements
+    sharded over them, plus a reduction: plain step, ours, JAX's
+    ``jax.debug.print`` under ``jax.jit``; and operands shown whole, host
+    assembly against a gather on the devices (``bench_big``).
 
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -52,6 +56,8 @@ import statistics
 import sys
 import time
 from typing import Any, Callable
+
+from jax_effects._tools import bench_big
 
 N_DEVICES = 8
 
@@ -632,6 +638,7 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     "j_jax/ours": ("=", None, "jit over 8 devices, JAX's unordered debug.callback / ours (once)"),
     "j_ours/plain": ("=", None, "jit over 8 devices, ours with one callback / plain"),
     "h_growth_mb": ("<", 1.0, "RSS growth (MB), 100k vs 1k ordered calls"),
+    **bench_big.TARGETS,
 }
 
 
@@ -705,7 +712,7 @@ def main(argv=None) -> int:
   parser.add_argument("--compile-rounds", type=int, help="compiles per side in (f)")
   parser.add_argument("--memory-calls", type=int,
                       help="total ordered calls for (h) (base: 1/100 of it)")
-  parser.add_argument("--only", default="abcdefghj",
+  parser.add_argument("--only", default="abcdefghjk",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -733,6 +740,11 @@ def main(argv=None) -> int:
       ("g", lambda: bench_shard_map(rounds, max(10, calls // 4))),
       ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
+      ("k", lambda: bench_big.ratios(
+          *bench_big.bench_big_arrays(interleave, _quiet_output,
+                                      max(3, rounds // 3),
+                                      max(4, calls // 20)),
+          _ratio, _summary)),
   ]
   for letters, run in steps:
     if not only & set(letters):
