@@ -502,8 +502,8 @@ def test_order_holds_and_nothing_stalls_with_the_programs_collectives():
 def test_edges_under_vmap_shard_map_plain_jit_and_eagerly(mesh,
                                                           effects_capture):
   # Cut on the device (one device, per device in shard_map, per element
-  # under vmap), on the host (an eager vmap), or not at all (eager): the
-  # same text as the whole array's.
+  # under vmap, under plain jax.jit), or not at all (eagerly, vmap too):
+  # the same text as the whole array's.
   xs = jnp.arange(3 * 2000, dtype=jnp.float32).reshape(3, 2000) / 7
 
   def show(x):

@@ -16,12 +16,14 @@ edgeitems`` end entries, and only the edges need to leave the device.
   returns its :class:`Edges` (None: the whole array is shown and crosses).
 * :meth:`Edges.take` cuts a traced array to its edges (lowered where the
   array is whole: one device, or per device in ``shard_map``);
-  :meth:`Edges.take_numpy` does it on the host (an eager ``vmap``);
   ``host_assembly`` takes them from the shards of an array partitioned
-  over several devices.
+  over several devices. (An eager ``vmap`` hands the host the whole
+  values: a :class:`Summarized` of the whole array formats the same.)
 * :class:`Summarized` stands for the whole array on the host: ``str``,
   ``format`` and ``repr`` give exactly what the ``jax.Array`` of the whole
-  array gives, from the edges.
+  array gives, from the edges; :class:`Value` does the same for an operand
+  shown whole (:func:`host_values` picks one per operand). Neither calls
+  JAX inside a callback (:func:`array_repr`).
 
 Part in the token calling convention: none. An :class:`Edges` is attached to
 an effect's operand (``HostCallback.edges``); the effect's lowering decides
@@ -74,16 +76,6 @@ class Edges:
                            lax.slice_in_dim(x, n - e, n, axis=axis)], axis)
     return x
 
-  def take_numpy(self, x: np.ndarray) -> np.ndarray:
-    """The same as :meth:`take`, of a NumPy array."""
-    e = self.edgeitems
-    lead = x.ndim - len(self.shape)
-    for d in self.axes:
-      axis = lead + d
-      n = x.shape[axis]
-      keep = np.r_[0:e, n - e:n]
-      x = np.take(x, keep, axis=axis)
-    return x
 
 
 def plan(shape, options: dict) -> Edges | None:

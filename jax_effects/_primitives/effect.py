@@ -103,9 +103,6 @@ def _effect_impl(*args, host_callback, effect, ordered):
   # Python scalars take JAX's canonical dtypes, as they do under jit.
   np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
              for a in args]
-  edges = _edges.of_operands(host_callback, len(np_args))
-  np_args = [a if e is None else e.take_numpy(a)
-             for a, e in zip(np_args, edges)]
   results = host_callback(*np_args)
   return [jnp.asarray(r) for r in results]
 
@@ -301,7 +298,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   placement on every run and ``batch_once`` whether it runs once for a
   ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
-  ``fn`` receives the operands with edges cut to them.
+  under ``jit`` ``fn`` receives the operands with edges cut to them.
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)

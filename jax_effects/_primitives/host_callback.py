@@ -37,8 +37,9 @@ class HostCallback:
   run per element for control dependence (``jax_effects.progress``: one bar
   counts the batch); a batched operand is refused. ``edges``: an
   ``edges.Edges`` or None for each of the last ``len(edges)`` operands
-  (those the front end bound): ``fn`` receives that operand cut to its
-  edges (the lowering or the eager impl cuts it). Compared and hashed by
+  (those the front end bound): under ``jit`` ``fn`` receives that operand
+  cut to its edges (the lowering cuts it; eagerly it arrives whole, which
+  ``edges.Summarized`` formats the same). Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
