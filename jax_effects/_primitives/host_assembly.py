@@ -260,6 +260,12 @@ class Meeting:
   def __init__(self, num_devices: int):
     self.num_devices = num_devices
     self.parts: dict = collections.defaultdict(collections.deque)
+    _sequence.holders.add(self)
+
+  def forget(self, slot: int) -> None:
+    """Drops ``slot``'s parts (its jobs were given up; under the lock)."""
+    for key in [k for k in self.parts if k[0] == slot]:
+      del self.parts[key]
 
   def deposit(self, slot: int, device: int, parts: tuple) -> None:
     with _sequence.lock:

@@ -21,6 +21,11 @@ from jax_effects._runtime import sequence as _sequence
 from jax_effects._runtime import threads as _threads
 
 
+#: Seconds a barrier waits, once its computations have completed, for effects
+#: left to run on the host (``_runtime.sequence.wait_idle``).
+_PATIENCE_S = 60.0
+
+
 def in_host_callback() -> bool:
   """True while a compiled computation's host callback runs on this thread."""
   return _placement.current() is not None
@@ -51,7 +56,8 @@ def wait_quietly(all_threads: bool) -> None:
     _threads.wait_quietly(state.pending())
   _threads.wait_quietly(orphans)
   # (effects left to run on the host: _runtime.sequence)
-  _sequence.wait_idle(None if all_threads else (states[0].slot,))
+  _sequence.wait_idle(None if all_threads else (states[0].slot,),
+                      patience=_PATIENCE_S)
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
     jax.effects_barrier()
   except Exception:  # noqa: BLE001
@@ -63,7 +69,7 @@ def wait_for_thread() -> None:
   a failure is reported by the next call or barrier)."""
   state = _threads.thread_state()
   _threads.wait_quietly(state.pending())
-  _sequence.wait_idle((state.slot,))
+  _sequence.wait_idle((state.slot,), patience=_PATIENCE_S)
 
 
 def effects_barrier(all_threads: bool = False) -> None:
@@ -102,7 +108,8 @@ def effects_barrier(all_threads: bool = False) -> None:
       first_error = first_error or err
   # Effects left to run on the host once every device's part is there
   # (_runtime.sequence): every device's call has been made by now.
-  _sequence.wait_idle(None if all_threads else (states[0].slot,))
+  _sequence.wait_idle(None if all_threads else (states[0].slot,),
+                      patience=_PATIENCE_S)
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     jax.effects_barrier()
   except Exception as err:

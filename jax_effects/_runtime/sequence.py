@@ -30,7 +30,10 @@ call whose effect is left here unchanged).
 from __future__ import annotations
 
 import collections
+import sys
 import threading
+import time
+import weakref
 from typing import Callable
 
 __all__ = ["queues", "submit", "drain", "wait_idle", "Job"]
@@ -112,9 +115,47 @@ def drain(slot: int) -> None:
           _failed.add(slot)
 
 
-def wait_idle(slots=None) -> None:
-  """Blocks until ``slots`` (every slot if None) have no jobs."""
+#: Objects with ``forget(slot)`` (``host_assembly``'s meeting places),
+#: told when a slot's waiting jobs are given up (:func:`wait_idle`).
+holders: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def wait_idle(slots=None, patience: float | None = None) -> None:
+  """Blocks until ``slots`` (every slot if None) have no jobs.
+
+  ``patience`` (a barrier, once its computations have completed, so every
+  device's call has been made): after that many seconds, jobs still waiting
+  for a part are given up, with a message on stderr, and the parts of their
+  slots forgotten; a part can then only be missing because a device's
+  computation failed before making its call.
+  """
+  deadline = None if patience is None else time.monotonic() + patience
   with lock:
-    while any(s in queues for s in (list(queues) if slots is None
-                                    else slots)):
-      lock.wait()
+    while True:
+      pending = [s for s in (list(queues) if slots is None else slots)
+                 if s in queues]
+      if not pending:
+        return
+      if deadline is None:
+        lock.wait()
+        continue
+      left = deadline - time.monotonic()
+      if left > 0:
+        lock.wait(left)
+        continue
+      for s in pending:
+        if s not in _draining:
+          _give_up(s)
+      deadline = time.monotonic() + 1.0   # (one being run: wait for it)
+
+
+def _give_up(slot: int) -> None:
+  # (under the lock)
+  n = len(queues.pop(slot))
+  _failed.discard(slot)
+  for holder in list(holders):
+    holder.forget(slot)
+  lock.notify_all()
+  print(f"jax_effects: {n} effect(s) of a thread waited for parts of their "
+        f"operands that never came (a device's computation failed before "
+        f"reaching them?); they were given up", file=sys.stderr)
