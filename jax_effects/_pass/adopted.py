@@ -26,6 +26,11 @@ token-threading pass into ``threaded_effect_p`` equations, like
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
+A ``jax.debug.print`` whose operands NumPy will print summarized (under the
+print options JAX captured at its call site) passes only their edges to the
+host, from every device's part under automatic partitioning
+(:func:`summarized_print`, ``_primitives.edges``): the text is the same.
+
 Differences from JAX's own lowering: ``io_callback``'s ``sharding=`` (the
 device to run on) is ignored, the callback runs where ours run (the first
 device of the computation); output of adopted callbacks is JAX's own (no
