@@ -178,6 +178,10 @@ def on_first_device(ctx, value, aval):
   return wrap_with_sharding_op(ctx, value, aval, sharding)
 
 
+# Sharding annotations of ``_primitives.host_assembly`` (the per-device host
+# call of an effect whose operands are assembled on the host): Shardy's list
+# of per-result shardings (``SdyArrayList``, no public handle; same fields
+# on JAX 0.8-0.10) and, below, the annotations that keep its packing local.
 from jax._src.sharding_impls import SdyArrayList  # noqa: E402
 
 
@@ -186,7 +190,8 @@ def one_per_device(ctx, value, aval, num_devices: int):
   as tiled over the devices in order: the partitioner gives each device its
   own element (device ``i`` of the computation's device assignment holds
   element ``i``), with no data movement for a value computed in place (an
-  iota)."""
+  iota). Shardy: a one-axis inline mesh of the devices in order; GSPMD:
+  a tiled ``OpSharding``. JAX 0.8-0.10."""
   import jax
   if jax.config.jax_use_shardy_partitioner:
     sharding = SdyArray(
@@ -202,7 +207,8 @@ def one_per_device(ctx, value, aval, num_devices: int):
 
 def last_axis_whole(ctx, value, aval):
   """``value`` (of ``aval``) annotated with its last axis unsharded and the
-  others left to the partitioner (open/unspecified)."""
+  others left to the partitioner (Shardy: open dimensions; GSPMD: a
+  replicated sharding with the others unspecified). JAX 0.8-0.10."""
   import jax
   rows = range(len(aval.shape) - 1)
   if jax.config.jax_use_shardy_partitioner:
@@ -218,7 +224,7 @@ def last_axis_whole(ctx, value, aval):
 
 def replicated_results(avals):
   """The sharding annotation of an op whose results (of ``avals``) are all
-  replicated: the per-device host call of ``_host_assembly`` (JAX's
+  replicated: the per-device host call of ``host_assembly`` (JAX's
   partitioned callback target makes every result replicated; Shardy wants
   one ``SdyArray`` per result, GSPMD a tuple sharding). JAX 0.8-0.10."""
   import jax
