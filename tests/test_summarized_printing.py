@@ -1,20 +1,24 @@
 """Printing big and sharded arrays: only what is shown crosses (issue 22).
 
 Contract (``design/formatting.md``, "Summarized arrays"): an operand of
-``print``/``log`` that NumPy will print summarized reaches the host as its
-edges only, and prints exactly what ``jax.debug.print`` prints for the
-whole array; under automatic partitioning each device passes its part of
-the edges to the host, adding no collective to the compiled module.
+``print``/``log`` (or of an adopted ``jax.debug.print``) that NumPy will
+print summarized reaches the host as its edges only, and prints exactly what
+``jax.debug.print`` prints for the whole array; under automatic partitioning
+each device passes its part of the edges to the host, adding no collective
+to the compiled module, and the first device never waits for the others
+inside the computation.
 
 * The differential test generates thousands of cases (shapes, 0-d and
   empty included, dtypes, PRNG keys, shardings over the 8 devices, values
-  computed in the program, ``{}``/``{!r}``/``{!s}``/pytrees, NumPy print
-  options), prints them all from one ``jax_effects.jit`` program per batch
-  and from the same program with ``jax.debug.print`` under ``jax.jit``, and
-  compares the text of every case.
+  computed in the program, ``{}``/``{!r}``/``{!s}``/keywords/pytrees, NumPy
+  print options), prints them from one ``jax_effects.jit`` program per
+  batch, called with several sets of values, and compares the text of every
+  case with ``jax.debug.print``'s for the whole array.
 * The collective count compares the compiled module of programs printing
   big sharded arrays (top level, ``scan``, ``fori_loop``, ``cond``) with the
   same programs without the prints.
+* A program with dozens of big prints and its own collectives runs (no
+  device waits for another inside it), keeping every effect's order.
 """
 import contextlib
 import io
