@@ -179,6 +179,70 @@ def on_first_device(ctx, value, aval):
   return wrap_with_sharding_op(ctx, value, aval, sharding)
 
 
+# Sharding annotations of ``_primitives.host_assembly`` (the per-device host
+# call of an effect whose operands are assembled on the host): Shardy's list
+# of per-result shardings (``SdyArrayList``, no public handle; same fields
+# on JAX 0.8-0.10) and, below, the annotations that keep its packing local.
+from jax._src.sharding_impls import SdyArrayList  # noqa: E402
+
+
+def one_per_device(ctx, value, aval, num_devices: int):
+  """``value`` (of ``aval``, a vector of ``num_devices`` elements) annotated
+  as tiled over the devices in order: the partitioner gives each device its
+  own element (device ``i`` of the computation's device assignment holds
+  element ``i``), with no data movement for a value computed in place (an
+  iota). Shardy: a one-axis inline mesh of the devices in order; GSPMD:
+  a tiled ``OpSharding``. JAX 0.8-0.10."""
+  import jax
+  if jax.config.jax_use_shardy_partitioner:
+    sharding = SdyArray(
+        mesh_shape=(("jax_effects_devices", num_devices),),
+        dim_shardings=(SdyDim(axes=("jax_effects_devices",), is_open=False),))
+  else:
+    sharding = _xc.OpSharding()
+    sharding.type = _xc.OpSharding.Type.OTHER
+    sharding.tile_assignment_dimensions = [num_devices]
+    sharding.tile_assignment_devices = list(range(num_devices))
+  return wrap_with_sharding_op(ctx, value, aval, sharding)
+
+
+def last_axis_whole(ctx, value, aval):
+  """``value`` (of ``aval``) annotated with its last axis unsharded and the
+  others left to the partitioner (Shardy: open dimensions; GSPMD: a
+  replicated sharding with the others unspecified). JAX 0.8-0.10."""
+  import jax
+  rows = range(len(aval.shape) - 1)
+  if jax.config.jax_use_shardy_partitioner:
+    sharding = SdyArray(
+        mesh_shape=None,
+        dim_shardings=tuple(SdyDim(axes=(), is_open=d in rows)
+                            for d in range(len(aval.shape))))
+    return wrap_with_sharding_op(ctx, value, aval, sharding)
+  sharding = _xc.HloSharding.replicate().to_proto()
+  return wrap_with_sharding_op(ctx, value, aval, sharding,
+                               unspecified_dims=set(rows))
+
+
+def replicated_results(avals):
+  """The sharding annotation of an op whose results (of ``avals``) are all
+  replicated: the per-device host call of ``host_assembly`` (JAX's
+  partitioned callback target makes every result replicated; Shardy wants
+  one ``SdyArray`` per result, GSPMD a tuple sharding). JAX 0.8-0.10."""
+  import jax
+  if jax.config.jax_use_shardy_partitioner:
+    return SdyArrayList(tuple(
+        SdyArray(mesh_shape=(), dim_shardings=tuple(
+            SdyDim(axes=(), is_open=False) for _ in aval.shape))
+        for aval in avals))
+  if len(avals) == 1:
+    return _xc.HloSharding.replicate().to_proto()
+  sharding = _xc.OpSharding()
+  sharding.type = _xc.OpSharding.Type.TUPLE
+  sharding.tuple_shardings = [_xc.HloSharding.replicate().to_proto()
+                              for _ in avals]
+  return sharding
+
+
 def set_sharding(module_context, op, sharding) -> None:
   """Attaches ``sharding`` (OpSharding or SdyArray[List]) to the MLIR ``op``.
 
@@ -226,6 +290,26 @@ from jax._src.debugging import OrderedDebugEffect
 # always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
+
+# What ``jax.debug.print``'s callback does with its flat operands (rebuild the
+# arguments with the static ones, format under the call site's print options,
+# write the line or log the record): ``debug_print_impl`` builds it from
+# these two, then moves every operand to the CPU as a ``jax.Array``; an
+# adopted print whose operands arrive summarized (``_primitives.edges``)
+# calls it with our stand-ins instead. Same signatures on JAX 0.8-0.10.
+from jax._src.debugging import _format_print_callback  # noqa: E402
+from jax._src.debugging import _make_flat_callback  # noqa: E402
+
+
+def debug_print_callback(params):
+  """The flat callback ``jax.debug.print`` runs for an equation with
+  ``params``: ``callback(*values)`` formats and emits."""
+  import functools
+  callback = functools.partial(
+      _format_print_callback, params["fmt"], dict(params["np_printoptions"]),
+      params["has_placeholders"], params["logging_record"])
+  return _make_flat_callback(params["in_tree"], callback,
+                             params["static_args"])
 
 
 # The host side of adopted callbacks (``_frontends.adopted_host``) gives the user's

@@ -60,6 +60,7 @@ from jax import tree_util
 from jax_effects import _compat
 from jax_effects._frontends import printing as _printing
 from jax_effects._pass import adopted as _adopted
+from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import output as _output
 
@@ -366,20 +367,46 @@ def _caller(fn, in_tree, static_args) -> Callable[..., Any]:
   return call
 
 
-def debug_print(params: dict) -> Callable[..., tuple]:
+def print_edges(params: dict, avals: tuple) -> tuple:
+  """For an adopted ``jax.debug.print``: one ``edges.Edges`` per operand that
+  NumPy will print summarized under the print options its call site
+  captured, None for one shown whole (``_primitives.edges.plan``); ``()``
+  when every operand passes whole: none is summarized, the format has no
+  placeholders (JAX then formats with the options of the callback's thread,
+  unknown here), or it formats more than the arrays' text (a field reaching
+  into an argument, an argument structure other than tuples, lists and
+  dicts), which needs the whole array."""
+  if not params["has_placeholders"] or not _formats_only_values(params):
+    return ()
+  options = dict(params["np_printoptions"])
+  edges = tuple(
+      None if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+      else _edges.plan(a.shape, options) for a in avals)
+  return edges if any(e is not None for e in edges) else ()
+
+
+def _formats_only_values(params: dict) -> bool:
+  """Whether formatting the print's arguments only ``str``s, ``repr``s or
+  formats the array values (then NumPy values stand for them)."""
+  in_tree = params["in_tree"]
+  args_, kwargs_ = tree_util.tree_unflatten(
+      in_tree, [_Slot(i) for i in range(in_tree.num_leaves)])
+  return not _reaches_into_arguments(params["fmt"]) and all(
+      _plain_structure(a) for a in (*args_, *kwargs_.values()))
+
+
+def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
   """Host side of an adopted ``jax.debug.print``/``jax.debug.log``
   (``debug_print_p``'s params): the text of JAX's ``_format_print_callback``,
-  delivered through ``_output``."""
+  delivered through ``_output``. ``edges``: :func:`print_edges` (the
+  operands that arrive as their edges, formatted as the whole arrays)."""
   fmt = params["fmt"]
   options = dict(params["np_printoptions"])
   has_placeholders = params["has_placeholders"]
   record = params["logging_record"]
   in_tree = params["in_tree"]
   rebuild = _rebuilder(in_tree, params["static_args"])
-  args_, kwargs_ = tree_util.tree_unflatten(
-      in_tree, [_Slot(i) for i in range(in_tree.num_leaves)])
-  from_numpy = not _reaches_into_arguments(fmt) and all(
-      _plain_structure(a) for a in (*args_, *kwargs_.values()))
+  from_numpy = _formats_only_values(params)
   Value = _printing.Value
   get_printoptions = np.get_printoptions
   printoptions = np.printoptions
@@ -397,7 +424,14 @@ def debug_print(params: dict) -> Callable[..., tuple]:
     with printoptions(**options):
       return fmt.format(*args, **kwargs)
 
-  if from_numpy:
+  if edges:   # (only where from_numpy)
+    Summarized = _edges.Summarized
+    shapes = [None if e is None else e.shape for e in edges]
+
+    def message(operands) -> str:
+      return text([Value(x) if s is None else Summarized(x, s)
+                   for x, s in zip(operands, shapes)])
+  elif from_numpy:
     def message(operands) -> str:
       return text([Value(x) for x in operands])
   else:
@@ -445,19 +479,25 @@ def debug_print(params: dict) -> Callable[..., tuple]:
 _ADOPTED = "(adopted by jax_effects.jit)"
 
 
-def _print_host_callback(params: dict) -> _host_callback.HostCallback:
+def _print_host_callback(params: dict,
+                         avals: tuple) -> _host_callback.HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
-  return _host_callback.HostCallback(debug_print(params),
+  edges = print_edges(params, avals)
+  return _host_callback.HostCallback(debug_print(params, edges),
                             f"{what}({params['fmt']!r}) {_ADOPTED}",
-                            reads_placement=True)
+                            reads_placement=True, edges=edges)
 
 
-def _debug_callback_host_callback(params: dict) -> _host_callback.HostCallback:
+def _debug_callback_host_callback(params: dict,
+                                  avals: tuple) -> _host_callback.HostCallback:
+  del avals
   return _host_callback.HostCallback(debug_callback(params),
                             f"jax.debug.callback {_ADOPTED}")
 
 
-def _io_callback_host_callback(params: dict) -> _host_callback.HostCallback:
+def _io_callback_host_callback(params: dict,
+                               avals: tuple) -> _host_callback.HostCallback:
+  del avals
   result_avals = tuple(params["result_avals"])
   return _host_callback.HostCallback(io_callback(params, result_avals),
                             f"jax.experimental.io_callback {_ADOPTED}",

@@ -205,7 +205,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   levelno = _resolve_level(what, level)
   pathname, lineno, func, sinfo = _caller(what, stacklevel, stack_info)
   exc = _resolve_exc_info(exc_info)
-  operands, eager, jit = _printing.formatter(what, fmt, args, kwargs)
+  operands, eager, jit, edges = _printing.formatter(what, fmt, args, kwargs)
   extra_operands, extra_values = _split_extra(what, extra)
   n = len(operands)
   process_index = jax.process_index()
@@ -246,4 +246,5 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
 
   _primitives.bind_effect(emit, what, [*operands, *extra_operands],
                           effect=effect, ordered=ordered, eager=emit_eager,
-                          reads_placement=True)
+                          reads_placement=True,
+                          edges=(*edges, *(None,) * len(extra_operands)))

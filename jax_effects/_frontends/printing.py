@@ -23,6 +23,7 @@ import numpy as np
 from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
+from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import effect as _primitives
 from jax_effects._runtime import output as _output
 
@@ -143,31 +144,8 @@ def _cpu():
   return _cpu_device[0]
 
 
-class Value:
-  """An array argument as the host callback formats it.
-
-  ``jax.debug.print`` formats ``jax.Array`` values; a format field can only
-  format, ``str``, ``repr`` or ``ascii`` an argument (attribute and index
-  access are refused at trace time), and each of these gives what the
-  ``jax.Array`` gives: ``format`` and ``str`` from the NumPy value (as
-  ``jax.Array`` does), ``repr`` from a ``jax.Array`` made on the CPU only
-  then (inside containers and for ``!r``), so the common case stays
-  NumPy-cheap.
-  """
-  __slots__ = ("value",)
-
-  def __init__(self, value: np.ndarray):
-    self.value = value
-
-  def __format__(self, spec):
-    v = self.value
-    return format(v[()] if v.ndim == 0 else v, spec)
-
-  def __str__(self):
-    return str(self.value)
-
-  def __repr__(self):
-    return repr(jax.device_put(self.value, _cpu()))
+#: An array operand as the host callback formats it (``_edges.Value``).
+Value = _edges.Value
 
 
 def printoptions():
@@ -176,13 +154,17 @@ def printoptions():
 
 
 def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
-  """Checks ``fmt`` against the arguments; returns ``(operands, eager, jit)``.
+  """Checks ``fmt`` against the arguments; returns ``(operands, eager, jit,
+  edges)``.
 
   ``jit(*np_operands)`` and ``eager(*operands)`` return the formatted text:
   the first for values arriving from a compiled computation (as NumPy
   arrays), the second for the values bound outside any trace (as
   ``jax.debug.print`` formats them eagerly: ``jax.Array`` on the CPU, key
-  arrays as keys, Python scalars weakly typed).
+  arrays as keys, Python scalars weakly typed). ``edges``: per operand, the
+  ``_edges.Edges`` NumPy will show of it under the print options in effect
+  here, or None (shown whole); ``jit`` receives such an operand cut to its
+  edges (bind with ``edges=``) and formats it as the whole array.
   """
   check_format(what, fmt, args, kwargs)
   fa = _arguments.split_for_format(what, args, kwargs)
@@ -190,6 +172,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   options = printoptions()
   rebuild = fa.rebuild
   key_impls = fa.key_impls
+  edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
 
   def fmt_values(values):
     a, k = rebuild(values)
@@ -198,8 +181,12 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
     with np.printoptions(**options):
       return fmt.format(*a, **k)
 
-  def jit(*np_operands):
-    return fmt_values([Value(x) for x in np_operands])
+  if any(e is not None for e in edges):
+    def jit(*np_operands):
+      return fmt_values(_edges.host_values(np_operands, edges))
+  else:
+    def jit(*np_operands):
+      return fmt_values([Value(x) for x in np_operands])
 
   def eager(*operands):
     cpu = _cpu()
@@ -210,7 +197,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
       values.append(jax.device_put(x, cpu))
     return fmt_values(values)
 
-  return fa.operands, eager, jit
+  return fa.operands, eager, jit, edges
 
 
 def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
@@ -239,7 +226,7 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   """
   what = f"jax_effects.print({fmt!r})"
   effect, ordered = _effects.resolve(what, effect, ordered)
-  operands, eager, jit = formatter(what, fmt, args, kwargs)
+  operands, eager, jit, edges = formatter(what, fmt, args, kwargs)
 
   def emit(*np_operands):
     # Per-device lines get a "[device D shard S process P] " prefix.
@@ -250,4 +237,4 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
     _output.deliver_line(eager(*operands), ordered)
 
   _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
-                          eager=emit_eager, reads_placement=True)
+                          eager=emit_eager, reads_placement=True, edges=edges)

@@ -31,6 +31,11 @@ token-threading pass into ``threaded_effect_p`` equations, like
 * after the pass no JAX effect is left, so ``jax.jit``'s C++ fast path
   dispatches the function.
 
+A ``jax.debug.print`` whose operands NumPy will print summarized (under the
+print options JAX captured at its call site) passes only their edges to the
+host, from every device's part under automatic partitioning
+(``_frontends.adopted_host``, ``_primitives.edges``): the text is the same.
+
 Differences from JAX's own lowering: ``io_callback``'s ``sharding=`` (the
 device to run on) is ignored, the callback runs where ours run (the first
 device of the computation); an ordered ``io_callback`` under ``vmap`` is
@@ -67,16 +72,17 @@ def chain_key(effect, mode: str):
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
 
 
-# primitive -> ``host_side(params) -> HostCallback``: the host side of each
+# primitive -> ``host_side(params, avals) -> HostCallback`` (``avals``: the
+# equation's operands'): the host side of each
 # adopted primitive, registered by ``_frontends.adopted_host`` (a front end:
 # it formats as ``_frontends.printing`` does; imported by the package).
 _host_sides: dict = {}
 
 
 def register_host_side(primitive, host_side) -> None:
-  """Registers ``host_side(params)``, the
+  """Registers ``host_side(params, avals)``, the
   :class:`~jax_effects._primitives.host_callback.HostCallback` that runs an
-  adopted ``primitive`` equation."""
+  adopted ``primitive`` equation (``avals``: its operands')."""
   _host_sides[primitive] = host_side
 
 
@@ -92,7 +98,7 @@ def adopt(eqn):
   if host_side is None or params.get("partitioned"):
     return None
   (effect,) = [e for e in eqn.effects if is_adoptable_effect(e)]
-  return host_side(params), effect
+  return host_side(params, tuple(v.aval for v in eqn.invars)), effect
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

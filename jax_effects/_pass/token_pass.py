@@ -238,7 +238,8 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # full rematerialization", a warning JAX's program does not get).
     carrier = jnp.max(carrier)
   token, carrier, *results = _threaded.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=host_callback, entry=entry)
+      token, carrier, *invals, host_callback=host_callback, entry=entry,
+      ordered=key is not _effects.UNORDERED)
   if shape:
     # The chain stays per device (a loop's carry must keep its type; at the
     # top level the token stays one element per device, so the deterministic

@@ -53,6 +53,7 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
+from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
@@ -128,10 +129,14 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
   token = ctx.tokens_in.get(marker) if ordered else None
-  args = _host_call.gathered(ctx, args, ctx.avals_in)
+  edges = _edges.of_operands(host_callback, len(args))
+  avals_in = list(ctx.avals_in)
+  if any(edges):   # (summarized operands: only their edges cross)
+    avals_in, args = _edges.cut(ctx, args, edges, first=0)
+  args = _host_call.gathered(ctx, args, avals_in)
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
-      ctx, list(args), list(ctx.avals_in))
+      ctx, list(args), avals_in)
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
   host = _host_functions.host_function(host_callback, where, passthrough=0,
                              threaded=False, avals_out=ctx.avals_out)
@@ -287,7 +292,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
                 reads_placement: bool = False,
-                batch_once: bool = False) -> list:
+                batch_once: bool = False, edges: tuple = ()) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -295,7 +300,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   ``eager`` its eager form, ``reads_placement`` whether it reads its
   placement on every run and ``batch_once`` whether it runs once for a
   ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
-  built here, complete).
+  built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
+  under ``jit`` ``fn`` receives the operands with edges cut to them.
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -306,6 +312,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
-      reads_placement=reads_placement, batch_once=batch_once)
+      reads_placement=reads_placement, batch_once=batch_once,
+      edges=tuple(edges))
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

@@ -24,7 +24,7 @@ FFI_TARGETS = {"cpu": "xla_ffi_python_cpu_callback",
 _ffi_lowerings: dict[str, Callable] = {}
 
 
-def emit(ctx, host, operands, sharding):
+def emit(ctx, host, operands, sharding, target=None):
   """Emits the side-effecting Python-callback custom call for ``host``.
 
   What ``mlir.emit_python_callback`` emits (same target, ``index`` attribute,
@@ -32,9 +32,11 @@ def emit(ctx, host, operands, sharding):
   re-checks every result and costs more than the rest of the callback, and
   minus the compiler token: the carrier operand orders the call after the
   chain's previous effect (see ``_threaded_lowering``). ``ctx`` has the
-  operands' and results' avals. Returns the op's results.
+  operands' and results' avals. Returns the op's results. ``target``: another
+  of jaxlib's callback targets (``host_assembly``'s partitioned one).
   """
-  target = FFI_TARGETS[ctx.module_context.platforms[0]]
+  if target is None:
+    target = FFI_TARGETS[ctx.module_context.platforms[0]]
   lower = _ffi_lowerings.get(target)
   if lower is None:
     lower = _ffi_lowerings[target] = jax.ffi.build_ffi_lowering_function(

@@ -36,7 +36,11 @@ class HostCallback:
   the host function sets ``_runtime.placement.site`` for it. ``batch_once``:
   runs once for a whole ``vmap`` batch, also where ``vmap`` makes an effect
   run per element for control dependence (``jax_effects.progress``: one bar
-  counts the batch); a batched operand is refused. Compared and hashed by
+  counts the batch); a batched operand is refused. ``edges``: an
+  ``edges.Edges`` or None for each of the last ``len(edges)`` operands
+  (those the front end bound): under ``jit`` ``fn`` receives that operand
+  cut to its edges (the lowering cuts it; eagerly it arrives whole, which
+  ``edges.Summarized`` formats the same). Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
@@ -47,6 +51,7 @@ class HostCallback:
   eager: Callable[..., None] | None = None
   reads_placement: bool = False
   batch_once: bool = False
+  edges: tuple = ()
 
   def __repr__(self):
     return f"<host callback {self.description}>"

@@ -13,6 +13,7 @@ computation: it is deferred to the dispatching thread, which raises it once
 """
 from __future__ import annotations
 
+import functools
 import operator
 import types
 from typing import Sequence
@@ -23,6 +24,7 @@ from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import sequence as _sequence
 
 
 # --- the function XLA calls ------------------------------------------------------------
@@ -74,6 +76,32 @@ def _setting_site(fn, running):
     finally:
       site.running = prev
   return placed
+
+
+def _behind(run, running, result_avals, skipped):
+  """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
+  (``_runtime.sequence``) runs after them: as a job of its own (with its
+  placement set for it), or, if it has results, once they have run."""
+  FAILED = int(_errors.FAILED)
+  site = _placement.site
+
+  def behind(slot, carrier, args):
+    if result_avals:
+      _sequence.wait_idle((slot,))
+      return run(carrier, args)
+
+    def job() -> bool:
+      prev = site.running
+      site.running = running
+      try:
+        return bool(int(run(carrier, args)[0]) & FAILED)
+      finally:
+        site.running = prev
+
+    _sequence.submit(slot, _sequence.Job(job))
+    return (carrier, *skipped)
+
+  return behind
 
 
 # The host functions below set nothing per run for ``_runtime.placement.current()``:
@@ -155,9 +183,14 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return failed(carrier, exc)
     return (carrier,)
 
+  behind = _behind(run, running, result_avals, skipped_results)
+  queues, waits = _sequence.queues, _sequence.waits
+
   if n_operands == 1 and not result_avals:
     # The common case (one operand, no result): no packing, no other frame.
     def host(carrier, x, *, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, (x,))
       if index(carrier) & FAILED:
         return run(carrier, (x,))
       try:
@@ -167,6 +200,8 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return (carrier,)
   else:
     def host(carrier, *args, running=running):
+      if queues and waits(index(carrier) & SLOT_MASK):
+        return behind(index(carrier) & SLOT_MASK, carrier, args)
       return run(carrier, args)
   return host
 
@@ -188,6 +223,10 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
   index = operator.index
 
   def host(carrier, *args):
+    if queues and waits(index(carrier) & SLOT_MASK):
+      behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
+                       result_avals, skipped_results)
+      return behind(index(carrier) & SLOT_MASK, carrier, args)
     if index(carrier) & FAILED:
       received, carrier = carrier, rule.on_failed(carrier)
       if carrier is None:
@@ -204,6 +243,8 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
               *skipped_results)
     del running
     return (carrier,)
+
+  queues, waits = _sequence.queues, _sequence.waits
   return host
 
 
@@ -232,6 +273,15 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
     return tuple(out)
 
   def host(*args):
+    if queues and carrier_at is not None:
+      c = args[carrier_at]
+      slot = int(c if not c.ndim else c.max()) & rule.SLOT_MASK
+      if waits(slot):
+        if not result_avals:
+          _sequence.submit(slot, _sequence.Job(functools.partial(
+              job, args, fixed if table is None else table[int(args[-1])])))
+          return zeros(args, c)
+        _sequence.wait_idle((slot,))
     if table is None:
       running = fixed
     else:
@@ -269,6 +319,19 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       if reads_placement:
         site.running = prev
     return (*args[:passthrough], *results)
+
+  queues, waits = _sequence.queues, _sequence.waits
+
+  def job(args, place) -> bool:
+    # (an effect behind a thread's waiting jobs, see _behind)
+    prev = site.running
+    site.running = place
+    try:
+      out = host(*args)
+    finally:
+      site.running = prev
+    return bool(int(np.max(out[carrier_at])) & rule.FAILED)
+
   return host
 
 

@@ -3,7 +3,8 @@
 ``threaded_effect_p`` is what the token-threading pass replaces it with::
 
     token', carrier', results = threaded_effect_p(token, carrier, *args;
-                                                  host_callback, entry)
+                                                  host_callback, entry,
+                                                  ordered)
 
 ``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
 effects of one chain are linked by it in the program. ``carrier`` is an
@@ -15,7 +16,9 @@ does not take the token on CPU and GPU, see :func:`_threaded_lowering`). Its
 value is the dispatching thread's slot and the ``FAILED`` bit
 (``design/errors.md``); ``entry``: the carrier is the chain's runtime token
 and this effect runs once per execution, so a ``FAILED`` bit there is an
-earlier execution's and the host clears it. The primitive has *no* JAX-level
+earlier execution's and the host clears it; ``ordered``: the chain is an
+ordered one (its carrier comes from a runtime token; an unordered chain's
+starts at 0 in every execution). The primitive has *no* JAX-level
 effect, so after the pass JAX sees an effect-free function and ``jax.jit``'s
 C++ fast path stays in use.
 
@@ -25,7 +28,10 @@ automatic partitioning, where the effect runs once, that call is made
 inside a ``shard_map`` by the first device only (``first_device``:
 the carrier stays replicated, so no device waits in a collective for a
 callback); ``from_first_device_p`` takes a carrier from that device where
-per-device effects follow.
+per-device effects follow. An operand ``print``/``log`` will show summarized
+is cut to its edges before the call (``edges``); in that case the devices
+pass their parts of it to the host instead (``host_assembly``: every device
+makes a call, the first one's runs the effect).
 
 It has no eager rule of its own: it exists only inside a threaded
 computation. The one place it is evaluated outside one is JAX's
@@ -45,7 +51,9 @@ from jax.interpreters import mlir
 import jax.numpy as jnp
 
 from jax_effects import _compat
+from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import first_device as _first_device
+from jax_effects._primitives import host_assembly as _host_assembly
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import placement as _placement
@@ -54,8 +62,9 @@ threaded_effect_p = Primitive("jax_effects_threaded_effect")
 threaded_effect_p.multiple_results = True
 
 
-def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry):
-  del avals, entry
+def _threaded_abstract_eval(token, carrier, *avals, host_callback, entry,
+                            ordered):
+  del avals, entry, ordered
   return [token, carrier, *host_callback.result_avals]
 
 
@@ -76,8 +85,9 @@ def already_ran():
     _replaying.on = previous
 
 
-def _threaded_impl(token, carrier, *args, host_callback, entry):
-  del args, entry
+def _threaded_impl(token, carrier, *args, host_callback, entry,
+                   ordered=True):
+  del args, entry, ordered
   if not getattr(_replaying, "on", False):
     raise NotImplementedError(
         f"jax_effects: the threaded effect of {host_callback} runs only "
@@ -90,7 +100,8 @@ def _threaded_impl(token, carrier, *args, host_callback, entry):
 threaded_effect_p.def_impl(_threaded_impl)
 
 
-def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
+def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
+                       ordered):
   """Lowers one threaded effect to a host callback ``carrier', results =
   host(carrier, *args)``.
 
@@ -102,7 +113,22 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry):
   token operand is returned as this effect's token result; XLA removes the
   unused ``create_token``. (On platforms without JAX's FFI callback target,
   ``emit_python_callback`` takes the token itself.)
+
+  Operands with :class:`~jax_effects._primitives.edges.Edges`
+  (``print``/``log`` operands NumPy will summarize) are cut to their edges
+  first; under automatic partitioning over several devices the devices
+  pass their parts to the host instead, where ``host_assembly`` applies
+  (``ordered``: the carrier holds the dispatching thread's slot).
   """
+  edges = _edges.of_operands(host_callback, len(args))
+  if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (
+      _first_device.once_across_devices(ctx)) and _host_assembly.applies(
+          ctx, host_callback, ctx.avals_in[2:], edges, ordered):
+    return [token, *_host_assembly.lower(ctx, host_callback, entry, carrier,
+                                         args, edges)]
+  if any(edges):
+    avals_in, args = _edges.cut(ctx, args, edges, first=2)
+    ctx = dataclasses.replace(ctx, avals_in=avals_in)   # (sets no tokens)
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])

@@ -16,7 +16,13 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import sequence as _sequence
 from jax_effects._runtime import threads as _threads
+
+
+#: Seconds a barrier waits, once its computations have completed, for effects
+#: left to run on the host (``_runtime.sequence.wait_idle``).
+_PATIENCE_S = 60.0
 
 
 def in_host_callback() -> bool:
@@ -48,6 +54,10 @@ def wait_quietly(all_threads: bool) -> None:
   for state in states:
     _threads.wait_quietly(state.pending())
   _threads.wait_quietly(orphans)
+  # (effects left to run on the host: _runtime.sequence)
+  if all_threads or states:   # (a thread with no state queued nothing)
+    _sequence.wait_idle(None if all_threads else (states[0].slot,),
+                        patience=_PATIENCE_S)
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
     _jax_api.effects_barrier()
   except Exception:  # noqa: BLE001
@@ -57,7 +67,9 @@ def wait_quietly(all_threads: bool) -> None:
 def wait_for_thread() -> None:
   """Blocks until this thread's dispatched effects have run (raises nothing:
   a failure is reported by the next call or barrier)."""
-  _threads.wait_quietly(_threads.thread_state().pending())
+  state = _threads.thread_state()
+  _threads.wait_quietly(state.pending())
+  _sequence.wait_idle((state.slot,), patience=_PATIENCE_S)
 
 
 def effects_barrier(all_threads: bool = False) -> None:
@@ -96,6 +108,11 @@ def effects_barrier(all_threads: bool = False) -> None:
       token.block_until_ready()
     except Exception as err:  # noqa: BLE001
       first_error = first_error or err
+  # Effects left to run on the host once every device's part is there
+  # (_runtime.sequence): every device's call has been made by now.
+  if all_threads or states:   # (a thread with no state queued nothing)
+    _sequence.wait_idle(None if all_threads else (states[0].slot,),
+                        patience=_PATIENCE_S)
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     _jax_api.effects_barrier()
   except Exception as err:

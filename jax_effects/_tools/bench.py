@@ -39,8 +39,11 @@ Measurements (per call unless noted):
 (h) resident memory after 100,000 ordered calls minus after 1,000;
 (k) a 100,000-step ``scan`` multiplying two 64x64 matrices per step: plain,
     with a ``jax_effects.progress`` bar updated every step (``every=100``),
-    and jax-tqdm's ``scan_tqdm`` (when ``jax_tqdm`` is installed; reported).
-
+    and jax-tqdm's ``scan_tqdm`` (when ``jax_tqdm`` is installed; reported);
+(m) on 8 (simulated) devices, printing a float32 array of 2^24 elements
+    sharded over them, plus a reduction: plain step, ours, JAX's
+    ``jax.debug.print`` under ``jax.jit``; and operands shown whole, host
+    assembly against a gather on the devices (``bench_big``).
 ``--quick`` scales the sizes down (its report says which were measured).
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -62,6 +65,8 @@ import statistics
 import sys
 import time
 from typing import Any, Callable
+
+from jax_effects._tools import bench_big
 
 N_DEVICES = 8
 
@@ -769,8 +774,9 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
                                     "(print_rate=100) / without"),
     "l_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
     "l_dbg_jax/adopted": (">=", 5.0, "jax.debug.callback in a loop, under jax.jit / adopted"),
-    "l_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),}
-
+    "l_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),
+    **bench_big.TARGETS,
+}
 
 def machine() -> dict:
   import jax
@@ -846,8 +852,7 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjkl",
-                      help="which measurements to run, e.g. 'abcd' or 'h' "
+  parser.add_argument("--only", default="abcdefghjklm",                      help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
   args = parser.parse_args(argv)
@@ -881,6 +886,11 @@ def main(argv=None) -> int:
       ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
       ("k", lambda: bench_progress(3, progress_steps)),
+      ("m", lambda: bench_big.ratios(
+          *bench_big.bench_big_arrays(interleave, _quiet_output,
+                                      max(3, rounds // 3),
+                                      max(4, calls // 20)),
+          _ratio, _summary)),
   ]
   for letters, run in steps:
     if not only & set(letters):

@@ -1,0 +1,427 @@
+"""Operands of a once-effect assembled on the host from the devices' parts.
+
+Under automatic partitioning over several devices an effect runs once, on
+the first device (``first_device``), and receives its operands whole: a
+sharded operand is gathered onto every device first (an all-gather, a
+collective in which every device waits). For an operand NumPy will print
+summarized (``edges``) that moves the whole array to print a few dozen
+numbers. Here instead every device passes the part it holds of what the
+host needs (the edges, or the whole array) to its own host call, and the
+parts are assembled on the host, where the effect runs once: no collective
+is added, whatever the operand's sharding.
+
+The lowering (:func:`lower`), one custom call per device::
+
+    carrier', *results = partitioned_host_call(carrier, *parts, device_id)
+
+* ``parts``: per array operand, a ``uint32`` array of shape ``(*rows,
+  1 + words)`` computed from the operand by operations every sharding
+  keeps local (:class:`Layout`): each axis of length ``n`` is split into
+  ``m = gcd(n, devices)`` *rows* (an evenly sharded axis is sharded along
+  its rows: its shard count divides both), the columns of each row are cut
+  to the ``edgeitems`` at either end where the axis is summarized, the
+  values are reinterpreted as 32-bit words, and each row carries its own
+  index (the words axis is annotated unsharded). The partitioner gives each
+  device's call the rows it holds (JAX's
+  ``xla_ffi_partitioned_python_*_callback`` target, which XLA partitions by
+  passing the operands' local parts as they are).
+* ``device_id``: an iota over the devices annotated one element per device.
+* Every device's call but the first's leaves its parts in the call site's
+  :class:`Meeting` and returns its carrier unchanged. The first device's
+  call runs the effect (``host_functions.host_function``: placement,
+  ``FAILED``, deferred errors as for any effect that runs once) with each
+  operand assembled from every device's part (its own last, so a value only
+  it holds wins) if they are all there; else it leaves the effect as a job
+  of its thread (``_runtime.sequence``), which the call bringing the last
+  part runs, and returns. It never waits for the others inside the
+  computation: XLA's CPU runtime runs each device's program in its own
+  order, and another device may first enter one of the program's
+  collectives, which waits for the first device (a deadlock). The first
+  device's carrier is the chain's (the others' are stale copies, never
+  read, as in ``first_device``).
+* Parts are matched by the dispatching thread's slot (the carrier, which an
+  ordered chain carries from its runtime token) and, per device, in order:
+  each device runs a thread's executions of one ordered chain in dispatch
+  order (each execution takes the runtime token the previous one returned),
+  and its calls of one site within an execution in program order.
+
+Used where it applies (:func:`applies`): an ordered effect without results
+(its results would be needed by the program before the parts are there),
+lowered for CPU or GPU (JAX's partitioned callback target), every device in
+this process (the parts meet in this process's memory). Elsewhere operands
+are cut (``edges.cut``) and gathered as before.
+
+Part in the token calling convention: the carrier enters and leaves every
+device's call, as ``first_device``'s ``shard_map`` passes it; nothing else
+changes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+from jax_effects import _compat
+from jax_effects._primitives import edges as _edges
+from jax_effects._primitives import host_call as _host_call
+from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import sequence as _sequence
+
+__all__ = ["Layout", "applies", "lower"]
+
+#: Whether an effect none of whose operands is summarized (every array shown
+#: whole) assembles its sharded operands on the host too, rather than
+#: gathering them on the devices (``_on_first_device``). Measured by
+#: ``python -m jax_effects bench`` (row k): see ``design/formatting.md``.
+WHOLE_ON_HOST = False
+
+# --- values as 32-bit words -------------------------------------------------
+
+def _bits(dtype) -> int:
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return 8
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return 8 * dtype.itemsize
+  return jnp.finfo(dtype).bits
+
+
+_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+def _words_per_value(dtype) -> int:
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return 2 * _words_per_value(np.finfo(dtype).dtype)
+  return 2 if _bits(dtype) == 64 else 1
+
+
+def _to_words(y):
+  """``y`` (traced) as ``uint32`` words, ``(*y.shape, k)``: elementwise
+  operations and a stack on a new last axis, which every sharding keeps
+  local (a bitcast that adds an axis is not: GSPMD gathers it)."""
+  dtype = np.dtype(y.dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    parts = [_to_words(lax.real(y)), _to_words(lax.imag(y))]
+    return jnp.concatenate(parts, axis=-1)
+  if dtype == np.bool_:
+    return y.astype(jnp.uint32)[..., None]
+  bits = _bits(dtype)
+  if bits < 8:   # int4/uint4/float4: widened (exactly) to a whole byte
+    wide = (jnp.float32 if jnp.issubdtype(dtype, jnp.floating)
+            else jnp.int8 if jnp.issubdtype(dtype, jnp.signedinteger)
+            else jnp.uint8)
+    return _to_words(y.astype(wide))
+  u = lax.bitcast_convert_type(y, _UINT[bits])
+  if bits <= 32:
+    return u.astype(jnp.uint32)[..., None]
+  lo = (u & jnp.uint64(0xFFFFFFFF)).astype(jnp.uint32)
+  hi = (u >> jnp.uint64(32)).astype(jnp.uint32)
+  return jnp.stack([lo, hi], axis=-1)
+
+
+def _from_words(w: np.ndarray, dtype) -> np.ndarray:
+  """The inverse of :func:`_to_words` on the host: ``w`` is ``(..., k)``."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    part = np.finfo(dtype).dtype
+    k = _words_per_value(part)
+    out = np.empty(w.shape[:-1], dtype)
+    out.real = _from_words(w[..., :k], part)
+    out.imag = _from_words(w[..., k:], part)
+    return out
+  if dtype == np.bool_:
+    return w[..., 0] != 0
+  bits = _bits(dtype)
+  if bits < 8:
+    wide = (np.float32 if jnp.issubdtype(dtype, jnp.floating)
+            else np.int8 if jnp.issubdtype(dtype, jnp.signedinteger)
+            else np.uint8)
+    return _from_words(w, wide).astype(dtype)
+  if bits <= 32:
+    return w[..., 0].astype(np.dtype(f"uint{bits}")).view(dtype)
+  u = w[..., 0].astype(np.uint64) | (w[..., 1].astype(np.uint64) << np.uint64(32))
+  return u.view(dtype)
+
+
+# --- what each device passes ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one operand of ``shape`` travels as rows of words (module
+  docstring), and how the host gets back its edges (``edges`` given, for
+  its trailing axes) or the whole array."""
+  shape: tuple
+  dtype: np.dtype
+  edges: _edges.Edges | None
+  rows: tuple      # m per axis: gcd(length, devices)
+  cols: tuple      # columns kept of each row's length // m
+  cut: tuple       # per axis: summarized (only its edges are shown)
+
+  @classmethod
+  def of(cls, shape, dtype, edges, num_devices: int) -> "Layout":
+    shape = tuple(shape)
+    lead = len(shape) - (len(edges.shape) if edges is not None else 0)
+    summarized = set() if edges is None else {lead + d for d in edges.axes}
+    rows = tuple(math.gcd(n, num_devices) if n else 1 for n in shape)
+    cols, cut = [], []
+    e = edges.edgeitems if edges is not None else 0
+    for d, (n, m) in enumerate(zip(shape, rows)):
+      length = n // m if m else 0
+      cut.append(d in summarized)
+      cols.append(2 * e if d in summarized and length > 2 * e else length)
+    return cls(shape, np.dtype(dtype), edges, rows, tuple(cols), tuple(cut))
+
+  @property
+  def words(self) -> int:
+    return math.prod(self.cols) * _words_per_value(self.dtype)
+
+  def pack(self, x):
+    """``x`` (traced, of ``shape``) as ``uint32[*rows, 1 + words]``."""
+    ndim = len(self.shape)
+    e = self.edges.edgeitems if self.edges is not None else 0
+    y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows)
+                        for v in (m, n // m)))
+    for d, (n, m, c) in enumerate(zip(self.shape, self.rows, self.cols)):
+      length = n // m
+      if c != length:   # keep the edgeitems at both ends of each row
+        axis = 2 * d + 1
+        y = lax.concatenate([lax.slice_in_dim(y, 0, e, axis=axis),
+                             lax.slice_in_dim(y, length - e, length,
+                                              axis=axis)], axis)
+    y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2))
+                      + tuple(range(1, 2 * ndim, 2)))
+    words = _to_words(y).reshape(self.rows + (self.words,))
+    ids = jnp.zeros(self.rows, jnp.int32)
+    stride = 1
+    for d in reversed(range(ndim)):
+      ids = ids + lax.broadcasted_iota(jnp.int32, self.rows, d) * stride
+      stride *= self.rows[d]
+    ids = lax.bitcast_convert_type(ids, jnp.uint32)[..., None]
+    return jnp.concatenate([ids, words], axis=-1)
+
+  @property
+  def packed_shape(self) -> tuple:
+    return self.rows + (1 + self.words,)
+
+  def unpack(self, parts) -> np.ndarray:
+    """The host value (the edges, or the whole array) from the parts of
+    the devices; later parts win where rows repeat."""
+    n_rows = math.prod(self.rows)
+    table = np.zeros((n_rows, self.words), np.uint32)
+    for part in parts:
+      part = np.asarray(part).reshape(-1, 1 + self.words)
+      ids = part[:, 0]
+      valid = ids < n_rows
+      table[ids[valid]] = part[valid, 1:]
+    k = _words_per_value(self.dtype)
+    values = _from_words(
+        table.reshape(self.rows + (math.prod(self.cols), k)), self.dtype)
+    ndim = len(self.shape)
+    values = values.reshape(self.rows + self.cols)
+    values = values.transpose([v for d in range(ndim) for v in (d, ndim + d)])
+    values = values.reshape(tuple(m * c for m, c in zip(self.rows, self.cols)))
+    if self.edges is None:
+      return values
+    e = self.edges.edgeitems
+    for d, (n, m, c) in enumerate(zip(self.shape, self.rows, self.cols)):
+      if not self.cut[d]:
+        continue
+      length = n // m
+      g = np.r_[0:e, n - e:n]
+      row, col = g // length, g % length
+      if c != length:
+        col = np.where(col < e, col, col - length + 2 * e)
+      values = np.take(values, row * c + col, axis=d)
+    return values
+
+
+# --- where the parts meet ------------------------------------------------------
+
+class Meeting:
+  """Where one lowered call site's devices leave their parts for the first
+  device's call (per dispatching thread's slot and device, first in first
+  out). Guarded by ``_sequence.lock``: the jobs that wait for parts and the
+  parts are one state."""
+
+  def __init__(self, num_devices: int):
+    self.num_devices = num_devices
+    self.parts: dict = collections.defaultdict(collections.deque)
+    _sequence.holders.add(self)
+
+  def forget(self, slot: int) -> None:
+    """Drops ``slot``'s parts (its jobs were given up; under the lock)."""
+    for key in [k for k in self.parts if k[0] == slot]:
+      del self.parts[key]
+
+  def deposit(self, slot: int, device: int, parts: tuple) -> None:
+    with _sequence.lock:
+      self.parts[slot, device].append(parts)
+    _sequence.drain(slot)   # the slot's first job may wait for this part
+
+  def complete(self, slot: int) -> bool:
+    """Whether every other device has left a part (under the lock)."""
+    parts = self.parts
+    return all(parts[slot, d] for d in range(1, self.num_devices))
+
+  def take(self, slot: int) -> list:
+    """One part tuple from each other device (under the lock, complete)."""
+    return [self.parts[slot, d].popleft() for d in range(1, self.num_devices)]
+
+
+# --- lowering ----------------------------------------------------------------------
+
+def applies(ctx, host_callback, avals, edges: tuple, ordered: bool) -> bool:
+  """Whether the once-effect lowered in ``ctx`` (automatic partitioning over
+  several devices) takes its operands through the host: see the module
+  docstring; with no operand summarized, only if :data:`WHOLE_ON_HOST`."""
+  if not ordered or host_callback.result_avals:
+    return False
+  if not any(a.shape for a in avals):
+    return False
+  if not any(e is not None for e in edges) and not WHOLE_ON_HOST:
+    return False
+  module_context = ctx.module_context
+  if (len(module_context.platforms) != 1
+      or module_context.platforms[0] not in _TARGETS):
+    return False
+  devices = module_context.axis_context.device_assignment
+  if not devices:
+    return False
+  process = jax.process_index()
+  return all(d.process_index == process for d in devices)
+
+
+_TARGETS = {"cpu": "xla_ffi_partitioned_python_cpu_callback",
+            "cuda": "xla_ffi_partitioned_python_gpu_callback",
+            "rocm": "xla_ffi_partitioned_python_gpu_callback"}
+
+
+def lower(ctx, host_callback, entry: bool, carrier, args,
+          edges: tuple) -> list:
+  """``[carrier', *results]`` of the effect lowered in ``ctx`` (its
+  ``avals_in``: token, carrier, *args; ``avals_out``: token, carrier,
+  *results), with its array operands taken from the devices' parts.
+  ``edges``: one per argument (None: shown whole)."""
+  where, _, _ = _placement.at_lowering(ctx, [], [])   # the first device
+  axis_context = ctx.module_context.axis_context
+  num_devices = axis_context.num_devices
+  carrier_aval = ctx.avals_in[1]
+  arg_avals = list(ctx.avals_in[2:])
+  avals_out = list(ctx.avals_out[1:])
+
+  operands, operand_avals, layouts = [carrier], [carrier_aval], []
+  for x, aval, e in zip(args, arg_avals, edges):
+    if not aval.shape:
+      operands.append(x)
+      operand_avals.append(aval)
+      layouts.append(None)
+      continue
+    layout = Layout.of(aval.shape, aval.dtype, e, num_devices)
+    packed_aval = jax.core.ShapedArray(layout.packed_shape, np.uint32)
+    (packed,) = lower_cached(
+        dataclasses.replace(ctx, avals_in=[aval], avals_out=[packed_aval]),
+        ("pack", layout), layout.pack, x)
+    packed = _compat.last_axis_whole(ctx, packed, packed_aval)
+    operands.append(packed)
+    operand_avals.append(packed_aval)
+    layouts.append(layout)
+
+  ids_aval = jax.core.ShapedArray((num_devices,), np.int32)
+  (ids,) = lower_cached(
+      dataclasses.replace(ctx, avals_in=[], avals_out=[ids_aval]),
+      ("device_ids", num_devices),
+      lambda: lax.iota(np.int32, num_devices))
+  ids = _compat.one_per_device(ctx, ids, ids_aval, num_devices)
+  operands.append(ids)
+  operand_avals.append(ids_aval)
+
+  inner = _host_functions.host_function(
+      host_callback, where, passthrough=1, threaded=True,
+      avals_out=avals_out, entry=entry)
+  meeting = Meeting(num_devices)
+  host = _assembling_host(inner, meeting, layouts, avals_out)
+
+  target = _TARGETS[ctx.module_context.platforms[0]]
+  sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals,
+                                avals_out=avals_out)
+  new_carrier, *results = _host_call.emit(
+      sub_ctx, host, operands, _compat.replicated_results(avals_out), target)
+  return [new_carrier, *(_compat.on_first_device(sub_ctx, r, a)
+                         for r, a in zip(results, avals_out[1:]))]
+
+
+_jaxprs: dict = {}
+
+
+def lower_cached(ctx, key, fn, *args) -> list:
+  """``fn(*args)`` (one result) lowered in ``ctx`` (its ``avals_in`` are
+  ``args``'), traced once per ``key`` and input avals: a program printing
+  many arrays lowers each shape's packing from one traced jaxpr."""
+  key = (key, tuple(ctx.avals_in))
+  closed = _jaxprs.get(key)
+  if closed is None:
+    if len(_jaxprs) > 1024:
+      _jaxprs.clear()
+    closed = _jaxprs[key] = jax.make_jaxpr(fn)(
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in))
+  return mlir.lower_fun(jex_core.jaxpr_as_fun(closed),
+                        multiple_results=True)(ctx, *args)
+
+
+def _assembling_host(inner, meeting: Meeting, layouts: list, avals_out):
+  """The function every device's call runs (module docstring): the other
+  devices leave their parts; the first device's call runs the effect now if
+  every part is there and its thread has no job waiting, else leaves it as a
+  job (``_sequence``) that the call bringing the last part runs."""
+  SLOT_MASK, FAILED = int(_errors.SLOT_MASK), int(_errors.FAILED)
+  zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
+  packed_at = [i for i, layout in enumerate(layouts) if layout is not None]
+
+  def run(carrier, args, others):
+    slot = int(carrier) & SLOT_MASK
+    try:
+      for j, i in enumerate(packed_at):
+        args[i] = layouts[i].unpack([*(o[j] for o in others), args[i]])
+    except Exception as exc:  # noqa: BLE001 - reported like a callback's
+      # (a bug of ours: never fail the computation, see design/errors.md)
+      _raising.defer_error(exc, slot, inline=True)
+      return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
+    return inner(carrier, *args)
+
+  def host(carrier, *operands):
+    device = int(operands[-1][0])
+    args = list(operands[:-1])
+    slot = int(carrier) & SLOT_MASK
+    if device:
+      meeting.deposit(slot, device, tuple(args[i] for i in packed_at))
+      return (carrier, *zeros)
+    with _sequence.lock:
+      now = slot not in _sequence.queues and meeting.complete(slot)
+      others = meeting.take(slot) if now else None
+    if now:
+      return run(carrier, args, others)
+
+    def job() -> bool:
+      with _sequence.lock:
+        parts = meeting.take(slot)
+      return bool(int(run(carrier, args, parts)[0]) & FAILED)
+
+    _sequence.submit(slot, _sequence.Job(
+        job, functools.partial(meeting.complete, slot)))
+    return (carrier, *zeros)
+
+  return host
