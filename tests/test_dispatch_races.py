@@ -223,16 +223,24 @@ def test_placement_called_from_c_with_no_python_caller():
   # thread started with _thread.start_new_thread, an atexit function) there
   # is no Python frame below it: None, not "call stack is not deep enough".
   import _thread
+  import operator
   import sys
   import time
-  errors = []
+  errors, results = [], []
   old_hook = sys.unraisablehook
   sys.unraisablehook = lambda args: errors.append(args.exc_value)
+  # Each thread runs results.extend(map(call, [je.placement])): C calling
+  # C calling placement, whose result lands in results (the threads are
+  # waited for by it, bounded, not by a sleep).
+  call = operator.methodcaller("__call__")
   try:
-    _thread.start_new_thread(je.placement, ())
-    _thread.start_new_thread(je.placement, ())
-    time.sleep(0.3)
+    for _ in range(2):
+      _thread.start_new_thread(results.extend, (map(call, [je.placement]),))
+    deadline = time.monotonic() + 120
+    while len(results) < 2 and not errors and time.monotonic() < deadline:
+      time.sleep(0.01)
   finally:
     sys.unraisablehook = old_hook
   assert errors == []
+  assert results == [None, None]
   assert je.placement() is None
