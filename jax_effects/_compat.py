@@ -537,7 +537,7 @@ def compiled_dispatch() -> bool:
 
 
 # ``jax.Array.committed`` is a Python property; the C++ attribute behind it is
-# read on every dispatch (``_threads.update``).
+# read on every dispatch (``ThreadTokens.update``).
 committed = operator.attrgetter("_committed")
 
 
@@ -620,7 +620,7 @@ from jax._src.lib import guard_lib as _guard_lib  # noqa: E402
 
 def host_transfers_guarded() -> bool:
   """Whether a transfer guard other than "allow" is in effect for implicit
-  host-to-device transfers on this thread (``threads.initial_token``)."""
+  host-to-device transfers on this thread (``threads.ThreadTokens.initial_token``)."""
   level = _guard_lib.thread_local_state().host_to_device
   if level is None:
     level = _guard_lib.global_state().host_to_device
