@@ -611,6 +611,12 @@ def no_user_mesh():
 # No public route; JAX 0.8-0.10.
 from jax._src.config import trace_context  # noqa: E402
 
+# ``register_cache(obj, for_what)``: ``jax.clear_caches()`` calls
+# ``obj.cache_clear()`` (held weakly). A jax_effects.jit function's kept
+# traces (``_dispatch.trace_cache``) are a staging cache like JAX's own
+# tracing caches, so they are dropped with them. No public route; JAX 0.8-0.10.
+from jax._src.util import register_cache  # noqa: E402
+
 # The transfer guard levels in effect (``jax.transfer_guard``): the
 # thread's, else the global one. ``jax.config``'s per-direction states miss
 # the global ``jax_transfer_guard`` flag, which sets guard_lib directly.
