@@ -18,7 +18,7 @@ import jax_effects as je
 from jax_effects._dispatch.function import PjitFunction
 from jax_effects._frontends.progress import Progress
 
-REFERENCE = pathlib.Path(__file__).parent.parent / "docs" / "reference.md"
+REFERENCE = pathlib.Path(__file__).parents[2] / "docs" / "reference.md"
 #: What ``Owner(...)`` stands for in a member heading.
 RESULTS = {"jit": PjitFunction, "progress": Progress}
 

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 import jax_effects as je
 from jax_effects import _compat
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, **env_updates) -> dict:

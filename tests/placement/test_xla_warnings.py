@@ -59,7 +59,7 @@ PROGRAMS = {
 def _run(args, code=None):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
        env.get("PYTHONPATH", "")])
   cmd = ([sys.executable, "-c", code, *args] if code is not None
          else [sys.executable, "-m", "jax_effects", *args])

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 
-RUN = pathlib.Path(__file__).parent / "thirdparty" / "run.py"
+RUN = pathlib.Path(__file__).parents[1] / "thirdparty" / "run.py"
 
 SUITE = textwrap.dedent("""
     import jax
