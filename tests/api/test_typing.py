@@ -5,14 +5,13 @@ mypy is in the ``test`` extra (tox has it); the check is skipped only where
 it cannot be imported.
 """
 import importlib.resources
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 import jax_effects as je
+
+from helpers import run_python
 
 USER_FILE = pathlib.Path(__file__).with_name("typed_usage.py")
 
@@ -29,17 +28,17 @@ def test_user_file_uses_every_public_name():
 
 def test_mypy_strict_finds_no_error_in_a_user_file(tmp_path):
   pytest.importorskip("mypy", reason="mypy is not installed (test extra)")
-  env = dict(os.environ)
+  env = {}
   package_parent = pathlib.Path(je.__file__).resolve().parent.parent
   if package_parent.name not in ("site-packages", "dist-packages"):
     # A source checkout (editable install): mypy cannot follow the
     # installer's import hook, so it is told where the package is.
     env["MYPYPATH"] = str(package_parent)
-  result = subprocess.run(
-      [sys.executable, "-m", "mypy", "--strict",
-       # errors inside jax and jax_effects are theirs: only the user's count
-       "--follow-imports=silent",
-       "--cache-dir", str(tmp_path / "mypy_cache"), str(USER_FILE)],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  result = run_python(
+      "-m", "mypy", "--strict",
+      # errors inside jax and jax_effects are theirs: only the user's count
+      "--follow-imports=silent",
+      "--cache-dir", str(tmp_path / "mypy_cache"), str(USER_FILE),
+      cwd=tmp_path, env=env, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "Success: no issues found in 1 source file" in result.stdout

@@ -7,11 +7,7 @@ read when JAX starts (pmap staging, jaxpr constants) are tried in a subprocess.
 """
 import configparser
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +18,13 @@ from packaging.requirements import Requirement
 import jax_effects as je
 from jax_effects import _compat
 
+from helpers import run_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, **env_updates) -> dict:
-  env = dict(os.environ, **env_updates)
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
-                        capture_output=True, text=True, env=env, timeout=300)
+  proc = run_script(script, env=env_updates)
   assert proc.returncode == 0, proc.stderr
   (report,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
   return json.loads(report[len("REPORT "):])

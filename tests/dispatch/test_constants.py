@@ -8,12 +8,11 @@ An effectful function must be lowered like the same function under plain
 ``jax.jit``, with its runtime-token argument after the const arguments.
 """
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(r"""
     import collections, json, re, sys
@@ -81,11 +80,9 @@ def _run(simplified: bool) -> dict:
   """The subprocess's report for one constants mode (run once per mode)."""
   if simplified in _reports:
     return _reports[simplified]
-  env = dict(os.environ)
-  env["JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS"] = "1" if simplified else "0"
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
-                        text=True, env=env, timeout=300)
+  proc = run_script(SCRIPT, env={
+      "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS": "1" if simplified else "0",
+      "XLA_FLAGS": None})
   assert proc.returncode == 0, proc.stderr
   (report,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
   out = _reports[simplified] = json.loads(report[len("REPORT "):])

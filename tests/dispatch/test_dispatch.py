@@ -7,8 +7,6 @@ exit; and jax.jit's C++ fast path staying in use.
 """
 import collections
 import random
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -267,8 +265,7 @@ def test_interpreter_exit_waits_for_every_thread():
       worker(1)
       # no effects_barrier: exit must still wait for both threads' effects
   """)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=300)
+  out = helpers.run_script(code)
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   # threads are not ordered relative to each other; each is in order

@@ -9,8 +9,6 @@ same program with JAX's ``jax.jit`` under ``jax.disable_jit()`` (everything
 eager, in program order). ``tox -e thirdparty`` runs whole third-party
 suites this way (``tests/thirdparty/``).
 """
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,6 +20,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_effects as je
 from jax_effects._dispatch import function as _function
+
+from helpers import run_script
 
 JAX_JIT = jax.jit
 
@@ -169,8 +169,7 @@ def test_replaced_before_jax_effects_is_imported():
       jax_effects.effects_barrier()
       print("type", type(f).__module__)
   """)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=300)
+  out = run_script(code)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.splitlines() == [
       "f 0", "f 1", "f 2", f"type {_function.__name__}"]

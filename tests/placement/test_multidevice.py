@@ -1,7 +1,5 @@
 """Ordered effects across devices: token placement, sharded jit (8 CPU devices)."""
-import os
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -12,6 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_effects as je
+
+from helpers import run_script
 
 N = 8
 
@@ -259,13 +259,8 @@ SLOW_CALLBACK = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
 
 def _run(script: str) -> subprocess.CompletedProcess:
   """Runs ``script`` in a fresh interpreter (XLA's flags are read at start;
-  an abort must not take the test process), with this package importable."""
-  root = os.path.dirname(os.path.dirname(je.__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (root, env.get("PYTHONPATH")) if p)
-  return subprocess.run([sys.executable, "-c", script], capture_output=True,
-                        text=True, timeout=120, env=env)
+  an abort must not take the test process)."""
+  return run_script(script, timeout=120)
 
 
 def test_callback_slower_than_xla_collective_timeout_does_not_abort():

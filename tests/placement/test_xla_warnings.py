@@ -6,12 +6,11 @@ warning must get none with jax_effects either; the warning text is first
 shown to appear for a program that really does reshard that way, so the
 check cannot pass by not seeing stderr.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_python, run_script
 
 WARNING = "Involuntary full rematerialization"
 
@@ -57,14 +56,8 @@ PROGRAMS = {
 
 
 def _run(args, code=None):
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-       env.get("PYTHONPATH", "")])
-  cmd = ([sys.executable, "-c", code, *args] if code is not None
-         else [sys.executable, "-m", "jax_effects", *args])
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=env)
+  out = (run_script(code, *args) if code is not None
+         else run_python("-m", "jax_effects", *args))
   assert out.returncode == 0, out.stderr[-3000:]
   return out
 

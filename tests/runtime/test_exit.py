@@ -5,11 +5,11 @@ script ends without any ``effects_barrier``. Every line must reach stdout
 before the process ends: complete, once, and in each thread's order.
 """
 import collections
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent("""
     import sys, threading
@@ -56,9 +56,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("join", ["join", "nojoin"])
 def test_pending_effects_of_several_threads_complete_at_exit(join):
   n_threads, n = 4, 300
-  proc = subprocess.run(
-      [sys.executable, "-c", SCRIPT, str(n_threads), str(n), join],
-      capture_output=True, text=True, timeout=600)
+  proc = run_script(SCRIPT, str(n_threads), str(n), join, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   per_thread = collections.defaultdict(list)
   for line in proc.stdout.splitlines():

@@ -3,10 +3,8 @@
 One test (or a few) per case of the issue; where a hang, an abort or the exit
 status is at stake, the program runs in a subprocess with a time limit.
 """
+import functools
 import gc
-import subprocess
-import sys
-import textwrap
 import threading
 
 import jax
@@ -21,6 +19,8 @@ import jax_effects as je
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import threads as _threads
+
+import helpers
 
 N = 8
 
@@ -70,9 +70,7 @@ def wait_for_dispatched():
   _barrier.wait_for_thread()
 
 
-def run_script(script, timeout=120):
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
-                        capture_output=True, text=True, timeout=timeout)
+run_script = functools.partial(helpers.run_script, timeout=120)
 
 
 PRELUDE = """

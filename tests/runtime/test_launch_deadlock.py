@@ -12,12 +12,10 @@ the rendezvous stalled under this load and XLA aborted the process.
 
 Run in a subprocess, bounded: a hang dumps every thread's stack and fails.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
-import jax_effects
+from helpers import run_script
+
 
 SCRIPT = textwrap.dedent("""
     import faulthandler, sys, threading
@@ -81,14 +79,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_threads_dispatching_over_8_devices_do_not_hang():
-  root = os.path.dirname(os.path.dirname(jax_effects.__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (root, env.get("PYTHONPATH")) if p)
   n_threads, n, limit_s = 8, 400, 240
-  proc = subprocess.run(
-      [sys.executable, "-c", SCRIPT, str(n_threads), str(n), str(limit_s)],
-      capture_output=True, text=True, timeout=limit_s + 60, env=env)
+  proc = run_script(SCRIPT, str(n_threads), str(n), str(limit_s),
+                    timeout=limit_s + 60)
   assert proc.returncode == 0 and proc.stdout.startswith("OK"), (
       f"rc={proc.returncode} (a hang dumps the stacks):\n"
       f"{proc.stderr[-6000:]}")
@@ -128,11 +121,6 @@ FIRST_CALLS = textwrap.dedent("""
 def test_first_calls_whose_callbacks_wait_for_each_other_do_not_stall():
   # A first launch (its devices not known yet) must not be serialized: the
   # computation runs inline, and its callback may wait for another thread.
-  root = os.path.dirname(os.path.dirname(jax_effects.__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", FIRST_CALLS],
-                        capture_output=True, text=True, timeout=120, env=env)
+  proc = run_script(FIRST_CALLS, timeout=120)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert proc.stdout.split() == ["OK"], proc.stdout

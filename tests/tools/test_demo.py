@@ -1,11 +1,9 @@
 """``python -m jax_effects demo`` runs and shows effects in program order."""
-import subprocess
-import sys
+from helpers import run_python
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", "jax_effects", *args],
-                        capture_output=True, text=True, timeout=300)
+  return run_python("-m", "jax_effects", *args)
 
 
 def test_demo_runs_every_section_in_order():

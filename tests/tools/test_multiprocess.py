@@ -12,14 +12,14 @@ order within a process around each ``shard_map``, and per-process tokens.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jax_effects._tools import launcher
 from jax_effects._tools import multiprocess_program
+
+from helpers import run_python
 
 TIMEOUT = 120  # seconds for the whole two-process run, startup included
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -209,9 +209,8 @@ def test_launcher_rejects_bad_target():
 
 
 def test_demo_command_with_processes():
-  out = subprocess.run(
-      [sys.executable, "-m", "jax_effects", "demo", "--processes", "2"],
-      capture_output=True, text=True, timeout=TIMEOUT + 30)
+  out = run_python("-m", "jax_effects", "demo", "--processes", "2",
+                   timeout=TIMEOUT + 30)
   assert out.returncode == 0, out.stdout + out.stderr
   lines = out.stdout.splitlines()
   assert "process 0: devices [0, 1] at mesh positions [0, 1]" in lines

@@ -4,11 +4,11 @@ Inner pytest runs use ``runpytest_subprocess``: each gets a fresh JAX backend,
 so device-count options can be checked, and the plugin is loaded the way users
 get it, through the installed package's ``pytest11`` entry point.
 """
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_script
 
 pytest_plugins = ["pytester"]
 
@@ -31,8 +31,7 @@ def test_importing_plugin_does_not_start_backend():
         assert not xla_bridge.backends_are_initialized()
       print("ok")
   """)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=120)
+  out = run_script(code, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "ok"
 

@@ -11,9 +11,9 @@ the real suites' sdists are only downloaded by ``tox -e thirdparty``.
 """
 import json
 import pathlib
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_python
 
 RUN = pathlib.Path(__file__).parents[1] / "thirdparty" / "run.py"
 
@@ -45,10 +45,8 @@ def test_runs_a_suite_plain_and_replaced(tmp_path):
   (src / "tests").mkdir(parents=True)
   (src / "tests" / "debugging_primitives_test.py").write_text(SUITE)
   work = tmp_path / "work"
-  out = subprocess.run(
-      [sys.executable, str(RUN), "--suite", "jax", "--src", f"jax={src}",
-       "--workdir", str(work), "-n", "2"],
-      capture_output=True, text=True, timeout=600)
+  out = run_python(RUN, "--suite", "jax", "--src", f"jax={src}",
+                   "--workdir", str(work), "-n", "2", timeout=600)
   assert out.returncode == 1, out.stdout + out.stderr
   summary = json.loads((work / "summary.json").read_text())["jax"]
   counts = {mode: {k: v for k, v in run["counts"].items() if k != "seconds"}
