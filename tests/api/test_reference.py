@@ -1,5 +1,6 @@
 """``docs/reference.md`` documents every public name, with the signature the
-package has.
+package has (the public API, re-exported flat by ``jax_effects/__init__.py``:
+``design/architecture.md``, "The tree is the layers").
 
 Each name of ``jax_effects.__all__`` has a ``## `name` `` entry whose first
 ``python`` block is its signature as ``inspect.signature`` gives it

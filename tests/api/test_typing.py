@@ -1,5 +1,6 @@
 """The package is typed: ``py.typed`` ships, and ``mypy --strict`` finds no
-error in a user's module using every public name (``tests/typed_usage.py``).
+error in a user's module using every public name (``tests/api/typed_usage.py``;
+README, "Types").
 
 mypy is in the ``test`` extra (tox has it); the check is skipped only where
 it cannot be imported.
@@ -23,7 +24,7 @@ def test_py_typed_marker_ships():
 def test_user_file_uses_every_public_name():
   text = USER_FILE.read_text()
   missing = [n for n in je.__all__ if f"je.{n}" not in text]
-  assert not missing, f"tests/typed_usage.py does not use {missing}"
+  assert not missing, f"tests/api/typed_usage.py does not use {missing}"
 
 
 def test_mypy_strict_finds_no_error_in_a_user_file(tmp_path):

@@ -1,4 +1,5 @@
-"""Supported JAX lines (0.8, 0.9, 0.10) and their limits (issue 12).
+"""Supported JAX lines (0.8, 0.9, 0.10) and their limits
+(``design/versions.md``).
 
 Version differences live in ``jax_effects._compat``; a feature that a line
 cannot support raises ``_compat.UnsupportedFeature`` with the reason that the

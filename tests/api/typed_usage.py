@@ -1,8 +1,9 @@
 """A user's module using every public name of ``jax_effects``.
 
-Never imported by the tests: ``tests/test_typing.py`` runs ``mypy --strict``
-on it and expects no error, so the package's annotations (``py.typed``) give
-a user precise types. ``assert_type`` pins the types a user relies on.
+Never imported by the tests: ``tests/api/test_typing.py`` runs
+``mypy --strict`` on it and expects no error, so the package's annotations
+(``py.typed``) give a user precise types. ``assert_type`` pins the types a
+user relies on.
 """
 from __future__ import annotations
 

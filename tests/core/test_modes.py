@@ -1,4 +1,7 @@
-"""Named effects, ordering modes ("per_effect" / "global") and unordered effects.
+"""Named effects, ordering modes ("per_effect" / "global") and unordered
+effects (``design/transformations.md``: "Named effects", "Ordering modes",
+"Unordered effects (``ordered=False``)"; switching modes: ``design/errors.md``,
+"Mode switches").
 
 Runtime-token assertions run in a fresh thread (``in_thread``): runtime tokens
 are thread-local, so a new thread starts with none and sees exactly the

@@ -1,4 +1,5 @@
-"""Random effectful programs for the differential fuzz test (issue 8).
+"""Random effectful programs for the differential fuzz test
+(``test_fuzz_programs``).
 
 A program is a block (list) of statements over a state ``(x, k)``: ``x`` a
 float32 vector, ``k`` an int32 scalar. ``k`` changes only through integer
@@ -137,7 +138,8 @@ class Generator:
       body = self.block(depth + 1, inner)
       # k is batched only when no cond/while is inside: with a batched
       # predicate, lanes take different paths, which this oracle does not
-      # model (tests/test_vmap_cond.py and the vmap-of-while tests do).
+      # model (tests/primitives/test_vmap_cond.py and the vmap-of-while
+      # tests do).
       batch_k = (not any(t.kind in ("cond", "while") for t in walk(body))
                  and rng.random() < 0.6)
       return Stmt("vmap", self.tag(), {"B": rng.randint(1, 3), "batch_k": batch_k},

@@ -1,8 +1,10 @@
-"""Differential tests: random programs (tests/program_generator.py) with
+"""Differential tests: random programs (``program_generator.py``) with
 ordered prints and callbacks on several named effects, nested in
 cond/switch/while (effects in body and cond_fun)/scan/fori_loop/nested
 jit/checkpoint. Under ``jax_effects.jit`` each effect stream must equal the
-one under ``jax.disable_jit()`` and the plain-Python interpretation.
+one under ``jax.disable_jit()`` and the plain-Python interpretation
+(``design/tokens.md``, "Inside a computation"; ``design/transformations.md``,
+"Higher-order primitives").
 """
 import pytest
 

@@ -1,4 +1,7 @@
-"""Bad-input fuzz: random format strings, argument mixes and result specs.
+"""Bad-input fuzz: random format strings, argument mixes and result specs
+(``design/formatting.md``: "Arguments", "What a value formats as", "Format
+strings"; ``design/errors.md``, "Who raises a callback's error, when, how
+often").
 
 Every generated case must end in one of two ways:
 

@@ -1,6 +1,8 @@
-"""Differential fuzz: generated effectful programs, jit vs eager (issue 8).
+"""Differential fuzz: generated effectful programs, jit vs eager
+(``design/transformations.md``: "Ordering modes", "vmap", "Differentiation:
+jvp, grad, linearize, vjp, checkpoint").
 
-Each generated program (``tests/fuzz_programs.py``: cond/while/scan/fori,
+Each generated program (``fuzz_programs.py``: cond/while/scan/fori,
 inner jit, checkpoint, grad, vmap, named/default/unordered effects, print and
 callback) runs eagerly under ``jax.disable_jit()`` and under
 ``jax_effects.jit``, in the per-effect and the global ordering mode. The
@@ -111,8 +113,8 @@ def test_oracle_vmap_lanes():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_program_generator_programs_in_global_mode(seed):
-  # The control-flow programs of tests/program_generator.py (issue 2) in the
-  # global ordering mode: one total order across all their named effects,
+  # The control-flow programs of program_generator.py (test_differential) in
+  # the global ordering mode: one total order across all their named effects,
   # equal to the plain-Python interpretation's, event for event.
   import program_generator as pg
   program = pg.Generator(seed).program()

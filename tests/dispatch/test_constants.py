@@ -1,4 +1,5 @@
-"""Closed-over constants keep JAX's treatment under jax_effects.jit (issue 2).
+"""Closed-over constants keep JAX's treatment under jax_effects.jit
+(``design/tokens.md``, "Parameter order of the lowered module").
 
 JAX lowers closed-over constants in two ways, chosen when JAX is imported by
 ``JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS`` (the lowering default is read at

@@ -1,4 +1,6 @@
-"""The dispatch hook and runtime/output tokens (issue 2, dispatch layer).
+"""Runtime and output tokens between calls, and jax.jit's fast path kept
+(``design/tokens.md``, "Between computations"; ``design/architecture.md``,
+"Why JAX keeps its fast path").
 
 One runtime token per ordered effect used, thread-local and per effect;
 output tokens per device; tokens follow the computation's device; order

@@ -1,9 +1,11 @@
-"""Dispatch-path edge cases found by adversarial testing (tester branch).
+"""The dispatch path under races between threads (``design/architecture.md``,
+the ``_dispatch/function`` entry: chains learnt while tracing, dispatch
+states).
 
 * Threads learning a function's chains while another thread builds the
   ``jax.jit`` object for the chains it knew: the object must match the keys
-  it is called with (a stale one took the wrong number of token arguments,
-  so the user's function got a token as an argument, forever).
+  it is called with (a stale one would take the wrong number of token
+  arguments, so the user's function would get a token as an argument).
 * The fast hook under ``jax.disable_jit()`` on a thread that has no runtime
   token for the function's chain yet (its initial token is a NumPy scalar).
 """

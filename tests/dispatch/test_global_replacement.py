@@ -4,7 +4,8 @@ jax_effects calls JAX's own functions (``jax_effects/_jax_api.py``), never
 the names in the ``jax`` namespace at call time, so replacing ``jax.jit``
 (and ``jax.effects_barrier``) by jax_effects' drop-ins globally makes every
 ``jax.jit`` in the program a ``jax_effects.jit`` without jax_effects calling
-itself (it recursed until ``RecursionError``, issue 25 point 1). Oracle: the
+itself (``design/thirdparty.md``, "jax_effects never calls the replaced
+names"; else it would recurse until ``RecursionError``). Oracle: the
 same program with JAX's ``jax.jit`` under ``jax.disable_jit()`` (everything
 eager, in program order). ``tox -e thirdparty`` runs whole third-party
 suites this way (``tests/thirdparty/``).

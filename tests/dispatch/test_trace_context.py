@@ -5,9 +5,8 @@ trace depends on: NumPy rank and dtype promotion, default matmul precision,
 x64, ...), so a function first called under one setting and then inside
 ``with jax.numpy_rank_promotion("raise"):`` is traced again and raises. A
 ``PjitFunction`` keeps traces of its own (``_dispatch.trace_cache``): they are
-keyed on the same context. Oracle: the same function under ``jax.jit``.
-Found by chex/equinox-style tests under ``jax.jit = jax_effects.jit``
-(``tox -e thirdparty``).
+keyed on the same context (``design/architecture.md``, the
+``_dispatch/function`` entry). Oracle: the same function under ``jax.jit``.
 """
 import contextlib
 

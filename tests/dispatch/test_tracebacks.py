@@ -1,4 +1,6 @@
-"""Clean tracebacks: the internal ``NeedsTokens`` retry never shows.
+"""Clean tracebacks: the internal ``NeedsTokens`` retry never shows
+(``design/architecture.md``, the ``_dispatch/function`` entry, state
+``first``).
 
 A function's first call learns which runtime tokens it needs from a trace
 that raises ``NeedsTokens``, then calls again. That retry must not run inside

@@ -1,9 +1,9 @@
-"""JAX's own callbacks inside ``jax_effects.jit`` keep JAX's contract (issue 25).
+"""JAX's own callbacks inside ``jax_effects.jit`` keep JAX's contract.
 
-Adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` and
-``io_callback`` (``jax_effects/_adopted_host.py``): their errors reach the
-caller as ``jax.jit`` delivers them (``design/errors.md``, "Errors of JAX's
-own callbacks"); the user's function receives and prints what it does under
+Adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` and ``io_callback``
+(``jax_effects/_frontends/adopted_host.py``): their errors reach the caller as
+``jax.jit`` delivers them (``design/errors.md``, "Errors of JAX's own
+callbacks"); the user's function receives and prints what it does under
 ``jax.jit``, at jax_effects' cost; ``deterministic()`` holds their output
 (``design/placement.md``); ``effects_capture`` records it. Oracle: the same
 function under ``jax.jit`` (differential), where JAX supports it.
@@ -314,7 +314,7 @@ def jax_events(monkeypatch):
 
 
 def test_adopted_callbacks_skip_jax_device_put_per_run(jax_events, capsys):
-  # What made an adopted callback cost JAX's ~10x of ours (issue 25): every
+  # What made an adopted callback cost JAX's ~10x of ours: every
   # run put each operand on the CPU with jax.device_put. A print formats the
   # NumPy values; a callback's arrays come from jax.device_put's C++ call.
   # (Its speed is measured by ``python -m jax_effects bench``, rows l.)

@@ -1,4 +1,6 @@
-"""Bad input to print/callback/Effect/ordering: clear errors naming the problem.
+"""Bad input to print/callback/Effect/ordering: clear errors naming the problem
+(``design/formatting.md``: "Arguments", "Format strings"; ``design/errors.md``,
+"Who raises a callback's error, when, how often").
 
 Errors about arguments and format strings are raised when the call is traced
 (never inside XLA); errors about a callback's results are raised by the host

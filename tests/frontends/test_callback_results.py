@@ -1,5 +1,7 @@
-"""Callback results: anything NumPy accepts as an array (issue 15, item 6),
-dtypes compared as JAX's callbacks compare them (issue 25, point 11)."""
+"""A callback's results: anything NumPy accepts as an array, dtypes compared
+as JAX's callbacks compare them (``design/architecture.md``, the
+``_primitives/host_functions`` entry; a mismatch is the callback's error:
+``design/errors.md``, "Who raises a callback's error, when, how often")."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
-"""effects_capture.logged without logging configuration (issue 15, item 8).
+"""effects_capture.logged without logging configuration
+(``design/formatting.md``, "Capture in tests").
 
 The fixture captures every jax_effects.log record of any level, without the
 test configuring logging; ``effects_capture.set_level`` changes that; a

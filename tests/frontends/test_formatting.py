@@ -1,4 +1,5 @@
-"""jax_effects.print formats exactly as jax.debug.print (issue 15).
+"""jax_effects.print formats exactly as jax.debug.print
+(``design/formatting.md``: "What a value formats as", "Format strings").
 
 The differential test runs each case of a table through ``jax.debug.print``
 and ``jax_effects.print``, eagerly, under ``jit`` with the array leaves

@@ -1,11 +1,11 @@
 """``jax_effects.progress``: progress bars for compiled loops.
 
-The contract is ``jax_effects/_frontends/progress.py`` (and README
-"Progress bars"): entering the block draws the bar at ``0/total``, each
-``bar.update()`` advances it in program order (with ``every=k``, once per
-``k`` updates, counted on the device), leaving it draws the final count; one
-bar per execution, per device in ``shard_map``, one for a ``vmap`` batch,
-forward pass only under ``grad``.
+The contract is ``jax_effects/_frontends/progress.py`` (and
+``design/transformations.md``, "Progress bars"; README "Progress bars"):
+entering the block draws the bar at ``0/total``, each ``bar.update()`` advances
+it in program order (with ``every=k``, once per ``k`` updates, counted on the
+device), leaving it draws the final count; one bar per execution, per device in
+``shard_map``, one for a ``vmap`` batch, forward pass only under ``grad``.
 
 The oracle is a plain-Python model of the bar (:func:`model`) interleaved
 with the program's ``print`` lines, and the same program run eagerly

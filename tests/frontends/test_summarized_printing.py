@@ -1,4 +1,4 @@
-"""Printing big and sharded arrays: only what is shown crosses (issue 22).
+"""Printing big and sharded arrays: only what is shown crosses.
 
 Contract (``design/formatting.md``, "Summarized arrays"): an operand of
 ``print``/``log`` (or of an adopted ``jax.debug.print``) that NumPy will

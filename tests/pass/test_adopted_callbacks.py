@@ -1,4 +1,5 @@
-"""JAX's own callbacks inside ``jax_effects.jit`` (issue 14 item 6).
+"""JAX's own callbacks inside ``jax_effects.jit`` keep program order
+(``design/architecture.md``, the ``_pass/adopted`` entry).
 
 ``jax.debug.print``/``log``/``callback`` and ``io_callback`` traced inside a
 ``jax_effects.jit`` function are adopted by the token-threading pass:
@@ -174,8 +175,8 @@ def test_io_callback_results_and_errors():
 
   g = je.jit(lambda x: io_callback(bad, jax.ShapeDtypeStruct((), jnp.float32),
                                    x, ordered=True) + x)
-  # As jax.jit delivers it (tests/test_adopted_as_jax.py): JaxRuntimeError,
-  # the user's exception as its cause.
+  # As jax.jit delivers it (tests/frontends/test_adopted_as_jax.py):
+  # JaxRuntimeError, the user's exception as its cause.
   with pytest.raises(jax.errors.JaxRuntimeError,
                      match="(?s)CpuCallback error.*Boom: from io_callback"
                      ) as info:

@@ -1,5 +1,6 @@
 """Every higher-order primitive of JAX: effects inside run in program order,
-or are refused with a reason (never a pointer at jax_effects internals).
+or are refused with a reason (never a pointer at jax_effects internals;
+``design/transformations.md``, "Higher-order primitives").
 
 The census: one representative program per public JAX API that stages a
 primitive holding jaxprs in its params (control flow, calls, custom

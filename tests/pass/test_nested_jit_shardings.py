@@ -7,7 +7,8 @@ Two places inline a jit that holds effects: the token-threading pass (a
 (it runs its function directly). JAX's nested jit lays its arguments and
 results out as its shardings say; so must the inlined one. Oracle: the same
 nesting with JAX's ``jax.jit`` and ``jax.debug.print`` (the effect).
-Found while checking third-party code under ``jax.jit = jax_effects.jit``.
+Contract: ``design/architecture.md``, the ``_pass/token_pass`` entry (a
+``jit``'s shardings kept as sharding constraints).
 """
 import jax
 import jax.numpy as jnp

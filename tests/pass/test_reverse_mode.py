@@ -1,5 +1,6 @@
 """Effects on tangents and cotangents: custom_jvp rules, custom_vjp backward
-rules, linear_transpose.
+rules, linear_transpose (``design/transformations.md``, "Effects on tangents
+and cotangents").
 
 The oracle is JAX's own ``jax.debug.callback(ordered=True)`` in the same
 program: forward mode (``jvp``, ``linearize``) runs an effect on tangents with

@@ -1,4 +1,5 @@
-"""The token-threading pass (issue 2, lowering layer).
+"""The token-threading pass (``design/tokens.md``, "Inside a computation";
+``design/transformations.md``, "Higher-order primitives").
 
 Order of effects through nested jit, cond/switch, while (body and cond_fun),
 scan/fori_loop, custom_jvp/custom_vjp, checkpoint and call primitives;
@@ -278,7 +279,7 @@ def test_effects_inside_loop_lower_with_token_per_iteration():
 
 
 def test_refused_higher_order_primitive_is_a_clear_error():
-  # (tests/test_higher_order_primitives.py checks every one)
+  # (tests/pass/test_higher_order_primitives.py checks every one)
   def f(b):
     return lax.reduce(b, 0.0, lambda x, y: (je.print("add {}", x), x + y)[1],
                       (0,))

@@ -1,5 +1,7 @@
 """Effects under JAX transformations: vmap, jvp/grad/linearize/vjp, checkpoint,
-vmap of while/cond/scan (liveness), and plain ``jax.jit``.
+vmap of while/cond/scan (liveness), and plain ``jax.jit``
+(``design/transformations.md``: "vmap", "Differentiation: jvp, grad,
+linearize, vjp, checkpoint", "Plain ``jax.jit`` and eager execution").
 
 Each test records what the host saw (``Recorder``) and asserts the exact
 sequence. Most run three ways: eagerly, under ``jax_effects.jit``, and (where
@@ -207,7 +209,7 @@ def test_vmap_of_cond_with_unbatched_predicate_runs_taken_branch(run):
 
 @pytest.mark.parametrize("run", ALL_RUNNERS)
 def test_vmap_of_cond_with_batched_predicate_runs_taken_branches(run):
-  # (tests/test_vmap_cond.py has the details)
+  # (tests/primitives/test_vmap_cond.py has the details)
   rec = Recorder()
   g = jax.vmap(_branchy(rec))
   out = run(g)(jnp.array([True, False]), jnp.arange(2))

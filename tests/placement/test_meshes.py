@@ -1,13 +1,13 @@
 """Programs under a user's mesh context (``jax.set_mesh``, ``with mesh:``).
 
-Our own helper computations (combining a per-device runtime token, the
-thread's initial token) must never pick up the user's ambient mesh: after a
-per-device (``shard_map``/``pmap``) call, the next ``jax_effects.jit`` call
-under the same mesh used to fail with "Received incompatible devices ...
-_combine". Oracle: the same sequence of calls with no mesh context, in the
-deterministic view (per-device output in a fixed order), prints the same
-lines. Each scenario runs in a fresh thread (fresh runtime tokens, and the
-mesh contexts are thread-local).
+Our own helper computations (combining a per-device runtime token, the thread's
+initial token) must never pick up the user's ambient mesh: after a per-device
+(``shard_map``/``pmap``) call, the next ``jax_effects.jit`` call under the same
+mesh must not fail with "Received incompatible devices ... _combine"
+(``design/placement.md``, "Tokens across devices"). Oracle: the same sequence
+of calls with no mesh context, in the deterministic view (per-device output in
+a fixed order), prints the same lines. Each scenario runs in a fresh thread
+(fresh runtime tokens, and the mesh contexts are thread-local).
 """
 import contextlib
 import re

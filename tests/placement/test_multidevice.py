@@ -1,4 +1,10 @@
-"""Ordered effects across devices: token placement, sharded jit (8 CPU devices)."""
+"""Ordered effects across devices: token placement, sharded jit (8 CPU
+devices).
+
+Contract: ``design/placement.md``, "Three placements" (an effect of a sharded
+computation runs once, on the first device, adding no collective) and
+"Tokens across devices".
+"""
 import subprocess
 import textwrap
 import time

@@ -1,4 +1,6 @@
-"""Per-device effects in shard_map and pmap (8 simulated CPU devices).
+"""Per-device effects in shard_map and pmap (8 simulated CPU devices;
+``design/placement.md``: "Three placements", "Order across devices, and the
+deterministic view").
 
 Each per-device line carries ``[device D shard S process P]``; tests group the
 output by device and compare each device's sequence with what program order

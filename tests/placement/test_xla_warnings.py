@@ -1,4 +1,5 @@
-"""No XLA "[SPMD] Involuntary full rematerialization" warnings (issue 15).
+"""No XLA "[SPMD] Involuntary full rematerialization" warnings
+(``design/placement.md``, "No resharding warnings").
 
 Each program runs in a subprocess (XLA writes the warning to the process's
 stderr from C++). A program whose JAX equivalent (jax.debug.print) gets no

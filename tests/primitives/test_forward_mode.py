@@ -1,4 +1,6 @@
-"""Forward-mode derivatives and the vmap rule "no batched operand, one run".
+"""Forward-mode derivatives and the vmap rule "no batched operand, one run"
+(``design/transformations.md``: "vmap", "Differentiation: jvp, grad,
+linearize, vjp, checkpoint").
 
 ``jax.jacfwd``/``jax.hessian`` are ``vmap`` of ``jvp`` over tangent
 directions: an effect sees only primal values, which vmap does not batch, so

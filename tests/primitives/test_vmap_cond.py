@@ -1,4 +1,5 @@
-"""vmap of ``cond``/``switch`` with a batched predicate.
+"""vmap of ``cond``/``switch`` with a batched predicate
+(``design/transformations.md``, "vmap of control flow").
 
 JAX's batching rule evaluates every branch for every element and selects.
 jax_effects wraps that rule: unchanged (the same jaxpr, bit for bit) unless a

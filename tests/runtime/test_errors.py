@@ -1,4 +1,5 @@
-"""Errors (issue 2): a user's callback exception reaches the caller as itself,
+"""Errors (``design/errors.md``, "Who raises a callback's error, when, how
+often"): a user's callback exception reaches the caller as itself,
 once, and the runtime keeps working; bad format strings fail at trace time
 naming the format; callback results of the wrong shape/dtype/structure fail
 naming expected and actual.

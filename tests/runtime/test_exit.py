@@ -1,4 +1,5 @@
-"""Interpreter exit with effects still pending on several threads (issue 8).
+"""Interpreter exit with effects still pending on several threads
+(``design/errors.md``, "Interpreter exit").
 
 A subprocess runs threads that dispatch jitted, ordered prints and then the
 script ends without any ``effects_barrier``. Every line must reach stdout

@@ -1,12 +1,14 @@
-"""Faults at the process boundaries and in ``deterministic()`` (issue 21).
+"""Faults at the process boundaries and in ``deterministic()``.
 
-One test (or a few) per case of ``design/errors.md`` that the issue names:
+One test (or a few) per case of ``design/errors.md`` ("Fork", "The
+deterministic view: failing streams, leaving on an exception", "Interpreter
+exit", "Plain ``jax.jit``: what it can and cannot promise"):
 fork, a failing output stream in the deterministic view, leaving the view on
 an exception, effects dispatched by late exit handlers, plain ``jax.jit``
 callbacks that run on XLA's threads, and reported errors being freed. Where
 fork or the exit status is at stake the program runs in a subprocess
 (``helpers.run_script``), bounded in time. The launcher's listeners: in
-``test_multiprocess_port.py``.
+``tests/tools/test_multiprocess_port.py``.
 """
 import gc
 import json

@@ -1,6 +1,6 @@
-"""The error and lifecycle contract (design/errors.md, issue 13).
+"""The error and lifecycle contract (``design/errors.md``).
 
-One test (or a few) per case of the issue; where a hang, an abort or the exit
+One test (or a few) per case it states; where a hang, an abort or the exit
 status is at stake, the program runs in a subprocess with a time limit.
 """
 import functools

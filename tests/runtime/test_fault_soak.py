@@ -1,5 +1,5 @@
 """Mode switches under load, and the soak: threads x calls x faults x mode
-switches (design/errors.md, issue 13).
+switches (``design/errors.md``, "Mode switches").
 
 Per-device (``shard_map`` over 8 devices) calls are asynchronous on CPU, so
 a call can still be running when the same thread's next call is dispatched:

@@ -1,4 +1,5 @@
-"""Faults under load: callbacks that raise while many threads dispatch (issue 8).
+"""Faults under load: callbacks that raise while many threads dispatch
+(``design/errors.md``, "Who raises a callback's error, when, how often").
 
 A host callback raises ``Boom`` on every 97th call (a global call counter, so
 failures land on all threads at unpredictable points). Checked:

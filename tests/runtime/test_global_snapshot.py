@@ -1,4 +1,6 @@
-"""``runtime_tokens()`` in global ordering mode: exactly one stream.
+"""``runtime_tokens()`` in global ordering mode: exactly one stream
+(``design/transformations.md``, "Ordering modes"; ``design/tokens.md``,
+"Between computations").
 
 Runs in fresh threads: runtime tokens (and the ordering context) are
 thread-local.

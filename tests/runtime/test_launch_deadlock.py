@@ -1,4 +1,6 @@
-"""Several threads dispatching computations over 8 CPU devices (no hang).
+"""Several threads dispatching computations over 8 CPU devices (no hang;
+``design/errors.md``, "Several threads launching computations over several
+CPU devices").
 
 XLA's CPU client deadlocks when executables spanning several devices are
 launched from several threads at once (see ``_launch_lock.launch_lock``):

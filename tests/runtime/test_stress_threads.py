@@ -1,4 +1,5 @@
-"""Stress: many Python threads dispatching ordered effects at once (issue 8).
+"""Stress: many Python threads dispatching ordered effects at once, each in its
+own order (``design/tokens.md``, "Between computations").
 
 Every worker thread calls two ``jax_effects.jit`` functions alternately; each
 call runs one ordered effect recording ``(thread id, sequence number)``. The

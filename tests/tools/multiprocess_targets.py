@@ -1,4 +1,4 @@
-"""Targets for the launcher's own tests (tests/test_multiprocess.py).
+"""Targets for the launcher's own tests (tests/tools/test_multiprocess*.py).
 
 Run in child processes by ``jax_effects._tools.launcher.launch`` after
 ``jax.distributed.initialize``.

@@ -1,4 +1,5 @@
-"""``python -m jax_effects demo`` runs and shows effects in program order."""
+"""``python -m jax_effects demo`` runs and shows effects in program order
+(``design/architecture.md``, "Tools"; README "Usage")."""
 from helpers import run_python
 
 

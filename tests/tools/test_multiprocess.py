@@ -1,4 +1,5 @@
-"""Multi-process programs (``jax.distributed``): two JAX processes on 127.0.0.1.
+"""Multi-process programs (``jax.distributed``): two JAX processes on 127.0.0.1
+(``design/multihost.md``).
 
 Each process has 2 simulated CPU devices and gloo CPU collectives; both run
 ``jax_effects._tools.multiprocess_program.shard_map_logging`` (a ``jax_effects.jit``

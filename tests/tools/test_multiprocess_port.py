@@ -1,4 +1,5 @@
-"""The launcher's coordinator port (issue 13, case 13): picked and bound
+"""The launcher's coordinator port (``design/errors.md``, "Multi-process
+launcher"; ``design/multihost.md``, "Network exposure"): picked and bound
 without a race (another port when the picked one was taken meanwhile); a
 given port that is taken is a clear error, never a crash or a peer waiting
 for the coordinator until its timeout.

@@ -1,4 +1,6 @@
-"""Tests of the pytest plugin (jax_effects/_tools/pytest_plugin.py) with pytester.
+"""Tests of the pytest plugin (jax_effects/_tools/pytest_plugin.py) with
+pytester (``design/architecture.md``, "Tools"; ``design/formatting.md``,
+"Capture in tests"; README "In tests").
 
 Inner pytest runs use ``runpytest_subprocess``: each gets a fresh JAX backend,
 so device-count options can be checked, and the plugin is loaded the way users

@@ -1,4 +1,6 @@
-"""``tests/thirdparty/run.py`` (``tox -e thirdparty``) on a stand-in suite.
+"""``tests/thirdparty/run.py`` (``tox -e thirdparty``) on a stand-in suite
+(``design/thirdparty.md``, "Re-running third-party suites under the
+replacement").
 
 A source tree given with ``--src jax=PATH`` holding one of JAX's test file
 names, whose tests pass with JAX's ``jax.jit`` and one of which fails when
