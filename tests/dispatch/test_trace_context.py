@@ -88,3 +88,28 @@ def test_one_trace_per_context():
   f(x)
   je.effects_barrier()
   assert traces == [(2,), (2,)]
+
+
+@pytest.mark.parametrize("effects", [False, True])
+def test_jax_clear_caches_drops_kept_traces(effects):
+  # jax.clear_caches() drops every staging cache, so the next call traces
+  # the function again, as jax.jit's does.
+  def count_traces(jit):
+    traces = []
+
+    def f(x):
+      traces.append(None)
+      if effects:
+        je.print("x {}", x)
+      return x * 2
+
+    g = jit(f)
+    g(jnp.float32(1))
+    g(jnp.float32(2))
+    jax.clear_caches()
+    g(jnp.float32(3))
+    je.effects_barrier()
+    return len(traces)
+
+  assert count_traces(jax.jit) == 2
+  assert count_traces(je.jit) == 2

@@ -519,7 +519,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   # SIGINT's KeyboardInterrupt is raised at the next Python instruction of
   # the dispatching thread: after a per-device computation is dispatched (it
   # runs asynchronously) and before its token is stored, at the entry of
-  # _threads.update. Simulated there, deterministically, once.
+  # ThreadTokens.update. Simulated there, deterministically, once.
   order = []
   lock = threading.Lock()
 
@@ -538,7 +538,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   je.effects_barrier()
   order.clear()
 
-  real_update = _threads.update
+  real_update = _threads.ThreadTokens.update
   calls = []
 
   def interrupted_update(*args):
@@ -547,10 +547,10 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
       raise KeyboardInterrupt
     return real_update(*args)
 
-  monkeypatch.setattr(_threads, "update", interrupted_update)
+  monkeypatch.setattr(_threads.ThreadTokens, "update", interrupted_update)
   with pytest.raises(KeyboardInterrupt):
     f(x)
-  monkeypatch.setattr(_threads, "update", real_update)
+  monkeypatch.setattr(_threads.ThreadTokens, "update", real_update)
   g(jnp.int32(1))           # must follow the interrupted call's effects
   je.effects_barrier()      # and the barrier must wait for them
   assert len(order) == N + 1, order
