@@ -537,7 +537,7 @@ def compiled_dispatch() -> bool:
 
 
 # ``jax.Array.committed`` is a Python property; the C++ attribute behind it is
-# read on every dispatch (``_threads.update``).
+# read on every dispatch (``ThreadTokens.update``).
 committed = operator.attrgetter("_committed")
 
 
@@ -611,6 +611,12 @@ def no_user_mesh():
 # No public route; JAX 0.8-0.10.
 from jax._src.config import trace_context  # noqa: E402
 
+# ``register_cache(obj, for_what)``: ``jax.clear_caches()`` calls
+# ``obj.cache_clear()`` (held weakly). A jax_effects.jit function's kept
+# traces (``_dispatch.trace_cache``) are a staging cache like JAX's own
+# tracing caches, so they are dropped with them. No public route; JAX 0.8-0.10.
+from jax._src.util import register_cache  # noqa: E402
+
 # The transfer guard levels in effect (``jax.transfer_guard``): the
 # thread's, else the global one. ``jax.config``'s per-direction states miss
 # the global ``jax_transfer_guard`` flag, which sets guard_lib directly.
@@ -620,7 +626,7 @@ from jax._src.lib import guard_lib as _guard_lib  # noqa: E402
 
 def host_transfers_guarded() -> bool:
   """Whether a transfer guard other than "allow" is in effect for implicit
-  host-to-device transfers on this thread (``threads.initial_token``)."""
+  host-to-device transfers on this thread (``threads.ThreadTokens.initial_token``)."""
   level = _guard_lib.thread_local_state().host_to_device
   if level is None:
     level = _guard_lib.global_state().host_to_device

@@ -6,8 +6,10 @@
 * :class:`Boom`: the exception test callbacks raise.
 * :func:`in_thread`, :func:`run_threads`: test code on other Python threads
   (each has its own token state), bounded by :data:`JOIN_TIMEOUT_S`.
-* :func:`run_script`: a program in a fresh Python process (where exit, fork
-  or the process's network is at stake), bounded in time.
+* :func:`run_python`, :func:`run_script`: Python in a fresh process (where
+  exit, fork, XLA's start-up flags, stderr written by C++ or the process's
+  network is at stake), bounded in time: every test that starts Python in a
+  subprocess does it through them.
 """
 import os
 import subprocess
@@ -240,12 +242,38 @@ x = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("i")))
 """
 
 
-def run_script(source: str, *args: str, timeout: float = 300,
-               env: dict | None = None) -> subprocess.CompletedProcess:
-  """Runs ``source`` (dedented) as ``python -c`` with ``args``; returns the
+def run_python(*argv: str | os.PathLike, timeout: float = 300,
+               env: dict[str, str | None] | None = None,
+               cwd: str | os.PathLike | None = None
+               ) -> subprocess.CompletedProcess:
+  """Runs ``python *argv`` (this interpreter) in a fresh process; returns the
   completed process (text stdout, stderr, returncode). Raises
-  ``subprocess.TimeoutExpired`` (killing it) after ``timeout`` seconds."""
-  full_env = None if env is None else {**os.environ, **env}
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(source), *args],
+  ``subprocess.TimeoutExpired`` (killing it) after ``timeout`` seconds.
+
+  ``env`` updates this process's environment (a value ``None`` removes the
+  variable). The child imports the same ``jax_effects`` as the tests: a
+  source checkout's (not an installed package's) folder goes first on
+  ``PYTHONPATH``.
+  """
+  full_env = dict(os.environ)
+  for name, value in (env or {}).items():
+    if value is None:
+      full_env.pop(name, None)
+    else:
+      full_env[name] = value
+  root = os.path.dirname(os.path.dirname(os.path.abspath(je.__file__)))
+  if os.path.basename(root) not in ("site-packages", "dist-packages"):
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, full_env.get("PYTHONPATH")) if p)
+  return subprocess.run([sys.executable, *map(os.fspath, argv)],
                         capture_output=True, text=True, timeout=timeout,
-                        env=full_env)
+                        env=full_env, cwd=cwd)
+
+
+def run_script(source: str, *args: str, timeout: float = 300,
+               env: dict[str, str | None] | None = None
+               ) -> subprocess.CompletedProcess:
+  """Runs ``source`` (dedented) as ``python -c`` with ``args``
+  (:func:`run_python`)."""
+  return run_python("-c", textwrap.dedent(source), *args, timeout=timeout,
+                    env=env)

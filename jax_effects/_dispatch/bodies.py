@@ -114,7 +114,7 @@ def threaded(core, mode: str, k: int, args, kwargs):
     # (the hook stores a jax.Array: it reads its sharding)
     return out, _threads.as_array(
         runtime[0] if runtime else
-        _threads.initial_token(_threads.thread_state()))
+        _threads.thread_state().initial_token())
   if how == "replay":
     return replay(core, mode, runtime, args, kwargs)
   closed, dyn, out_tree = core.traces.trace(args, kwargs)

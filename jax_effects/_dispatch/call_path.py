@@ -12,8 +12,8 @@ in order:
 1. raise the errors earlier computations of this thread deferred, before
    dispatching anything (``raising.raise_deferred``);
 2. after a switch of the thread's ordering mode, wait for its earlier
-   dispatches (``threads.switch_mode``);
-3. fetch the runtime tokens (``threads.tokens_for``; a per-device token for
+   dispatches (``ThreadTokens.switch_mode``);
+3. fetch the runtime tokens (``ThreadTokens.tokens_for``; a per-device token for
    another device set is combined, ``per_device``);
 4. mark the thread dispatching (a SIGINT now waits until 6: ``interrupts``);
 5. launch ``g``, under the launch lock when it spans several CPU devices
@@ -21,8 +21,8 @@ in order:
    (``raising.dispatch_failed``); a kept per-device token refused because the
    arguments put the computation elsewhere is replaced by its first device's
    copy and the launch retried;
-6. store the returned token (``threads.update``), also when an interrupt
-   lands right after the launch (``threads.store_interrupted``);
+6. store the returned token (``ThreadTokens.update``), also when an interrupt
+   lands right after the launch (``ThreadTokens.store_interrupted``);
 7. raise the errors of callbacks that ran inline in this call
    (``raising.raise_own``); after jax_effects' own exit handler (a call from
    a later one), report every error at once and exit (``exit.report_late``).
@@ -55,6 +55,9 @@ A first call, a call under a trace, a trace that finds another chain
 general path.
 """
 from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
 
 from jax_effects import _compat
 from jax_effects._runtime import errors as _errors
@@ -94,7 +97,7 @@ def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
 
   First raises the errors earlier computations of this thread deferred
   (before dispatching anything), and after a mode switch waits for the
-  thread's earlier dispatches (``_threads.switch_mode``). Then passes
+  thread's earlier dispatches (``ThreadTokens.switch_mode``). Then passes
   the thread's runtime tokens of ``keys`` to ``call(*tokens, *args,
   **kwargs)`` and stores the returned token, also when an interrupt lands
   right after the dispatch; raises the errors of callbacks that ran inline
@@ -106,8 +109,8 @@ def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
   if _errors.deferred:   # an earlier call's callback failed
     _raising.raise_deferred(state)   # before dispatching anything
   if state.mode != mode:   # after a mode switch: follow earlier dispatches
-    _threads.switch_mode(state, mode)
-  tokens = _threads.tokens_for(state, keys, per_device_sharding)
+    state.switch_mode(mode)
+  tokens = state.tokens_for(keys, per_device_sharding)
   state.dispatching = True   # (SIGINT here waits for the token's storing)
   try:
     elsewhere = False
@@ -124,18 +127,18 @@ def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
       # (_per_device.kept_on_devices), while this call's arguments put
       # the computation on others: JAX refused it before running anything.
       # Its first device's copy (or combination) goes instead.
-      tokens = _threads.tokens_for(state, keys, None)
+      tokens = state.tokens_for(keys, None)
       try:
         out, token = _launch(site, call, tokens, args, kwargs)
       except Exception as err:  # noqa: BLE001 - an execution error or not
         _raising.dispatch_failed(state, err)
     try:
       _launch_lock.launched(site, token.sharding)
-      _threads.update(state, keys, token)
+      state.update(keys, token)
     except BaseException:
       # KeyboardInterrupt (SIGINT) landing in update, after the computation
       # was dispatched: its token is still stored, so what follows waits.
-      _threads.store_interrupted(state, keys, token)
+      state.store_interrupted(keys, token)
       raise
   finally:
     state.dispatching = False
@@ -150,8 +153,25 @@ _interrupts.interrupts_deferred_in(dispatch)
 _interrupts.interrupts_deferred_in(_launch)
 
 
-def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
-                  per_device, site: _launch_lock.LaunchSite):
+class FastHookOwner(Protocol):
+  """What a fast hook falls back to (``_dispatch.core.Core``)."""
+  retry: type[Exception]   # a trace found another chain (``NeedsTokens``)
+
+  def call_fun(self, *args: Any, **kwargs: Any) -> Any:
+    """Under a trace: the user's function."""
+
+  def call_threaded(self, *args: Any, **kwargs: Any) -> Any:
+    """Every case the hook does not take: the general path."""
+
+  def learn(self, mode: str, err: Exception) -> None:
+    """Records the chains a :attr:`retry` names."""
+
+  def per_device(self, mode: str, token: Any) -> None:
+    """A per-device token was returned (a new signature)."""
+
+
+def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
+                  site: _launch_lock.LaunchSite):
   """The dispatch hook of one function in its common case (``_dispatch.function``).
 
   Valid while the function threads one ordered chain ``key`` with scalar
@@ -159,19 +179,23 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
   -> (outputs, token)``) in ordering mode ``mode``. The returned
   ``call(*args, **kwargs)`` is what calling the function calls: it passes
   the thread's token of ``key``, stores the returned one (also when an
-  interrupt lands right after the dispatch, see ``threads.store_interrupted``)
+  interrupt lands right after the dispatch, see ``ThreadTokens.store_interrupted``)
   and raises the errors of callbacks that ran inline in the call, the steps
   of :func:`dispatch` without their loops, branches and frames.
-  Everything else goes elsewhere: under a trace, ``fun`` (the user's
-  function; under ``jax.disable_jit`` ``jitted`` calls it, see ``_dispatch.function``); in
-  another mode, after a mode switch, with a per-device token or an error
-  pending (``ThreadTokens.fast_mode``), ``general``; a trace that finds
-  another chain raises ``retry``, given to ``learn`` before ``general`` is
+  Everything else goes to ``owner`` (:class:`FastHookOwner`): under a
+  trace, ``owner.call_fun`` (the user's function; under ``jax.disable_jit``
+  ``jitted`` calls it); in another mode, after a mode switch, with a
+  per-device token or an error pending (``ThreadTokens.fast_mode``),
+  ``owner.call_threaded``; a trace that finds another chain raises
+  ``owner.retry``, given to ``owner.learn`` before ``call_threaded`` is
   called; a per-device token returned (a new signature) is stored and given
-  to ``per_device``. A computation over several CPU devices is launched under
+  to ``owner.per_device``. A computation over several CPU devices is launched under
   ``launch_lock`` (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
+  fun, general, retry = owner.call_fun, owner.call_threaded, owner.retry
+  learn = functools.partial(owner.learn, mode)
+  per_device = functools.partial(owner.per_device, mode)
   committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   local = _threads.local
@@ -188,7 +212,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
     runtime = state.runtime
     token = runtime.get(key)
     if token is None:
-      token = _threads.initial_token(state)
+      token = state.initial_token()
     state.dispatching = True   # (see _on_sigint)
     try:
       try:
@@ -212,11 +236,11 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
             _launch_lock.launched(site, sharding)
           if sharding is not state.last_sharding or state.last_token is None:
             if _per_device.kept_on_devices(token):   # a per-device token (a new signature)
-              _threads.update(state, (key,), token)
+              state.update((key,), token)
               per_device(token)
               sharding = None
             else:   # another device set than the last dispatch's
-              _threads.file_last(state)
+              state.file_last()
               state.output.pop(sharding, None)
               state.last_sharding = sharding
           if sharding is not None:
@@ -224,7 +248,7 @@ def fast_dispatch(mode: str, key, jitted, *, fun, general, learn, retry,
             runtime[key] = (uncommitted(token) if committed(token)
                             else token)
         except BaseException:
-          _threads.store_interrupted(state, (key,), token)   # see store_interrupted
+          state.store_interrupted((key,), token)   # see store_interrupted
           raise
     finally:
       state.dispatching = False

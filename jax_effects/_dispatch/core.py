@@ -85,7 +85,14 @@ class _Threaded:
 
 
 class Core:
-  """What every ``PjitFunction`` of one (function, options) learnt (see above)."""
+  """What every ``PjitFunction`` of one (function, options) learnt (see above).
+
+  The owner of its fast hooks (``call_path.FastHookOwner``): a hook falls
+  back to :meth:`call_fun`/:meth:`call_threaded`, gives :meth:`learn` a
+  :attr:`retry` and :meth:`per_device` a per-device token.
+  """
+  #: Raised by a trace that finds a chain the call passed no token for.
+  retry = NeedsTokens
 
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
@@ -178,11 +185,7 @@ class Core:
           and threaded.per_device_sharding is None and jitted is not None
           and self.state is not FALLBACK):
         threaded.fast = _call_path.fast_dispatch(
-            mode, keys[0], jitted, fun=self.call_fun,
-            general=self.call_threaded,
-            learn=functools.partial(self.learn, mode), retry=NeedsTokens,
-            per_device=functools.partial(self.per_device, mode),
-            site=threaded.launch)
+            self, mode, keys[0], jitted, site=threaded.launch)
       else:
         threaded.fast = None
 

@@ -10,7 +10,7 @@ across it. Switches are rare; blocking there costs nothing per call. The
 wait reports no error (each stays for the thread that dispatched it). A
 dispatch in flight in another thread while ``set_ordering`` runs is not
 waited for here: that thread's next dispatch in the new mode first waits for
-its own earlier ones (``_threads.switch_mode``), so every thread's
+its own earlier ones (``ThreadTokens.switch_mode``), so every thread's
 order holds across the switch. A switch is refused inside a traced function
 (it would be ignored) and inside a host callback (it would wait for the
 computation running it): ``design/errors.md``.

@@ -32,16 +32,27 @@ KEPT_TRACES = 8
 
 class TraceCache:
   """Jaxprs of ``fun`` by signature (at most :data:`KEPT_TRACES`, oldest
-  dropped first)."""
+  dropped first). Registered with JAX's cache management, so
+  ``jax.clear_caches()`` drops them, as it drops ``jax.jit``'s traces."""
 
   def __init__(self, fun_ref: Callable[[], Callable | None]):
     self._fun_ref = fun_ref
     self._traces: dict = {}
     self._lock = threading.Lock()
+    _compat.register_cache(self, "jax_effects.jit kept traces")
 
   def clear(self) -> None:
     with self._lock:
       self._traces.clear()
+
+  # JAX's cache protocol (``jax.clear_caches``, its cache statistics)
+  cache_clear = clear
+
+  def cache_info(self) -> str:
+    return f"{len(self._traces)} of at most {KEPT_TRACES} traces kept"
+
+  def cache_keys(self) -> list:
+    return list(self._traces)
 
   def __len__(self) -> int:
     return len(self._traces)

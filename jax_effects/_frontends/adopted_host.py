@@ -8,7 +8,8 @@ instead of being imported by it. Its part in the token calling convention
 is that of every effect's host side (``HostCallback.fn``: operands in as
 NumPy arrays, results out); the host function around it
 (``_primitives.host_functions``) handles the carrier.
-What the user observes is JAX's:
+What the user observes is JAX's (the calling convention JAX's impls keep
+around a callback is ``jax_calling``'s):
 
 * **Arguments.** ``jax.debug.callback`` and ``io_callback`` receive what
   JAX's impls give them: each operand as a committed ``jax.Array`` on the
@@ -35,7 +36,7 @@ What the user observes is JAX's:
   dtype canonicalization), with JAX's ``RuntimeError`` messages.
 * **Errors.** An exception (``Exception``) of the user's function, of a
   result check or of formatting reaches the caller as ``jax.jit`` delivers
-  it: :func:`jax_error`, a ``jax.errors.JaxRuntimeError`` (a
+  it: :func:`jax_calling.jax_error`, a ``jax.errors.JaxRuntimeError`` (a
   ``RuntimeError``) with XLA's message, the original exception as its
   ``__cause__``. Delivered once, where ``design/errors.md`` says. A
   ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
@@ -51,95 +52,19 @@ from __future__ import annotations
 
 import copy
 import string
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 from jax import tree_util
 
 from jax_effects import _compat
+from jax_effects._frontends import jax_calling as _jc
 from jax_effects._frontends import printing as _printing
 from jax_effects._pass import adopted as _adopted
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import output as _output
-
-# --- errors as jax.jit delivers them -----------------------------------------------
-
-#: XLA's status prefix for a failed Python callback (jaxlib 0.8-0.10).
-JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
-
-
-def _traceback_text(exc: BaseException) -> str:
-  """``exc`` as jaxlib puts it in the status message (nanobind's
-  ``python_error::what()``): every frame of the stack at the raise, outermost
-  first, without source lines, then ``Type: message``."""
-  parts = []
-  tb = exc.__traceback__
-  if tb is not None:
-    while tb.tb_next is not None:
-      tb = tb.tb_next
-    frames = []
-    frame = tb.tb_frame
-    while frame is not None:
-      frames.append(frame)
-      frame = frame.f_back
-    parts.append("Traceback (most recent call last):\n")
-    for frame in reversed(frames):
-      code = frame.f_code
-      parts.append(f'  File "{code.co_filename}", line {frame.f_lineno}, '
-                   f"in {code.co_name}\n")
-  parts.append(f"{type(exc).__name__}: ")
-  try:
-    parts.append(str(exc))
-  except Exception:  # noqa: BLE001 - as jaxlib does
-    parts.append("<exception str() failed>")
-  return "".join(parts)
-
-
-def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
-  """The error ``jax.jit`` raises when a host callback raised ``exc``,
-  with ``exc`` as its ``__cause__``. Built where ``exc`` is caught, while
-  the frames of its traceback are live (their line numbers are read)."""
-  err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + _traceback_text(exc))
-  err.__cause__ = exc
-  return err
-
-
-# --- arguments as JAX's impls give them ------------------------------------------------
-
-_cpu_sharding: list = []
-
-
-def _cpu():
-  """``(device, sharding)``: the first local CPU device, where JAX's
-  callback impls put the operands, and its ``SingleDeviceSharding``."""
-  if not _cpu_sharding:
-    try:
-      device = jax.local_devices(backend="cpu")[0]
-    except RuntimeError as e:
-      raise RuntimeError(
-          "jax.debug.callback failed to find a local CPU device to place the"
-          " inputs on. Make sure \"cpu\" is listed in --jax_platforms or the"
-          " JAX_PLATFORMS environment variable.") from e
-    _cpu_sharding.append((device, jax.sharding.SingleDeviceSharding(device)))
-  return _cpu_sharding[0]
-
-
-def _avals() -> Callable[[np.ndarray], Any]:
-  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``
-  (not weakly typed), cached by shape and dtype (a host function sees the
-  same few)."""
-  avals: dict = {}
-  shaped = jax.core.ShapedArray
-
-  def aval_of(x):
-    key = (x.shape, x.dtype)
-    aval = avals.get(key)
-    if aval is None:
-      aval = avals[key] = shaped(x.shape, x.dtype)
-    return aval
-  return aval_of
 
 
 # The host functions below are written for speed (one frame per run; the
@@ -156,8 +81,8 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     call = params["callback"]
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
-    call = _caller(fn, in_tree, tuple(static_args.items()))
-  aval_of = _avals()
+    call = _jc.caller(fn, in_tree, tuple(static_args.items()))
+  aval_of = _jc.avals()
   put = _compat.batched_device_put
   default_device = _compat.default_device_setting
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
@@ -170,9 +95,9 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     if failures:   # the held lines' sinks: their dispatch's errors, not this callback's
       defer(failures)
     try:
-      device, sharding = _cpu()
+      device, sharding = _jc.cpu()
       devices = [device]
-      args = _explicit_puts(put, aval_of, sharding, devices, operands)
+      args = _jc.explicit_puts(put, aval_of, sharding, devices, operands)
       d = default_device.swap_local(device)
       c = concrete.swap_local(no_concrete)
       a = abstract.swap_local(no_abstract)
@@ -186,21 +111,9 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
         concrete.set_local(c)
         default_device.set_local(d)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
+      raise _jc.jax_error(exc) from exc
     return ()
   return host
-
-
-def _explicit_puts(put, aval_of, sharding, devices, operands) -> list:
-  """``operands`` on ``devices`` as ``jax.device_put`` puts them: explicit
-  transfers for ``jax.transfer_guard`` (JAX's impls call ``device_put``)."""
-  state = _compat.transfer_guard_state()
-  previous = state.explicit_device_put
-  state.explicit_device_put = True
-  try:
-    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
-  finally:
-    state.explicit_device_put = previous
 
 
 def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
@@ -210,9 +123,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   if parts is None:   # bound by other code: called as it is
     callback, flat = params["callback"], True
   else:   # io_callback's: its steps without its pytree unflatten
-    callback, flat = _caller(*parts, ()), False
+    callback, flat = _jc.caller(*parts, ()), False
   leaves = tree_util.tree_leaves
-  aval_of = _avals()
+  aval_of = _jc.avals()
   put = _compat.batched_device_put
   default_device = _compat.default_device_setting
   logger = _compat.callback_logger
@@ -225,9 +138,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
     if failures:   # the held lines' sinks: their dispatch's errors, not this callback's
       defer(failures)
     try:
-      device, sharding = _cpu()
+      device, sharding = _jc.cpu()
       devices = [device]
-      args = _explicit_puts(put, aval_of, sharding, devices, operands)
+      args = _jc.explicit_puts(put, aval_of, sharding, devices, operands)
       d = default_device.swap_local(device)
       try:
         out = callback(*args)
@@ -243,49 +156,13 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
         default_device.set_local(d)
       if not n_results and not out:
         return ()
-      return check_results(out, result_avals, n_results)
+      return _jc.check_results(out, result_avals, n_results)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
+      raise _jc.jax_error(exc) from exc
   return host
 
 
-def canonical(x: np.ndarray) -> np.ndarray:
-  """``x`` with JAX's canonical dtype (``jax.dtypes.canonicalize_dtype``:
-  with ``jax_enable_x64`` off, 64-bit types are their 32-bit ones), as JAX
-  converts a callback's results before it compares dtypes."""
-  dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-  return x if x.dtype == dtype else np.asarray(x, dtype)
-
-
-def check_results(out, result_avals: tuple, n_results: int) -> tuple:
-  """JAX's checks of a callback's flat results (``emit_python_callback``),
-  with its messages."""
-  out = tuple(out)
-  if len(out) != n_results:
-    raise RuntimeError(
-        "Mismatched number of outputs from callback. "
-        f"Expected: {n_results}, Actual: {len(out)}")
-  out = tuple(canonical(np.asarray(a)) for a in out)
-  for i, (value, aval) in enumerate(zip(out, result_avals)):
-    if value.shape != aval.shape:
-      raise RuntimeError(
-          f"Incorrect output shape for return value #{i}: "
-          f"Expected: {aval.shape}, Actual: {value.shape}")
-    if value.dtype != aval.dtype:
-      raise RuntimeError(
-          f"Incorrect output dtype for return value #{i}: "
-          f"Expected: {aval.dtype}, Actual: {value.dtype}")
-  return out
-
-
 # --- jax.debug.print / jax.debug.log ---------------------------------------------------
-
-class _Slot:
-  """Stands for flat argument ``i`` while the argument structure is read."""
-  __slots__ = ("i",)
-
-  def __init__(self, i):
-    self.i = i
 
 
 def _reaches_into_arguments(fmt: str) -> bool:
@@ -313,60 +190,6 @@ def _plain_structure(node) -> bool:
   return True
 
 
-def _rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
-  """``rebuild(dynamic_values) -> (args, kwargs)`` as JAX's
-  ``merge_callback_args`` does, without a pytree unflatten when every
-  argument is itself a leaf."""
-  static = dict(static_args)
-  n = in_tree.num_leaves
-  slots = tree_util.tree_unflatten(in_tree, [_Slot(i) for i in range(n)])
-  args, kwargs = slots
-  dynamic = [i for i in range(n) if i not in static]
-  where = {leaf: pos for pos, leaf in enumerate(dynamic)}
-
-  def leaf(node):
-    """How to get argument ``node``: ("d", k) dynamic value k, ("s", v)."""
-    i = node.i
-    return ("d", where[i]) if i in where else ("s", static[i])
-
-  if all(type(a) is _Slot for a in args) and all(
-      type(v) is _Slot for v in kwargs.values()):
-    arg_parts = [leaf(a) for a in args]
-    kw_parts = [(k, leaf(v)) for k, v in kwargs.items()]
-
-    def flat(values):
-      return ([values[x] if kind == "d" else x for kind, x in arg_parts],
-              {k: values[x] if kind == "d" else x for k, (kind, x) in kw_parts})
-    return flat
-
-  def general(values):
-    full = [None] * n
-    for i, v in static.items():
-      full[i] = v
-    for i, v in zip(dynamic, values):
-      full[i] = v
-    return tree_util.tree_unflatten(in_tree, full)
-  return general
-
-
-def _caller(fn, in_tree, static_args) -> Callable[..., Any]:
-  """``call(*values)``: ``fn(*args, **kwargs)`` with the arguments JAX's
-  flat callback rebuilds from ``values``; ``fn`` itself when they are the
-  positional arguments themselves (the common case: no frame of ours)."""
-  n = in_tree.num_leaves
-  args, kwargs = tree_util.tree_unflatten(in_tree,
-                                          [_Slot(i) for i in range(n)])
-  if (not static_args and not kwargs and len(args) == n
-      and all(type(a) is _Slot and a.i == i for i, a in enumerate(args))):
-    return fn
-  rebuild = _rebuilder(in_tree, static_args)
-
-  def call(*values):
-    a, k = rebuild(values)
-    return fn(*a, **k)
-  return call
-
-
 def print_edges(params: dict, avals: tuple) -> tuple:
   """For an adopted ``jax.debug.print``: one ``edges.Edges`` per operand that
   NumPy will print summarized under the print options its call site
@@ -390,7 +213,7 @@ def _formats_only_values(params: dict) -> bool:
   formats the array values (then NumPy values stand for them)."""
   in_tree = params["in_tree"]
   args_, kwargs_ = tree_util.tree_unflatten(
-      in_tree, [_Slot(i) for i in range(in_tree.num_leaves)])
+      in_tree, [_jc.Slot(i) for i in range(in_tree.num_leaves)])
   return not _reaches_into_arguments(params["fmt"]) and all(
       _plain_structure(a) for a in (*args_, *kwargs_.values()))
 
@@ -405,7 +228,7 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
   has_placeholders = params["has_placeholders"]
   record = params["logging_record"]
   in_tree = params["in_tree"]
-  rebuild = _rebuilder(in_tree, params["static_args"])
+  rebuild = _jc.rebuilder(in_tree, params["static_args"])
   from_numpy = _formats_only_values(params)
   Value = _printing.Value
   get_printoptions = np.get_printoptions
@@ -435,16 +258,15 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     def message(operands) -> str:
       return text([Value(x) for x in operands])
   else:
-    aval_of = _avals()
+    aval_of = _jc.avals()
     put = _compat.batched_device_put
     default_device = _compat.default_device_setting
     (concrete, no_concrete), (abstract, no_abstract) = (
         _compat.NO_MESH_SETTINGS)
 
     def message(operands) -> str:
-      device, sharding = _cpu()
-      values = [put(aval_of(x), sharding, [x], [device], True)
-                for x in operands]
+      device, sharding = _jc.cpu()
+      values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
       d = default_device.swap_local(device)
       c = concrete.swap_local(no_concrete)
       a = abstract.swap_local(no_abstract)
@@ -469,7 +291,7 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
         logger.exception("jax.debug.callback failed")   # as JAX's impl
         raise
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
+      raise _jc.jax_error(exc) from exc
     return ()
   return host
 

@@ -3,7 +3,7 @@
 JAX's vmap rules of these primitives are wrapped: JAX's own rule runs
 unchanged unless a branch (or the loop) holds a ``jax_effects`` effect and
 the predicate is batched (programs without our effects get JAX's behaviour
-bit for bit, ``tests/test_vmap_cond.py``).
+bit for bit, ``tests/primitives/test_vmap_cond.py``).
 
 * **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
   for every element and selects. Here too, but each branch's effects get

@@ -91,7 +91,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
     marker = _effects.marker(effect, True)
     mode = _effects.get_ordering()
     if state.mode != mode:   # after a mode switch: follow earlier dispatches
-      _threads.switch_mode(state, mode)
+      state.switch_mode(mode)
     key = _effects.chain_key(marker, mode)
     token = state.runtime.get(key)
     if token is not None:

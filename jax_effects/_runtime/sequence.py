@@ -7,8 +7,8 @@ runs each device's program in its own, data-driven order, so another device
 may reach one of the program's collectives before its part of the effect,
 and wait there for the first device, which would wait for it: a deadlock
 (seen with a few dozen big prints and a matrix product in one program;
-``tests/test_summarized_printing.py``). So when a part is missing the first
-device's call leaves the effect here, as a *job* of the dispatching
+``tests/frontends/test_summarized_printing.py``). So when a part is missing
+the first device's call leaves the effect here, as a *job* of the dispatching
 thread's slot, and returns; the call that brings the last part runs it.
 
 While a slot has jobs, every later threaded effect of that thread becomes a

@@ -40,7 +40,7 @@ def runtime_tokens() -> RuntimeTokens:
   if _effects.get_ordering() == "global":
     token = state.runtime.get(_effects.GLOBAL)
     if token is None:   # (a jax.Array, as every other token in the snapshot)
-      token = _threads.as_array(_threads.initial_token(state))
+      token = _threads.as_array(state.initial_token())
     effects = {_effects.GLOBAL: token}
   else:
     effects = dict(state.runtime)

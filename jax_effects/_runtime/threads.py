@@ -12,7 +12,8 @@ wait for it. This module is that state and its changes:
 * :class:`ThreadTokens` is **thread-local and per effect**: each Python
   thread has its own streams, so threads never wait for each other. Its
   ``runtime`` map (chain key -> token) is read before a dispatch
-  (:func:`tokens_for`) and written after it (:func:`update`); ``output``
+  (:meth:`ThreadTokens.tokens_for`) and written after it
+  (:meth:`ThreadTokens.update`); ``output``
   keeps the latest output token per device set, for the barrier.
 * A runtime token is kept *uncommitted*: ``jax.jit``'s C++ dispatch copies it
   to the devices of the next computation when (and only when) they differ,
@@ -119,6 +120,129 @@ class ThreadTokens:
     self.fast_mode = None
     self.per_device = False
 
+  # --- the call path's state changes (``_dispatch.call_path``; its fast
+  # hook inlines a scalar variant of update) --------------------------------
+
+  def initial_token(self) -> np.ndarray | jax.Array:
+    """The token of a stream that has had no effect yet in ``self``'s thread.
+
+    A NumPy ``int32`` scalar holding the thread's slot: ``jax.jit`` copies it
+    to wherever the first computation runs, as part of that dispatch. A thread
+    starting its first stream does no device work of its own, so it never
+    waits behind other threads' work on some device (a ``jax.Array`` made
+    here would be put on the default device first, and a device busy with
+    other threads' callbacks can hold that up). :func:`as_array` where a
+    ``jax.Array`` is needed.
+
+    Under a transfer guard (``jax.transfer_guard``) that refuses or logs
+    implicit host-to-device transfers, that copy would be one: the token is
+    then put on the default device once by an explicit transfer, allowed for
+    it alone (:func:`_placed_initial_token`), and kept.
+    """
+    token = self.initial
+    if token is None:
+      token = self.initial = _errors.TOKEN_DTYPE(self.slot)
+    if type(token) is _errors.TOKEN_DTYPE and _compat.host_transfers_guarded():
+      token = self.initial = _placed_initial_token(self.slot)
+    return token
+
+  def update(self, keys, token: jax.Array) -> None:
+    """Records ``token`` (returned by one executable) for ``keys`` and devices.
+
+    Raises nothing: an error a callback deferred is raised by the thread's next
+    call before it dispatches, or its barrier (the result of this call is
+    returned either way).
+    """
+    output = self.output
+    sharding = token.sharding
+    if self.last_token is not None:
+      self.file_last()
+    if self.last_sharding is sharding:  # already the most recent entry
+      output[sharding] = token
+    else:  # move to the end (recency)
+      output.pop(sharding, None)
+      output[sharding] = token
+      self.last_sharding = sharding
+    if keys:
+      if _per_device.kept_on_devices(token):
+        # One element or copy per device: kept as it is, so the next call of a
+        # program over the same devices continues each device's chain from its
+        # own element, with no copy and no extra dispatch; it is combined only
+        # for a computation that runs elsewhere (per_device.tokens_for_sharding) or, in the
+        # deterministic view, right away (that releases the output).
+        if _output.holding():
+          runtime = _per_device.combine(token)
+        else:
+          runtime = token
+          self.per_device = True
+      else:
+        runtime = _compat.uncommitted(token) if _compat.committed(token) else token
+      for key in keys:
+        if key is not _effects.UNORDERED:
+          self.runtime[key] = runtime
+    if self.per_device or after_exit_handler:
+      self.fast_mode = None
+    else:
+      # Only if the thread's mode is still the one of this dispatch: a
+      # set_ordering by another thread while it was in flight cleared
+      # fast_mode (mode_changed), which must not be undone here. (Read after
+      # the store: a switch landing in between clears it, as set_ordering
+      # sets the mode before clearing.)
+      mode = self.fast_mode = self.mode
+      if _effects.get_ordering() != mode:
+        self.fast_mode = None
+
+  def file_last(self) -> None:
+    """Moves the fast path's last output token into ``self.output``."""
+    token = self.last_token
+    if token is not None:
+      self.last_token = None
+      output = self.output
+      output.pop(self.last_sharding, None)
+      output[self.last_sharding] = token
+
+  def switch_mode(self, mode: str) -> None:
+    """Called before a dispatch in a mode other than the thread's last one.
+
+    The two modes use different runtime-token streams, so nothing would order
+    this dispatch after the thread's earlier ones, which may still be in flight
+    (a ``set_ordering`` from another thread lands between any two calls): wait
+    for them first. Switches are rare; the common path is one comparison.
+    """
+    if self.mode is not None:
+      wait_quietly(self.pending())
+    self.mode = mode
+
+  def store_interrupted(self, keys, token) -> None:
+    """Stores a dispatched computation's token when an interrupt
+    (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
+    between the dispatch and :meth:`update`: the computation runs anyway, so
+    the thread's next dispatch and its barrier must still follow it. Storing
+    the same token twice is harmless; if storing fails, the token is waited for.
+    """
+    try:
+      self.update(keys, token)
+    except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
+      wait_quietly((token,))
+
+  def tokens_for(self, keys, per_device_sharding) -> tuple:
+    """The runtime tokens of ``keys`` to pass to the next computation.
+
+    ``per_device_sharding``: sharding of the per-device token the callee
+    returned last time (None: the callee takes scalar tokens only); see
+    ``per_device.tokens_for_sharding``.
+    """
+    runtime = self.runtime
+    initial = self.initial_token()
+    if len(keys) == 1:  # the common case, without a comprehension's frame
+      tokens = (runtime.get(keys[0], initial),)
+    else:
+      tokens = tuple([runtime.get(k, initial) for k in keys])
+    if self.per_device:
+      tokens = _per_device.tokens_for_sharding(self, keys, tokens,
+                                                per_device_sharding)
+    return tokens
+
 
 local = threading.local()
 # Reentrant: a thread-exit finalizer (_thread_exited) may run from garbage
@@ -147,30 +271,6 @@ def thread_state() -> ThreadTokens:
     return state
 
 
-def initial_token(state: ThreadTokens) -> np.ndarray | jax.Array:
-  """The token of a stream that has had no effect yet in ``state``'s thread.
-
-  A NumPy ``int32`` scalar holding the thread's slot: ``jax.jit`` copies it
-  to wherever the first computation runs, as part of that dispatch. A thread
-  starting its first stream does no device work of its own, so it never
-  waits behind other threads' work on some device (a ``jax.Array`` made
-  here would be put on the default device first, and a device busy with
-  other threads' callbacks can hold that up). :func:`as_array` where a
-  ``jax.Array`` is needed.
-
-  Under a transfer guard (``jax.transfer_guard``) that refuses or logs
-  implicit host-to-device transfers, that copy would be one: the token is
-  then put on the default device once by an explicit transfer, allowed for
-  it alone (:func:`_placed_initial_token`), and kept.
-  """
-  token = state.initial
-  if token is None:
-    token = state.initial = _errors.TOKEN_DTYPE(state.slot)
-  if type(token) is _errors.TOKEN_DTYPE and _compat.host_transfers_guarded():
-    token = state.initial = _placed_initial_token(state.slot)
-  return token
-
-
 def _placed_initial_token(slot: int) -> jax.Array:
   """An uncommitted ``int32`` scalar holding ``slot`` on the default device,
   put there by an explicit transfer that only it is allowed (the user's own
@@ -188,57 +288,10 @@ def as_array(token) -> jax.Array:
     return jnp.asarray(token)
 
 
-def update(state: ThreadTokens, keys, token: jax.Array) -> None:
-  """Records ``token`` (returned by one executable) for ``keys`` and devices.
-
-  Raises nothing: an error a callback deferred is raised by the thread's next
-  call before it dispatches, or its barrier (the result of this call is
-  returned either way).
-  """
-  output = state.output
-  sharding = token.sharding
-  if state.last_token is not None:
-    file_last(state)
-  if state.last_sharding is sharding:  # already the most recent entry
-    output[sharding] = token
-  else:  # move to the end (recency)
-    output.pop(sharding, None)
-    output[sharding] = token
-    state.last_sharding = sharding
-  if keys:
-    if _per_device.kept_on_devices(token):
-      # One element or copy per device: kept as it is, so the next call of a
-      # program over the same devices continues each device's chain from its
-      # own element, with no copy and no extra dispatch; it is combined only
-      # for a computation that runs elsewhere (per_device.tokens_for_sharding) or, in the
-      # deterministic view, right away (that releases the output).
-      if _output.holding():
-        runtime = _per_device.combine(token)
-      else:
-        runtime = token
-        state.per_device = True
-    else:
-      runtime = _compat.uncommitted(token) if _compat.committed(token) else token
-    for key in keys:
-      if key is not _effects.UNORDERED:
-        state.runtime[key] = runtime
-  if state.per_device or after_exit_handler:
-    state.fast_mode = None
-  else:
-    # Only if the thread's mode is still the one of this dispatch: a
-    # set_ordering by another thread while it was in flight cleared
-    # fast_mode (mode_changed), which must not be undone here. (Read after
-    # the store: a switch landing in between clears it, as set_ordering
-    # sets the mode before clearing.)
-    mode = state.fast_mode = state.mode
-    if _effects.get_ordering() != mode:
-      state.fast_mode = None
-
-
 def mode_changed(all_threads: bool) -> None:
   """The calling thread's ordering mode (every thread's, with
   ``all_threads``) changed: their next dispatch takes the general path,
-  which follows the earlier dispatches (:func:`switch_mode`)."""
+  which follows the earlier dispatches (:meth:`ThreadTokens.switch_mode`)."""
   if all_threads:
     with _all_lock:
       states = list(_all_states)
@@ -247,62 +300,6 @@ def mode_changed(all_threads: bool) -> None:
     states = [] if state is None else [state]
   for state in states:
     state.fast_mode = None
-
-
-def file_last(state: ThreadTokens) -> None:
-  """Moves the fast path's last output token into ``state.output``."""
-  token = state.last_token
-  if token is not None:
-    state.last_token = None
-    output = state.output
-    output.pop(state.last_sharding, None)
-    output[state.last_sharding] = token
-
-
-def switch_mode(state: ThreadTokens, mode: str) -> None:
-  """Called before a dispatch in a mode other than the thread's last one.
-
-  The two modes use different runtime-token streams, so nothing would order
-  this dispatch after the thread's earlier ones, which may still be in flight
-  (a ``set_ordering`` from another thread lands between any two calls): wait
-  for them first. Switches are rare; the common path is one comparison.
-  """
-  if state.mode is not None:
-    wait_quietly(state.pending())
-  state.mode = mode
-
-
-def store_interrupted(state: ThreadTokens, keys, token) -> None:
-  """Stores a dispatched computation's token when an interrupt
-  (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
-  between the dispatch and :func:`update`: the computation runs anyway, so
-  the thread's next dispatch and its barrier must still follow it. Storing
-  the same token twice is harmless; if storing fails, the token is waited for.
-  """
-  try:
-    update(state, keys, token)
-  except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
-    wait_quietly((token,))
-
-
-def tokens_for(state: ThreadTokens, keys, per_device_sharding) -> tuple:
-  """The runtime tokens of ``keys`` to pass to the next computation.
-
-  ``per_device_sharding``: sharding of the per-device token the callee
-  returned last time (None: the callee takes scalar tokens only); see
-  ``per_device.tokens_for_sharding``.
-  """
-  runtime = state.runtime
-  initial = initial_token(state)
-  if len(keys) == 1:  # the common case, without a comprehension's frame
-    tokens = (runtime.get(keys[0], initial),)
-  else:
-    tokens = tuple([runtime.get(k, initial) for k in keys])
-  if state.per_device:
-    tokens = _per_device.tokens_for_sharding(state, keys, tokens,
-                                              per_device_sharding)
-  return tokens
-
 
 
 # --- thread lifetime -------------------------------------------------------------

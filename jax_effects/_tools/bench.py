@@ -821,14 +821,15 @@ def _format_table(report: dict) -> str:
           f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
           for k, v in r.items()))
   lines.append("")
-  lines.append(f"{'target':16s} {'value':>8s}  {'goal':>8s}  result  what")
+  w = max([16, *(len(n) for n in report["targets"])])
+  lines.append(f"{'target':{w}s} {'value':>8s}  {'goal':>8s}  result  what")
   for name, t in report["targets"].items():
     if t["pass"] is None:
-      lines.append(f"{name:16s} {t['value']:8.2f}  {'':>8s}  {'':6s}  {t['what']}")
+      lines.append(f"{name:{w}s} {t['value']:8.2f}  {'':>8s}  {'':6s}  {t['what']}")
       continue
     bound = t["bound"]   # (as given: 1.2, 20.0, 1.05)
     bound = f"{bound:6.1f}" if round(bound, 1) == bound else f"{bound:6.2f}"
-    lines.append(f"{name:16s} {t['value']:8.2f}  {t['op']:>2s}{bound}  "
+    lines.append(f"{name:{w}s} {t['value']:8.2f}  {t['op']:>2s}{bound}  "
                  f"{'PASS' if t['pass'] else 'FAIL':6s}  {t['what']}")
   return "\n".join(lines)
 

@@ -23,7 +23,7 @@ The last call goes through the AOT path (``.lower().compile()``). With
 It then calls ``effects_barrier()`` (this process's effects) and returns, as
 JSON, what this process observed: its process index, its devices, the mesh
 (device id per position) and every record and line in delivery order. The
-parent checks attribution and order (``tests/test_multiprocess.py``, the
+parent checks attribution and order (``tests/tools/test_multiprocess.py``, the
 ``demo --processes`` section).
 """
 from __future__ import annotations

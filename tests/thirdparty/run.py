@@ -76,6 +76,7 @@ SUITES = {
         Suite("equinox", "equinox", (
             "tests/test_jit.py",
             "tests/test_errors.py",
+            "tests/test_debug.py",
         ), False, "a checkout of equinox's release tag"),
         Suite("jax", "jax", (
             "tests/debugging_primitives_test.py",

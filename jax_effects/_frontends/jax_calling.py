@@ -1,0 +1,204 @@
+"""JAX's host-callback calling convention, as JAX's impls keep it.
+
+What ``debug_callback_impl``/``io_callback_impl`` and XLA's CPU callback do
+around a user's function, written once for the host side of adopted callbacks
+(``adopted_host``): the operands as JAX's impls give them (committed
+``jax.Array`` s on the first CPU device, put by explicit transfers), the
+arguments rebuilt from JAX's flat callback (its pytree and static arguments),
+the results checked and converted as ``emit_python_callback`` does, and an
+exception turned into the error ``jax.jit`` raises (:func:`jax_error`).
+
+Part in the token calling convention: none (it runs inside a host function;
+``_primitives.host_functions`` handles the carrier).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jax_effects import _compat
+
+# --- errors as jax.jit delivers them -----------------------------------------------
+
+#: XLA's status prefix for a failed Python callback (jaxlib 0.8-0.10).
+JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
+
+
+def traceback_text(exc: BaseException) -> str:
+  """``exc`` as jaxlib puts it in the status message (nanobind's
+  ``python_error::what()``): every frame of the stack at the raise, outermost
+  first, without source lines, then ``Type: message``."""
+  parts = []
+  tb = exc.__traceback__
+  if tb is not None:
+    while tb.tb_next is not None:
+      tb = tb.tb_next
+    frames = []
+    frame = tb.tb_frame
+    while frame is not None:
+      frames.append(frame)
+      frame = frame.f_back
+    parts.append("Traceback (most recent call last):\n")
+    for frame in reversed(frames):
+      code = frame.f_code
+      parts.append(f'  File "{code.co_filename}", line {frame.f_lineno}, '
+                   f"in {code.co_name}\n")
+  parts.append(f"{type(exc).__name__}: ")
+  try:
+    parts.append(str(exc))
+  except Exception:  # noqa: BLE001 - as jaxlib does
+    parts.append("<exception str() failed>")
+  return "".join(parts)
+
+
+def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
+  """The error ``jax.jit`` raises when a host callback raised ``exc``,
+  with ``exc`` as its ``__cause__``. Built where ``exc`` is caught, while
+  the frames of its traceback are live (their line numbers are read)."""
+  err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + traceback_text(exc))
+  err.__cause__ = exc
+  return err
+
+
+# --- arguments as JAX's impls give them ------------------------------------------
+
+_cpu_sharding: list = []
+
+
+def cpu():
+  """``(device, sharding)``: the first local CPU device, where JAX's
+  callback impls put the operands, and its ``SingleDeviceSharding``."""
+  if not _cpu_sharding:
+    try:
+      device = jax.local_devices(backend="cpu")[0]
+    except RuntimeError as e:
+      raise RuntimeError(
+          "jax.debug.callback failed to find a local CPU device to place the"
+          " inputs on. Make sure \"cpu\" is listed in --jax_platforms or the"
+          " JAX_PLATFORMS environment variable.") from e
+    _cpu_sharding.append((device, jax.sharding.SingleDeviceSharding(device)))
+  return _cpu_sharding[0]
+
+
+def avals() -> Callable[[np.ndarray], Any]:
+  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``
+  (not weakly typed), cached by shape and dtype (a host function sees the
+  same few)."""
+  avals: dict = {}
+  shaped = jax.core.ShapedArray
+
+  def aval_of(x):
+    key = (x.shape, x.dtype)
+    aval = avals.get(key)
+    if aval is None:
+      aval = avals[key] = shaped(x.shape, x.dtype)
+    return aval
+  return aval_of
+
+
+def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
+  """``operands`` on ``devices`` as ``jax.device_put`` puts them: explicit
+  transfers for ``jax.transfer_guard`` (JAX's impls call ``device_put``)."""
+  state = _compat.transfer_guard_state()
+  previous = state.explicit_device_put
+  state.explicit_device_put = True
+  try:
+    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+  finally:
+    state.explicit_device_put = previous
+
+
+class Slot:
+  """Stands for flat argument ``i`` while the argument structure is read."""
+  __slots__ = ("i",)
+
+  def __init__(self, i):
+    self.i = i
+
+
+def rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
+  """``rebuild(dynamic_values) -> (args, kwargs)`` as JAX's
+  ``merge_callback_args`` does, without a pytree unflatten when every
+  argument is itself a leaf."""
+  static = dict(static_args)
+  n = in_tree.num_leaves
+  slots = tree_util.tree_unflatten(in_tree, [Slot(i) for i in range(n)])
+  args, kwargs = slots
+  dynamic = [i for i in range(n) if i not in static]
+  where = {leaf: pos for pos, leaf in enumerate(dynamic)}
+
+  def leaf(node):
+    """How to get argument ``node``: ("d", k) dynamic value k, ("s", v)."""
+    i = node.i
+    return ("d", where[i]) if i in where else ("s", static[i])
+
+  if all(type(a) is Slot for a in args) and all(
+      type(v) is Slot for v in kwargs.values()):
+    arg_parts = [leaf(a) for a in args]
+    kw_parts = [(k, leaf(v)) for k, v in kwargs.items()]
+
+    def flat(values):
+      return ([values[x] if kind == "d" else x for kind, x in arg_parts],
+              {k: values[x] if kind == "d" else x for k, (kind, x) in kw_parts})
+    return flat
+
+  def general(values):
+    full = [None] * n
+    for i, v in static.items():
+      full[i] = v
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    return tree_util.tree_unflatten(in_tree, full)
+  return general
+
+
+def caller(fn, in_tree, static_args) -> Callable[..., Any]:
+  """``call(*values)``: ``fn(*args, **kwargs)`` with the arguments JAX's
+  flat callback rebuilds from ``values``; ``fn`` itself when they are the
+  positional arguments themselves (the common case: no frame of ours)."""
+  n = in_tree.num_leaves
+  args, kwargs = tree_util.tree_unflatten(in_tree,
+                                          [Slot(i) for i in range(n)])
+  if (not static_args and not kwargs and len(args) == n
+      and all(type(a) is Slot and a.i == i for i, a in enumerate(args))):
+    return fn
+  rebuild = rebuilder(in_tree, static_args)
+
+  def call(*values):
+    a, k = rebuild(values)
+    return fn(*a, **k)
+  return call
+
+
+# --- results as JAX checks them ---------------------------------------------------
+
+def canonical(x: np.ndarray) -> np.ndarray:
+  """``x`` with JAX's canonical dtype (``jax.dtypes.canonicalize_dtype``:
+  with ``jax_enable_x64`` off, 64-bit types are their 32-bit ones), as JAX
+  converts a callback's results before it compares dtypes."""
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+  return x if x.dtype == dtype else np.asarray(x, dtype)
+
+
+def check_results(out, result_avals: tuple, n_results: int) -> tuple:
+  """JAX's checks of a callback's flat results (``emit_python_callback``),
+  with its messages."""
+  out = tuple(out)
+  if len(out) != n_results:
+    raise RuntimeError(
+        "Mismatched number of outputs from callback. "
+        f"Expected: {n_results}, Actual: {len(out)}")
+  out = tuple(canonical(np.asarray(a)) for a in out)
+  for i, (value, aval) in enumerate(zip(out, result_avals)):
+    if value.shape != aval.shape:
+      raise RuntimeError(
+          f"Incorrect output shape for return value #{i}: "
+          f"Expected: {aval.shape}, Actual: {value.shape}")
+    if value.dtype != aval.dtype:
+      raise RuntimeError(
+          f"Incorrect output dtype for return value #{i}: "
+          f"Expected: {aval.dtype}, Actual: {value.dtype}")
+  return out

@@ -1,0 +1,119 @@
+"""Clean tracebacks: the internal ``NeedsTokens`` retry never shows
+(``design/architecture.md``, the ``_dispatch/function`` entry, state
+``first``).
+
+A function's first call learns which runtime tokens it needs from a trace
+that raises ``NeedsTokens``, then calls again. That retry must not run inside
+the exception handler, or every exception of the retried call (an error the
+user sees, an exception the user's own callback raises and handles) gets
+``NeedsTokens`` as ``__context__`` ("During handling of the above
+exception, another exception occurred").
+"""
+import traceback
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_effects as je
+
+
+def _chain(exc):
+  """Every exception reachable through __context__ / __cause__."""
+  seen = []
+  stack = [exc]
+  while stack:
+    e = stack.pop()
+    if e is None or any(e is s for s in seen):
+      continue
+    seen.append(e)
+    stack += [e.__context__, e.__cause__]
+  return seen
+
+
+def test_exception_handled_in_a_callback_has_no_internal_context():
+  contexts = []
+
+  def host(x):
+    try:
+      raise KeyError("handled inside the callback")
+    except KeyError as e:
+      contexts.append(e.__context__)
+    return x
+
+  @je.jit
+  def f(x):
+    return je.callback(host, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+  f(1.0)   # the first call: learns its tokens, then runs
+  f(2.0)
+  je.effects_barrier()
+  assert contexts == [None, None]
+
+
+def test_first_call_error_shows_no_needs_tokens():
+  def host(x):
+    raise ValueError("boom from the callback")
+
+  @je.jit
+  def f(x):
+    je.callback(host, jax.ShapeDtypeStruct((), jnp.float32), x)
+    return x + 1
+
+  with pytest.raises(ValueError, match="boom from the callback") as info:
+    f(1.0)
+    je.effects_barrier()
+  text = "".join(traceback.format_exception(info.value))
+  assert "NeedsTokens" not in text
+  assert "retrace with runtime tokens" not in text
+  assert not any(type(e).__name__ == "NeedsTokens" for e in _chain(info.value))
+
+
+def test_first_call_trace_error_shows_no_needs_tokens():
+  # An error raised while tracing the threaded call of a first call (here by
+  # jax.jit itself: out_shardings of the wrong structure)
+  @je.jit
+  def f(x):
+    je.print("x = {}", x)
+    return x
+
+  g = je.jit(f.__wrapped__, out_shardings=(None, None))
+  with pytest.raises(Exception) as info:
+    g(jnp.ones(2))
+  text = "".join(traceback.format_exception(info.value))
+  assert "NeedsTokens" not in text
+
+
+def test_learning_a_new_chain_later_shows_no_needs_tokens():
+  # A later signature needs a chain the function did not use before: that
+  # call retries too (in the threaded path's loop).
+  contexts = []
+  other = je.Effect("tracebacks-other")
+
+  def host(x):
+    try:
+      raise KeyError("handled")
+    except KeyError as e:
+      contexts.append(e.__context__)
+
+  def failing(x):
+    raise ValueError("boom on the new chain")
+
+  @je.jit(static_argnums=1)
+  def f(x, mode):
+    je.print("x = {}", x)
+    if mode == 1:
+      je.callback(host, None, x, effect=other)
+    if mode == 2:
+      je.callback(failing, None, x, effect=je.Effect("tracebacks-third"))
+    return x
+
+  f(1.0, 0)
+  f(1.0, 1)
+  je.effects_barrier()
+  assert contexts == [None]
+  with pytest.raises(ValueError, match="boom on the new chain") as info:
+    f(1.0, 2)
+    je.effects_barrier()
+  assert not any(type(e).__name__ == "NeedsTokens" for e in _chain(info.value))
+  assert "NeedsTokens" not in "".join(traceback.format_exception(info.value))

@@ -1,0 +1,152 @@
+"""Bad input to print/callback/Effect/ordering: clear errors naming the problem
+(``design/formatting.md``: "Arguments", "Format strings"; ``design/errors.md``,
+"Who raises a callback's error, when, how often").
+
+Errors about arguments and format strings are raised when the call is traced
+(never inside XLA); errors about a callback's results are raised by the host
+callback and reach the caller as that exception, under ``jax_effects.jit``,
+under transformations and eagerly alike, and the runtime keeps working.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_effects as je
+
+
+from helpers import RUNNERS
+
+
+def _still_works(effects_capture):
+  effects_capture.clear()
+  je.jit(lambda x: (je.print("ok {}", x), x)[1])(1)
+  assert effects_capture.printed == ["ok 1"]
+
+
+# --- non-array arguments ---------------------------------------------------------
+
+class Thing:
+  pass
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_print_rejects_object_arrays_naming_the_argument(run):
+  with pytest.raises(TypeError, match=r"print\('\{\} \{x\}'\): argument 'x'\['a'\] "
+                                      r"is a NumPy array of dtype object"):
+    run(lambda v: je.print("{} {x}", v, x={"a": np.array([Thing()])}))(1)
+
+
+def test_print_accepts_str_leaves_as_static_values(effects_capture):
+  je.jit(lambda v: je.print("{} {}", "label", v))(3)
+  assert effects_capture.printed == ["label 3"]
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("bad, kind", [("text", "str"), (Thing(), "Thing"),
+                                       (object(), "object")])
+def test_callback_rejects_non_array_arguments(run, bad, kind):
+  with pytest.raises(TypeError, match=rf"callback\(.*<lambda>\): argument #1\[0\] "
+                                      rf"is of type {kind}"):
+    run(lambda v: je.callback(lambda *a: None, None, v, [bad]))(1)
+
+
+# --- results ---------------------------------------------------------------------
+
+SPEC = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("result, message", [
+    (np.zeros(3, np.float32), r"result #0 has shape \(3,\) and dtype float32; "
+                              r"expected shape \(2,\) and dtype float32"),
+    (np.zeros(2, np.int32), r"result #0 has shape \(2,\) and dtype int32; "
+                            r"expected shape \(2,\) and dtype float32"),
+])
+def test_mismatched_result_shape_or_dtype(run, result, message, effects_capture):
+  def host(x):
+    return result
+  with pytest.raises(TypeError, match=r"callback\(.*host\) " + message):
+    run(lambda x: je.callback(host, SPEC, x))(1.0)
+    je.effects_barrier()
+  _still_works(effects_capture)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_callback_returning_wrong_number_of_results(run, effects_capture):
+  def host(x):
+    return x, x, x
+  spec = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
+  with pytest.raises(TypeError, match=r"callback\(.*host\) returned 3 results "
+                                      r"where result_shape_dtypes declares 2"):
+    run(lambda x: je.callback(host, spec, x))(jnp.float32(1.0))
+    je.effects_barrier()
+  _still_works(effects_capture)
+
+
+def test_wrong_number_of_results_under_vmap(effects_capture):
+  def host(x):
+    return ()
+  spec = (jax.ShapeDtypeStruct((), jnp.float32),)
+  with pytest.raises(TypeError, match=r"callback\(.*host\) returned 0 results"):
+    je.jit(jax.vmap(lambda x: je.callback(host, spec, x)))(jnp.arange(2.0))
+  _still_works(effects_capture)
+
+
+def test_host_callback_result_count_is_checked():
+  from jax_effects._primitives import host_callback as _host_callback
+  avals = (jax.core.ShapedArray((), jnp.float32),) * 2
+  with pytest.raises(TypeError, match=r"my effect returned 1 results; expected 2"):
+    _host_callback.check_results("my effect", (np.float32(1),), avals)
+  with pytest.raises(TypeError, match="my effect returned a non-sequence"):
+    _host_callback.check_results("my effect", np.float32(1), avals)
+
+
+# --- format strings --------------------------------------------------------------
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("fmt, args, kwargs, message", [
+    ("{} {}", (1,), {}, "refers to more positional arguments than the 1 given"),
+    ("{x}", (), {}, "refers to keyword argument 'x', which was not given"),
+    ("{}", (1, 2), {}, r"does not use argument\(s\) #1"),
+    ("{}", (1,), {"y": 2}, r"does not use argument\(s\) 'y'"),
+    ("{", (), {}, "bad format string"),
+])
+def test_format_with_missing_or_extra_fields(run, fmt, args, kwargs, message):
+  with pytest.raises(ValueError, match=rf"print\({fmt!r}\): .*{message}"):
+    run(lambda: je.print(fmt, *args, **kwargs))()
+
+
+def test_format_error_under_vmap_and_grad_is_raised_at_trace_time():
+  def f(x):
+    je.print("{} {}", x)
+    return x * x
+  with pytest.raises(ValueError, match="more positional arguments"):
+    je.jit(jax.vmap(jax.grad(f)))(jnp.arange(2.0))
+
+
+# --- options ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["Global", "per-effect", "", None])
+def test_unknown_ordering_mode(mode):
+  with pytest.raises(ValueError, match=f"Unknown ordering mode {mode!r}"):
+    je.set_ordering(mode)
+  with pytest.raises(ValueError, match=f"Unknown ordering mode {mode!r}"):
+    with je.ordering(mode):
+      pass
+
+
+def test_effect_name_reused_with_conflicting_settings():
+  je.Effect("bad-input-reused", ordered=False)
+  with pytest.raises(ValueError, match=r"Effect\('bad-input-reused', ordered=False\)"
+                                       r" already exists"):
+    je.Effect("bad-input-reused", ordered=True)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_bad_effect_and_ordered_arguments(run):
+  with pytest.raises(TypeError, match=r"print\('x'\): effect= must be a "
+                                      r"jax_effects.Effect or None, got 'named'"):
+    run(lambda: je.print("x", effect="named"))()
+  with pytest.raises(TypeError, match=r"print\('x'\): ordered= must be a bool"):
+    run(lambda: je.print("x", ordered="yes"))()
