@@ -82,8 +82,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
     call = _jc.caller(fn, in_tree, tuple(static_args.items()))
-  aval_of = _jc.avals()
-  put = _compat.batched_device_put
+  put_all = _jc.putter()
   default_device = _compat.default_device_setting
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
@@ -96,8 +95,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
       defer(failures)
     try:
       device, sharding = _jc.cpu()
-      devices = [device]
-      args = _jc.explicit_puts(put, aval_of, sharding, devices, operands)
+      args = put_all(operands, device, sharding)
       d = default_device.swap_local(device)
       c = concrete.swap_local(no_concrete)
       a = abstract.swap_local(no_abstract)
@@ -125,8 +123,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   else:   # io_callback's: its steps without its pytree unflatten
     callback, flat = _jc.caller(*parts, ()), False
   leaves = tree_util.tree_leaves
-  aval_of = _jc.avals()
-  put = _compat.batched_device_put
+  put_all = _jc.putter()
   default_device = _compat.default_device_setting
   logger = _compat.callback_logger
   release_held = _output.release_held
@@ -139,8 +136,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
       defer(failures)
     try:
       device, sharding = _jc.cpu()
-      devices = [device]
-      args = _jc.explicit_puts(put, aval_of, sharding, devices, operands)
+      args = put_all(operands, device, sharding)
       d = default_device.swap_local(device)
       try:
         out = callback(*args)

@@ -13,7 +13,7 @@ Part in the token calling convention: none (it runs inside a host function;
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -97,6 +97,27 @@ def avals() -> Callable[[np.ndarray], Any]:
       aval = avals[key] = shaped(x.shape, x.dtype)
     return aval
   return aval_of
+
+
+def putter() -> Callable[[tuple, Any, Any], Sequence]:
+  """``put_all(operands, device, sharding)``: ``operands`` (NumPy arrays) as
+  the committed ``jax.Array`` s ``jax.device_put(x, device)`` returns. Under a
+  transfer guard for host-to-device transfers they are marked explicit, as
+  ``jax.device_put``'s are (:func:`explicit_puts`); without one (the common
+  case) the mark, which costs about a tenth of the put, is left out."""
+  aval_of = avals()
+  put = _compat.batched_device_put
+  guarded = _compat.host_transfers_guarded
+
+  def put_all(operands, device, sharding):
+    devices = [device]
+    if guarded():
+      return explicit_puts(put, aval_of, sharding, devices, operands)
+    if len(operands) == 1:   # (no comprehension's frame)
+      x = operands[0]
+      return (put(aval_of(x), sharding, [x], devices, True),)
+    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+  return put_all
 
 
 def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
