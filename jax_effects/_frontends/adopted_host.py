@@ -44,7 +44,7 @@ around a callback is ``jax_calling``'s):
 * **Held output** (``deterministic()``): a callback runs user code, which
   cannot be held without moving it after the effects that follow it on its
   device; so the output held so far is released before the callback runs
-  (:func:`jax_effects._runtime.output.release_held`): on each device, what
+  (:func:`jax_effects._runtime.output.release_in_callback`): on each device, what
   the program printed before the callback comes out before what the
   callback writes.
 """
@@ -86,13 +86,10 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
   default_device = _compat.default_device_setting
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
-  release_held = _output.release_held
-  defer = _output.defer_for_running_dispatch
+  release = _output.release_in_callback
 
   def host(*operands):
-    failures = release_held()
-    if failures:   # the held lines' sinks: their dispatch's errors, not this callback's
-      defer(failures)
+    release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
       device, sharding = _jc.cpu()
       args = put_all(operands, device, sharding)
@@ -126,14 +123,11 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   put_all = _jc.putter()
   default_device = _compat.default_device_setting
   logger = _compat.callback_logger
-  release_held = _output.release_held
-  defer = _output.defer_for_running_dispatch
+  release = _output.release_in_callback
   n_results = len(result_avals)
 
   def host(*operands):
-    failures = release_held()
-    if failures:   # the held lines' sinks: their dispatch's errors, not this callback's
-      defer(failures)
+    release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
       device, sharding = _jc.cpu()
       args = put_all(operands, device, sharding)

@@ -235,11 +235,8 @@ def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
           return
     elif ordered and _held:
       # Runs once, after the per-device effects before it (data dependency):
-      # they come first. What their deliveries raise is their dispatch's
-      # error, not this effect's: deferred for the dispatching thread.
-      failures = release_held()
-      if failures:
-        defer_for_running_dispatch(failures)
+      # they come first.
+      release_in_callback()
   _run(thunk)
 
 
@@ -286,15 +283,20 @@ def release_held() -> list[BaseException]:
   return failures
 
 
-def defer_for_running_dispatch(failures: list[BaseException]) -> None:
-  """Defers ``failures`` for the thread that dispatched the computation whose
-  host callback is running on this thread (the slot its carrier holds, see
-  ``errors``; unknown: 0)."""
-  carrier = _placement.host_local("carrier")
-  slot = (0 if carrier is None
-          else int(np.max(carrier)) & int(_errors.SLOT_MASK))
-  for exc in failures:
-    _errors.defer(exc, slot)
+def release_in_callback() -> None:
+  """:func:`release_held` from a host callback: what the deliveries raise is
+  the error of the dispatch the held output belongs to, not of this
+  callback, so it is deferred for the thread that dispatched the running
+  computation (the slot its carrier holds, see ``errors``; unknown: 0)."""
+  if not _held and not _releasing:
+    return
+  failures = release_held()
+  if failures:
+    carrier = _placement.host_local("carrier")
+    slot = (0 if carrier is None
+            else int(np.max(carrier)) & int(_errors.SLOT_MASK))
+    for exc in failures:
+      _errors.defer(exc, slot)
 
 
 @_fork.reset_in_child
