@@ -4,6 +4,7 @@ The jax_effects pytest plugin itself is loaded through its pytest11 entry
 point (install the package, e.g. ``pip install -e .`` or ``tox``); it is
 deliberately not registered here, which would load it twice.
 """
+import collections
 import os
 
 import jax
@@ -56,3 +57,16 @@ def devices():
 def mesh(devices):
   """A one-axis mesh ``("i",)`` over the 8 devices."""
   return Mesh(np.array(devices), ("i",))
+
+
+@pytest.fixture
+def jax_events(monkeypatch):
+  """Counts JAX's internal test events (``jax._src.util.test_event``), the
+  hook JAX's own tests use: "jit_cpp_cache_miss" each time a ``jax.jit`` call
+  leaves the C++ fast path for Python, "batched_device_put_start" for each
+  ``jax.device_put`` of host values, ..."""
+  from jax._src import util
+  counts = collections.Counter()
+  monkeypatch.setattr(util, "test_event_listener",
+                      lambda name, *a: counts.update([name]))
+  return counts

@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -38,6 +39,34 @@ def scale(default, slow):
   ``JAX_NUM_GENERATED_CASES`` does, so a run collects what it runs.
   """
   return slow if RUN_SLOW else default
+
+
+def sharded(mesh, x):
+  """``x`` split along ``mesh``'s axis ``"i"``."""
+  return jax.device_put(x, NamedSharding(mesh, P("i")))
+
+
+def reports(call):
+  """What ``call()`` and then barriers raise, until a barrier raises nothing."""
+  got = []
+  try:
+    call()
+  except BaseException as exc:  # noqa: BLE001 - collected for the test
+    got.append(exc)
+  for _ in range(10):
+    try:
+      je.effects_barrier()
+      return got
+    except BaseException as exc:  # noqa: BLE001
+      got.append(exc)
+  raise AssertionError(f"barriers keep raising: {got}")
+
+
+def flat(report):
+  """The errors of a report: a group's members, or the one error."""
+  if isinstance(report, BaseExceptionGroup):
+    return list(report.exceptions)
+  return [report]
 
 
 class Boom(Exception):

@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import jax_effects as je
 
@@ -278,20 +277,6 @@ def test_interpreter_exit_waits_for_every_thread():
 
 
 # --- fast path -------------------------------------------------------------------
-
-@pytest.fixture
-def jax_events(monkeypatch):
-  """Counts JAX's internal test events (jax._src.util.test_event).
-
-  JAX emits "jit_cpp_cache_miss" each time a jax.jit call leaves the C++
-  fast path for Python; this listener is the hook JAX's own tests use.
-  """
-  from jax._src import util
-  counts = collections.Counter()
-  monkeypatch.setattr(util, "test_event_listener",
-                      lambda name, *a: counts.update([name]))
-  return counts
-
 
 def test_dispatch_stays_on_jax_cpp_fast_path(jax_events):
   e = je.Effect("disp-fast")

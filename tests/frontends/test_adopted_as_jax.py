@@ -8,7 +8,6 @@ callbacks"); the user's function receives and prints what it does under
 (``design/placement.md``); ``effects_capture`` records it. Oracle: the same
 function under ``jax.jit`` (differential), where JAX supports it.
 """
-import collections
 import contextlib
 import functools
 import logging
@@ -27,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_effects as je
 from helpers import Boom
 from test_formatting import CASES as FORMAT_CASES
-from test_formatting import _4BIT, _traced
+from test_formatting import _4BIT, _run
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 PREFIX = ("INTERNAL: CpuCallback error calling callback: "
@@ -169,7 +168,6 @@ def test_adopted_errors_on_every_device_are_one_runtime_error(mesh):
 
 # --- 6. what the user's function receives, and what is printed --------------------
 
-
 def _describe(a):
   if not isinstance(a, jax.Array):
     return a
@@ -243,23 +241,13 @@ def test_debug_callback_primitive_bound_by_other_code_is_called_as_is():
 
 
 def _run_print(printer, jit, barrier, mode, fmt, args, kwargs):
+  """``test_formatting._run`` for ``jax.debug.print``: a format without
+  fields prints its arguments after the text only if JAX's format check is
+  skipped."""
   if not any(True for _, name, _, _ in string.Formatter().parse(fmt)
              if name is not None):
-    # Arguments without fields: printed after the text, if JAX's format
-    # check is skipped.
     printer = functools.partial(printer, skip_format_check=True)
-  leaves, treedef = tree_util.tree_flatten((args, kwargs))
-  dyn = [i for i, x in enumerate(leaves) if _traced(x)] if mode == "jit" else []
-
-  def body(*vals):
-    full = list(leaves)
-    for i, v in zip(dyn, vals):
-      full[i] = v
-    a, k = tree_util.tree_unflatten(treedef, full)
-    printer(fmt, *a, **k)
-
-  jit(body)(*[leaves[i] for i in dyn])
-  barrier()
+  _run(printer, jit, barrier, mode, fmt, args, kwargs)
 
 
 ADOPTED_ONLY_CASES = [
@@ -303,16 +291,6 @@ def test_jax_debug_print_prints_what_it_prints_under_jax_jit(case, mode,
   assert ours == theirs
 
 
-@pytest.fixture
-def jax_events(monkeypatch):
-  """Counts JAX's test events (``jax._src.util.test_event``)."""
-  from jax._src import util
-  counts = collections.Counter()
-  monkeypatch.setattr(util, "test_event_listener",
-                      lambda name, *a: counts.update([name]))
-  return counts
-
-
 def test_adopted_callbacks_skip_jax_device_put_per_run(jax_events, capsys):
   # What made an adopted callback cost JAX's ~10x of ours: every
   # run put each operand on the CPU with jax.device_put. A print formats the
@@ -341,7 +319,6 @@ def test_adopted_callbacks_skip_jax_device_put_per_run(jax_events, capsys):
 
 
 # --- 7. deterministic() holds adopted output ----------------------------------------
-
 
 def _per_device(mesh, body):
   return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
@@ -401,7 +378,6 @@ def test_deterministic_debug_callback_follows_the_held_lines_of_its_device(
 
 
 # --- 8. effects_capture records adopted output --------------------------------------
-
 
 def test_effects_capture_records_jax_debug_print_and_log(effects_capture):
   @je.jit

@@ -325,16 +325,6 @@ def test_ordered_jax_print_on_several_devices_runs_once(capsys):
 
 # --- fast path ----------------------------------------------------------------
 
-@pytest.fixture
-def jax_events(monkeypatch):
-  """Counts "jit_cpp_cache_miss" events (a call leaving JAX's C++ path)."""
-  from jax._src import util
-  counts = collections.Counter()
-  monkeypatch.setattr(util, "test_event_listener",
-                      lambda name, *a: counts.update([name]))
-  return counts
-
-
 def test_adopted_effects_keep_the_cpp_fast_path(jax_events, capsys):
   record = []
   f = je.jit(_mixed(record))

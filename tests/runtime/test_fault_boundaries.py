@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 
-from helpers import PRELUDE_8_DEVICES, in_thread, run_script
+from helpers import (PRELUDE_8_DEVICES, flat, in_thread, reports,
+                     run_script, sharded)
 
 N = 8
 
@@ -39,31 +39,6 @@ class UserError(Exception):
 class SinkError(Exception):
   pass
 
-
-def sharded(mesh, x):
-  return jax.device_put(x, NamedSharding(mesh, P("i")))
-
-
-def reports(call):
-  """What ``call()`` and then barriers raise, until a barrier raises nothing."""
-  got = []
-  try:
-    call()
-  except BaseException as exc:  # noqa: BLE001 - collected for the test
-    got.append(exc)
-  for _ in range(10):
-    try:
-      je.effects_barrier()
-      return got
-    except BaseException as exc:  # noqa: BLE001
-      got.append(exc)
-  raise AssertionError(f"barriers keep raising: {got}")
-
-
-def flat(report):
-  if isinstance(report, BaseExceptionGroup):
-    return list(report.exceptions)
-  return [report]
 
 
 # --- 1. fork ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
@@ -21,6 +20,7 @@ from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import threads as _threads
 
 import helpers
+from helpers import flat, reports, sharded
 
 N = 8
 
@@ -38,31 +38,6 @@ class Hostile(Exception):
   def __repr__(self):
     raise RuntimeError("Hostile.__repr__ raised")
 
-
-def sharded(mesh, x):
-  return jax.device_put(x, NamedSharding(mesh, P("i")))
-
-
-def reports(call):
-  """What ``call()`` and then barriers raise, until a barrier raises nothing."""
-  got = []
-  try:
-    call()
-  except BaseException as exc:  # noqa: BLE001 - collected for the test
-    got.append(exc)
-  for _ in range(10):
-    try:
-      je.effects_barrier()
-      return got
-    except BaseException as exc:  # noqa: BLE001
-      got.append(exc)
-  raise AssertionError(f"barriers keep raising: {got}")
-
-
-def flat(report):
-  if isinstance(report, BaseExceptionGroup):
-    return list(report.exceptions)
-  return [report]
 
 
 def wait_for_dispatched():
