@@ -25,6 +25,16 @@ from jax_effects._runtime import threads as _threads
 _PATIENCE_S = 60.0
 
 
+def _wait_host_jobs(all_threads: bool, states: list) -> None:
+  """Waits for the effects left to run on the host once every device's part
+  is there (``_runtime.sequence``) of ``states``' threads (every thread's
+  with ``all_threads``); called once their computations completed, so every
+  device's call has been made."""
+  if all_threads or states:   # (a thread with no state queued nothing)
+    _sequence.wait_idle(None if all_threads else (states[0].slot,),
+                        patience=_PATIENCE_S)
+
+
 def in_host_callback() -> bool:
   """True while a compiled computation's host callback runs on this thread."""
   return _placement.current() is not None
@@ -54,10 +64,7 @@ def wait_quietly(all_threads: bool) -> None:
   for state in states:
     _threads.wait_quietly(state.pending())
   _threads.wait_quietly(orphans)
-  # (effects left to run on the host: _runtime.sequence)
-  if all_threads or states:   # (a thread with no state queued nothing)
-    _sequence.wait_idle(None if all_threads else (states[0].slot,),
-                        patience=_PATIENCE_S)
+  _wait_host_jobs(all_threads, states)
   try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
     _jax_api.effects_barrier()
   except Exception:  # noqa: BLE001
@@ -69,7 +76,7 @@ def wait_for_thread() -> None:
   a failure is reported by the next call or barrier)."""
   state = _threads.thread_state()
   _threads.wait_quietly(state.pending())
-  _sequence.wait_idle((state.slot,), patience=_PATIENCE_S)
+  _wait_host_jobs(False, [state])
 
 
 def effects_barrier(all_threads: bool = False) -> None:
@@ -108,11 +115,7 @@ def effects_barrier(all_threads: bool = False) -> None:
       token.block_until_ready()
     except Exception as err:  # noqa: BLE001
       first_error = first_error or err
-  # Effects left to run on the host once every device's part is there
-  # (_runtime.sequence): every device's call has been made by now.
-  if all_threads or states:   # (a thread with no state queued nothing)
-    _sequence.wait_idle(None if all_threads else (states[0].slot,),
-                        patience=_PATIENCE_S)
+  _wait_host_jobs(all_threads, states)
   try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
     _jax_api.effects_barrier()
   except Exception as err:
