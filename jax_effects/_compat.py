@@ -269,7 +269,6 @@ from jax._src.callback import io_callback as jax_io_callback  # noqa: E402
 from jax._src.debugging import (  # noqa: E402
     debug_callback as jax_debug_callback)
 
-from jax._src.callback import io_callback_impl  # noqa: E402
 from jax._src.callback import io_callback_p  # noqa: E402
 from jax._src.callback import IOEffect
 from jax._src.callback import OrderedIOEffect
@@ -290,27 +289,6 @@ from jax._src.debugging import OrderedDebugEffect
 # always on 0.10, by default (jax_pmap_shmap_merge=True) on 0.8 and 0.9).
 # The token-threading pass needs a rule for it; there is no public handle.
 from jax._src.shard_map import shard_map_p  # noqa: E402
-
-# What ``jax.debug.print``'s callback does with its flat operands (rebuild the
-# arguments with the static ones, format under the call site's print options,
-# write the line or log the record): ``debug_print_impl`` builds it from
-# these two, then moves every operand to the CPU as a ``jax.Array``; an
-# adopted print whose operands arrive summarized (``_primitives.edges``)
-# calls it with our stand-ins instead. Same signatures on JAX 0.8-0.10.
-from jax._src.debugging import _format_print_callback  # noqa: E402
-from jax._src.debugging import _make_flat_callback  # noqa: E402
-
-
-def debug_print_callback(params):
-  """The flat callback ``jax.debug.print`` runs for an equation with
-  ``params``: ``callback(*values)`` formats and emits."""
-  import functools
-  callback = functools.partial(
-      _format_print_callback, params["fmt"], dict(params["np_printoptions"]),
-      params["has_placeholders"], params["logging_record"])
-  return _make_flat_callback(params["in_tree"], callback,
-                             params["static_args"])
-
 
 # The host side of adopted callbacks (``_frontends.adopted_host``) gives the user's
 # function what JAX's impls of these primitives give it, without their
