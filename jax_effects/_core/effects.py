@@ -17,12 +17,20 @@ which is, but only matters where the pass never runs (plain ``jax.jit``). The
 token-threading pass (``_pass.token_pass``) reads these markers to learn which
 streams a sub-computation touches and then removes them: after the pass, JAX
 sees an effect-free function.
+
+Which chain a JAX effect is on (its *chain key*) is answered by one registry
+of effect types, as JAX answers what kind an effect is
+(:func:`register_chain_kind`): the markers here, the effects of JAX's own
+callbacks the pass adopts, device-side counters. The pass and the dispatch
+ask only it (:func:`chain_keys`, :func:`runtime_chain_keys`,
+:func:`has_chain`, :func:`has_own_marker`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import threading
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -30,7 +38,9 @@ from jax_effects import _compat
 
 __all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
            "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "marker",
-           "jax_effects_of", "chain_key"]
+           "jax_effects_of", "register_chain_kind", "chain_key", "chain_keys",
+           "runtime_chain_keys", "crosses_dispatch", "has_chain",
+           "has_own_marker"]
 
 ORDERING_MODES = ("per_effect", "global")
 
@@ -258,8 +268,98 @@ _compat.ordered_effects.add_type(PlainJitOrder)
 _compat.shardable_ordered_effects.add_type(PlainJitOrder)
 
 
-def chain_key(trace_effect: TraceEffect, mode: str):
-  """The compiler-token chain (and runtime-token stream) of a marker."""
+# --- which chain a JAX effect is on: one registry ------------------------------
+#
+# JAX answers "what kind of effect is this" with registries of effect types
+# (``ordered_effects.add_type``); "which chain does it join" is answered
+# here, once, for ours and JAX's alike: each effect type that puts an
+# equation on a chain registers how its chain key is computed
+# (:func:`register_chain_kind`), and the pass and the dispatch ask only these
+# functions. Registered: :class:`TraceEffect` (here: its effect, GLOBAL in
+# global mode, UNORDERED when unordered), the effects of JAX's callbacks the
+# pass adopts (``_pass.adopted``: DEFAULT, GLOBAL in global mode) and
+# device-side counters (``_primitives.counter``: the ``Counter``, a chain
+# that never leaves its computation).
+
+class ChainKind(NamedTuple):
+  """How an effect type joins a chain (see :func:`register_chain_kind`)."""
+  key: Callable   # key(effect, mode) -> its chain key
+  own_marker: bool
+
+
+#: Effect type -> its ChainKind; add to it only through register_chain_kind.
+_chain_kinds: dict[type, ChainKind] = {}
+#: Types of the chain keys whose chains stay in one computation.
+_local_key_types: set[type] = set()
+
+
+def register_chain_kind(effect_type: type, key: Callable, *,
+                        own_marker: bool = False,
+                        local_key_type: type | None = None) -> None:
+  """Makes an equation whose effects hold an ``effect_type`` join the chain
+  ``key(effect, mode)`` (``mode``: the ordering mode). Matched by exact
+  type (one dict lookup per effect; a subclass registers itself).
+
+  ``own_marker``: the effect is the marker of a ``jax_effects`` side effect
+  (:func:`has_own_marker`): the pass threads an equation holding it or
+  refuses it, never leaves it to JAX. ``local_key_type``: the type of the
+  keys ``key`` returns if their chains stay in one computation (no runtime
+  token, not in the token it returns: :func:`crosses_dispatch`).
+  """
+  _chain_kinds[effect_type] = ChainKind(key, own_marker)
+  if local_key_type is not None:
+    _local_key_types.add(local_key_type)
+
+
+def chain_key(effect, mode: str):
+  """The chain key of a registered effect (a marker: :func:`marker`) under
+  ordering ``mode``."""
+  return _chain_kinds[type(effect)].key(effect, mode)
+
+
+def _sort_key(key):
+  return (1, "") if key is UNORDERED else (0, key.name)
+
+
+def chain_keys(effects, mode: str) -> tuple:
+  """The chain keys of a set of JAX effects, in a stable order: the chains a
+  (sub-)computation with these effects threads."""
+  kinds = _chain_kinds
+  keys = {kinds[type(e)].key(e, mode) for e in effects if type(e) in kinds}
+  return tuple(sorted(keys, key=_sort_key))
+
+
+def crosses_dispatch(key) -> bool:
+  """Whether the chain ``key`` crosses dispatches (a runtime token, or the
+  output token for UNORDERED): all but the chains that stay in one
+  computation (device-side counters)."""
+  return type(key) not in _local_key_types
+
+
+def runtime_chain_keys(effects, mode: str) -> tuple:
+  """The chains of :func:`chain_keys` that cross dispatches: what a
+  program's dispatch passes and keeps."""
+  return tuple(k for k in chain_keys(effects, mode) if crosses_dispatch(k))
+
+
+def has_chain(effects) -> bool:
+  """Whether an equation with these effects joins a chain (the pass has
+  work in it)."""
+  kinds = _chain_kinds
+  return any(type(e) in kinds for e in effects)
+
+
+def has_own_marker(effects) -> bool:
+  """Whether a set of JAX effects holds the marker of a ``jax_effects``
+  side effect (a :class:`TraceEffect`)."""
+  kinds = _chain_kinds
+  return any(type(e) in kinds and kinds[type(e)].own_marker for e in effects)
+
+
+def _trace_effect_key(trace_effect: TraceEffect, mode: str):
   if trace_effect.effect is None:
     return UNORDERED
   return GLOBAL if mode == "global" else trace_effect.effect
+
+
+register_chain_kind(TraceEffect, _trace_effect_key, own_marker=True)

@@ -8,7 +8,9 @@ token-threading pass into ``threaded_effect_p`` equations, like
 ``jax_effects`` effects. Their part of the token calling convention:
 
 * each one joins the chain of :data:`~jax_effects.DEFAULT`
-  (:data:`~jax_effects.GLOBAL` in global mode): it takes and returns that
+  (:data:`~jax_effects.GLOBAL` in global mode; its effect types are
+  registered so with ``_core.effects.register_chain_kind``, where the pass
+  asks which chain an effect is on): it takes and returns that
   chain's compiler token and carrier, so it runs in program order with every
   ``jax_effects`` effect of the default stream, inside the computation and
   across dispatches (the runtime token of ``DEFAULT``). That holds for
@@ -51,25 +53,19 @@ from __future__ import annotations
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 
-#: JAX effect types of adopted callbacks -> whether JAX orders them.
-_EFFECT_TYPES = {
-    _compat.OrderedDebugEffect: True,
-    _compat.DebugEffect: False,
-    _compat.OrderedIOEffect: True,
-    _compat.IOEffect: False,
-}
 
-
-def is_adoptable_effect(effect) -> bool:
-  """Whether ``effect`` is the JAX effect of a callback the pass adopts."""
-  return type(effect) in _EFFECT_TYPES
-
-
-def chain_key(effect, mode: str):
-  """The chain of an adopted JAX effect: DEFAULT (GLOBAL in global mode),
-  whether JAX's effect is ordered or not (see the module docstring)."""
+def _default_chain(effect, mode: str):
+  """DEFAULT (GLOBAL in global mode), whether JAX's effect is ordered or not
+  (see the module docstring)."""
   del effect
   return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
+
+
+# The effects of the callbacks adopted: JAX's ordered ones and its default
+# unordered ones alike join DEFAULT's chain.
+for _effect_type in (_compat.OrderedDebugEffect, _compat.DebugEffect,
+                     _compat.OrderedIOEffect, _compat.IOEffect):
+  _effects.register_chain_kind(_effect_type, _default_chain)
 
 
 # primitive -> ``host_side(params, avals) -> HostCallback`` (``avals``: the
@@ -87,18 +83,17 @@ def register_host_side(primitive, host_side) -> None:
 
 
 def adopt(eqn):
-  """``(host_callback, jax_effect)`` for an adoptable equation, or None if
-  the equation stays JAX's.
+  """The :class:`~jax_effects._primitives.host_callback.HostCallback` of an
+  adoptable equation (its chain: ``_core.effects.chain_keys`` of its
+  effects), or None if the equation stays JAX's.
 
-  A new :class:`~jax_effects._primitives.host_callback.HostCallback` per
-  pass run (the pass runs once per trace of the function).
+  A new one per pass run (the pass runs once per trace of the function).
   """
   params = eqn.params
   host_side = _host_sides.get(eqn.primitive)
   if host_side is None or params.get("partitioned"):
     return None
-  (effect,) = [e for e in eqn.effects if is_adoptable_effect(e)]
-  return host_side(params, tuple(v.aval for v in eqn.invars)), effect
+  return host_side(params, tuple(v.aval for v in eqn.invars))
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

@@ -26,13 +26,14 @@ from jax import lax
 from jax.extend.core import primitives as jex_prims
 import jax.numpy as jnp
 
+from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import inlined_jit as _inlined_jit
 from jax_effects._pass import token_pass as _token_pass
 
 
 def _cond_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
-  keys = _token_pass.chain_keys(eqn.effects, mode)
+  keys = _effects.chain_keys(eqn.effects, mode)
   index, *ops = invals
   branches = [_token_pass.region(b, keys, mode, kind="branch")
               for b in eqn.params["branches"]]
@@ -49,8 +50,8 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   cond_n, body_n = p["cond_nconsts"], p["body_nconsts"]
   cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
   init = invals[cond_n + body_n:]
-  keys = _token_pass.chain_keys(eqn.effects, mode)
-  cond_effectful = _token_pass.has_marker(p["cond_jaxpr"].effects)
+  keys = _effects.chain_keys(eqn.effects, mode)
+  cond_effectful = _effects.has_chain(p["cond_jaxpr"].effects)
   cond_fn = _token_pass.region(p["cond_jaxpr"], keys if cond_effectful else (), mode,
                    cond_consts, kind="loop")
   body_fn = _token_pass.region(p["body_jaxpr"], keys, mode, body_consts, kind="loop")
@@ -123,7 +124,7 @@ def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   consts = invals[:n_consts]
   init = invals[n_consts:n_consts + n_carry]
   xs = invals[n_consts + n_carry:]
-  keys = _token_pass.chain_keys(eqn.effects, mode)
+  keys = _effects.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode, consts, kind="loop")
 
   def body(carry, x):

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
 from jax_effects import _jax_api
+from jax_effects._core import effects as _effects
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import first_device as _first_device
 
@@ -71,7 +72,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   for a in axes:
     n *= mesh.shape[a]
   check_vma = p["check_vma"]
-  keys = _token_pass.chain_keys(eqn.effects, mode)
+  keys = _effects.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
   # A chain's runtime token (or a chain starting here) is the same on every

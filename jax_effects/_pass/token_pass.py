@@ -68,8 +68,8 @@ def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
   ``rule(eqn, invals, chains, mode)`` must bind the equation's computation
   into the current trace with every effect inside linked to its chain
   (``chains.take``/``chains.put`` the carriers of the chain keys it uses,
-  :func:`chain_keys` of ``eqn.effects``; :func:`region` runs a sub-jaxpr
-  threaded) and return the equation's outputs.
+  ``_core.effects.chain_keys`` of ``eqn.effects``; :func:`region` runs a
+  sub-jaxpr threaded) and return the equation's outputs.
   """
   RULES[primitive] = rule
 
@@ -145,38 +145,10 @@ def in_region(kind: str | None = None, mask=None):
     _context.kind, _context.masks = saved
 
 
-def chain_keys(effects, mode: str) -> tuple:
-  """Chain keys of the markers in a set of JAX effects, in a stable order:
-  the chains a sub-computation with these effects threads.
-
-  JAX's own callback effects the pass adopts (``_pass.adopted``) count too, and
-  device-side counters (``_primitives.counter``: chains with no runtime token).
-  """
-  keys = {_effects.chain_key(e, mode) for e in effects
-          if isinstance(e, _effects.TraceEffect)}
-  keys.update(_adopted.chain_key(e, mode) for e in effects
-              if _adopted.is_adoptable_effect(e))
-  keys.update(e.counter for e in effects if _counters.is_counter_effect(e))
-  return tuple(sorted(keys, key=_sort_key))
-
-
-def runtime_chain_keys(effects, mode: str) -> tuple:
-  """The chains of :func:`chain_keys` that take a runtime token (all but the
-  counters): what a program's dispatch passes and keeps."""
-  return tuple(k for k in chain_keys(effects, mode)
-               if not isinstance(k, _counters.Counter))
-
-
-def _sort_key(key):
-  return (1, "") if key is _effects.UNORDERED else (0, key.name)
-
-
-def has_marker(effects) -> bool:
-  """Whether the pass has work in an equation with these effects (a marker,
-  or a JAX callback effect it adopts)."""
-  return any(isinstance(e, _effects.TraceEffect)
-             or _adopted.is_adoptable_effect(e)
-             or _counters.is_counter_effect(e) for e in effects)
+# Which chain an effect is on is the registry's (``_core.effects``:
+# ``chain_keys``, ``has_chain``, ``has_own_marker``); named here only for the
+# dispatch, which reads it from the pass.
+runtime_chain_keys = _effects.runtime_chain_keys
 
 
 # --- the interpreter -----------------------------------------------------------
@@ -188,13 +160,13 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if eqn.primitive is _primitives.effect_p:
       return _thread_effect(eqn, invals, chains, mode)
     if eqn.primitive in _adopted.PRIMITIVES:
-      adopted = _adopted.adopt(eqn)
-      if adopted is not None:   # JAX's own callback: threaded like ours
-        host_callback, effect = adopted
-        return _bind_threaded(_adopted.chain_key(effect, mode),
-                              host_callback, invals, chains)
-    if (has_marker(eqn.effects) and (eqn.primitive in RULES or
-                                     _markers.has_own_marker(eqn.effects))) or (
+      host_callback = _adopted.adopt(eqn)
+      if host_callback is not None:   # JAX's own callback: threaded like ours
+        (key,) = _effects.chain_keys(eqn.effects, mode)
+        return _bind_threaded(key, host_callback, invals, chains)
+    effects = eqn.effects
+    if (effects and _effects.has_chain(effects) and (
+        eqn.primitive in RULES or _effects.has_own_marker(effects))) or (
         eqn.primitive.name in HIDES_EFFECTS and _markers.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
@@ -205,8 +177,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
-  (marker,) = [e for e in eqn.effects if isinstance(e, _effects.TraceEffect)]
-  key = _effects.chain_key(marker, mode)
+  (key,) = _effects.chain_keys(eqn.effects, mode)
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _primitives.branch_vmapped_error(host_callback)
@@ -342,8 +313,9 @@ def _per_device_keys(jaxpr, mode: str) -> set:
   keys = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive is _compat.shard_map_p:
-      keys.update(chain_keys(eqn.effects, mode))
-    elif has_marker(eqn.effects) or eqn.primitive.name in HIDES_EFFECTS:
+      keys.update(_effects.chain_keys(eqn.effects, mode))
+    elif ((eqn.effects and _effects.has_chain(eqn.effects))
+          or eqn.primitive.name in HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
         keys |= _per_device_keys(sub, mode)
   return keys
@@ -373,9 +345,10 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.per_device = saved
-  # (Counters end here: their last values are dropped.)
+  # (Chains that stay in the computation, counters, end here: their last
+  # values are dropped.)
   carriers = {k: c for k, c in chains.carriers.items()
-              if not isinstance(k, _counters.Counter)}
+              if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)

@@ -35,6 +35,7 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects import _jax_api
+from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import host_callback as _host_callback
@@ -45,7 +46,7 @@ effect_p = _primitives.effect_p
 
 def _has_marker(jaxprs) -> bool:
   """Whether any of ``jaxprs`` (or equations) carries an effect of ours."""
-  return any(_markers.has_own_marker(j.effects) for j in jaxprs)
+  return any(_effects.has_own_marker(j.effects) for j in jaxprs)
 
 
 _jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]

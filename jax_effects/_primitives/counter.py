@@ -4,7 +4,7 @@ A :class:`Counter` is a chain of its own that holds a number instead of
 ordering effects: the token-threading pass threads its value through control
 flow exactly as it threads an effect chain's carrier (an extra operand and
 result of every ``cond``, ``while``, ``scan`` and ``shard_map`` whose
-sub-computation uses it, ``_token_pass.chain_keys``), so a loop body can
+sub-computation uses it, ``_core.effects.chain_keys``), so a loop body can
 count without a carry of the user's. ``counter_p`` reads and writes it::
 
     count' = counter_p(x; counter, op)   # op "set": count' = x
@@ -20,7 +20,9 @@ count as an operand. Inside ``shard_map`` each device counts on its own.
 Each equation carries a :class:`CounterEffect` marker, registered like the
 effects' markers (``_core.effects``), so JAX keeps it through its
 transformations: never removed as dead code, kept in the forward ("known")
-computation of a derivative, never run again by rematerialization. Rules:
+computation of a derivative, never run again by rematerialization; and
+registered as a chain kind (``_core.effects.register_chain_kind``): its chain
+is its ``Counter``, one that stays in its computation. Rules:
 
 * **vmap**: one count for the whole batch. An unbatched ``x`` (the common
   ``bar.update()``) stays unbatched, also in a ``while_loop`` whose predicate
@@ -56,8 +58,7 @@ from jax_effects._primitives import effect as _primitives
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import placement as _placement
 
-__all__ = ["Counter", "CounterEffect", "counter_p", "set_count", "add_count",
-           "is_counter_effect"]
+__all__ = ["Counter", "CounterEffect", "counter_p", "set_count", "add_count"]
 
 #: The dtype of every count (that of the carriers it is threaded with).
 COUNT_DTYPE = np.int32
@@ -102,10 +103,9 @@ for _registry in (_compat.control_flow_allowed_effects,
   _registry.add_type(CounterEffect)
 # (an update in a scan body counts once per iteration under grad too)
 _compat.keep_effects_in_loops(CounterEffect)
-
-
-def is_counter_effect(effect) -> bool:
-  return type(effect) is CounterEffect
+# Its chain is its Counter, which never leaves the computation.
+_effects.register_chain_kind(CounterEffect, lambda effect, mode: effect.counter,
+                             local_key_type=Counter)
 
 
 counter_p = Primitive("jax_effects_counter")

@@ -3,14 +3,14 @@
 Both jaxpr walkers (the token-threading pass, ``_pass.token_pass``, and the
 masking of effects in a vmapped ``cond`` branch,
 ``control_flow_batching``) ask the same questions of an equation: does it
-carry our marker (a ``TraceEffect``, ``_core.effects``), does it hide the
-effects of its sub-computations (:data:`HIDES_EFFECTS`), and what is the
-first effect inside (for error messages). They are answered here, once. No
-part of the token calling convention: the walkers add it.
+hide the effects of its sub-computations (:data:`HIDES_EFFECTS`), does it
+hold an effect of ours (its own effects carry our marker, asked of the
+registry of chain kinds, ``_core.effects.has_own_marker``, or one is hidden
+inside), and what is the first effect inside (for error messages). They are
+answered here, once. No part of the token calling convention: the walkers
+add it.
 """
 from __future__ import annotations
-
-from typing import Iterable
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
@@ -26,11 +26,6 @@ HIDES_EFFECTS = frozenset({
 
 #: What :func:`first_effect` says when no effect of ours is found.
 SOME_EFFECT = "a jax_effects side effect"
-
-
-def has_own_marker(effects: Iterable) -> bool:
-  """Whether a set of JAX effects holds one of ours (a ``TraceEffect``)."""
-  return any(isinstance(e, _effects.TraceEffect) for e in effects)
 
 
 def effects_inside(eqn) -> list[str]:
@@ -52,7 +47,7 @@ def effects_inside(eqn) -> list[str]:
 def holds_effect(eqn) -> bool:
   """Whether ``eqn`` holds an effect of ours: its effects say so, or it
   hides its sub-computations' effects and one is inside."""
-  return has_own_marker(eqn.effects) or (
+  return _effects.has_own_marker(eqn.effects) or (
       eqn.primitive.name in HIDES_EFFECTS and bool(effects_inside(eqn)))
 
 
