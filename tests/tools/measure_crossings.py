@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -365,7 +366,8 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count="
                                f"{args.devices}")
-  calls = measure_calls()
+  with contextlib.redirect_stdout(sys.stderr):   # the program's print lines
+    calls = measure_calls()
   import jax_effects
   writers = writers_per_state(pathlib.Path(jax_effects.__file__).parent)
   if args.json:
