@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import plain_bars as _plain_bars
@@ -214,6 +215,15 @@ def _around(stream: TextIO | None, write) -> None:
 
 def _route() -> None:
   _output.write_around(_around if _tqdm_open or _plain_live else None)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child writes around none of the parent's bars."""
+  global _around_lock, _tqdm_open, _plain_live
+  _around_lock = threading.Lock()
+  _tqdm_open, _plain_live = 0, False
+  _output.write_around(None)
 
 
 def _writes_around_bars(delta: int) -> None:

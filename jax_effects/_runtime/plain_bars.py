@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
+from jax_effects._runtime import fork as _fork
+
 __all__ = ["OPTIONS", "DRAWN", "PlainBar", "format_meter", "format_postfix",
            "around_write", "live_bars", "lock"]
 
@@ -237,6 +239,16 @@ lock = threading.RLock()
 # id(stream) -> the PlainBar whose line is live on that terminal.
 _live: dict[int, "PlainBar"] = {}
 _open = 0   # plain bars open (for leave=None)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child draws none of the parent's lines (and holds no lock a
+  parent's thread held)."""
+  global lock, _open
+  lock = threading.RLock()
+  _live.clear()
+  _open = 0
 
 
 def live_bars() -> list["PlainBar"]:
