@@ -551,6 +551,30 @@ def enclosing_staging() -> str | None:
   return None
 
 
+# BatchTrace: the trace of a jax.vmap (JAX 0.8-0.10; deprecated from
+# jax.interpreters.batching), found around an update of a progress bar.
+from jax._src.interpreters.batching import BatchTrace as _BatchTrace  # noqa: E402
+
+
+def enclosing_vmaps() -> tuple[tuple[int, int], ...]:
+  """The ``vmap``s around the code being traced, innermost first, as
+  ``(id of its trace, its axis size)``.
+
+  Walks from the current trace through every trace's ``parent_trace`` (a
+  sub-jaxpr's trace, a ``scan`` body's, has the trace it was traced in as
+  parent: JAX 0.8-0.10), so a ``vmap`` around a loop whose body is being
+  traced is found too. ``jax_effects.progress`` counts an update inside a
+  ``vmap`` its bar was not opened in once per element.
+  """
+  found = []
+  trace = _trace_ctx.trace
+  while trace is not None:
+    if isinstance(trace, _BatchTrace):
+      found.append((id(trace), int(trace.axis_data.size)))
+    trace = getattr(trace, "parent_trace", None)
+  return tuple(found)
+
+
 def jax_runtime_token(effect):
   """JAX's own runtime token of an ordered effect on this thread, if any.
 

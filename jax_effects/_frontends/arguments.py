@@ -1,16 +1,26 @@
 """Splitting user arguments into traced arrays and static values.
 
 Every user-facing effect takes ``*args, **kwargs`` pytrees. Array leaves
-(``jax.Array``, tracers, NumPy arrays and scalars of numbers or bools, Python
-``bool``/``int``/``float``/``complex``) become operands of the side-effect
-primitive (they take no part in the token calling convention: the pass adds
-the token and carrier in front of them) and reach the host callback as NumPy
-arrays. Arrays that are not arrays of numbers (object, str, bytes, datetime
-dtypes) are refused with an error naming the argument. Other leaves are
-refused by :func:`split` (``callback``) and kept as static values by
-:func:`split_for_format` (``print``/``log``, as ``jax.debug.print`` keeps
-them), where PRNG key arrays travel as their key data and are rebuilt for
-formatting (see ``design/formatting.md``).
+become operands of the side-effect primitive (they take no part in the token
+calling convention: the pass adds the token and carrier in front of them) and
+reach the host callback as NumPy arrays. Which leaves are arrays depends on
+the front end:
+
+* :func:`split` (``callback``, which receives NumPy arrays): ``jax.Array``,
+  tracers, NumPy arrays and scalars of numbers or bools, and Python
+  ``bool``/``int``/``float``/``complex``; any other leaf is refused, naming
+  the argument;
+* :func:`split_for_format` (``print``/``log`` arguments): the same, except
+  that Python numbers are static values formatted as Python formats them
+  (``print("{}", x.shape)`` prints ``(2, 3)``); other leaves are static too,
+  PRNG key arrays travel as their key data and are rebuilt for formatting;
+* ``split_for_format(..., arrays_only=True)`` (``log``'s ``extra``, which
+  ``Logger.log`` keeps as given): only ``jax.Array`` values and tracers are
+  operands; everything else stays the Python object it is.
+
+Arrays that are not arrays of numbers (object, str, bytes, datetime dtypes)
+are refused with an error naming the argument (see
+``design/formatting.md``).
 """
 from __future__ import annotations
 
@@ -50,15 +60,18 @@ def _numeric(dtype) -> bool:
     return False
 
 
-def _classify(leaf) -> str:
-  """'array', 'key', 'static' (not an array), or 'bad' (a non-number array)."""
+def _classify(leaf, python_numbers: bool = True) -> str:
+  """'array', 'key', 'static' (not an array), or 'bad' (a non-number array).
+
+  ``python_numbers``: whether a Python ``bool``/``int``/``float``/``complex``
+  is an array (else static)."""
   if isinstance(leaf, (jax.Array, jax.core.Tracer)):
     return "key" if _is_key(leaf) else "array"
   if isinstance(leaf, (np.str_, np.bytes_)):
     return "static"  # a str/bytes that happens to be a NumPy scalar
   if isinstance(leaf, (np.ndarray, np.generic)):
     return "array" if _numeric(leaf.dtype) else "bad"
-  if isinstance(leaf, _PY_NUMBERS):
+  if python_numbers and isinstance(leaf, _PY_NUMBERS):
     return "array"
   return "static"
 
@@ -145,12 +158,17 @@ class Formatting:
     self.key_impls = key_impls
 
 
-def split_for_format(what: str, args: tuple, kwargs: dict) -> Formatting:
-  """Splits ``print``/``log`` arguments like ``jax.debug.print`` does.
+def split_for_format(what: str, args: tuple, kwargs: dict, *,
+                     arrays_only: bool = False) -> Formatting:
+  """Splits ``print``/``log`` arguments for formatting.
 
+  Array leaves as ``jax.debug.print`` takes them, except Python numbers,
+  which are static (formatted as Python formats them, as a shape's ints).
   Leaves that are not arrays (str, None is no leaf, dtypes, any object) are
   static. NumPy arrays and scalars of object, str, bytes or datetime dtypes
-  are refused, naming the argument.
+  are refused, naming the argument. ``arrays_only``: only ``jax.Array``
+  values and tracers are operands, every other leaf is static as it is
+  (``log``'s ``extra``, kept as ``Logger.log`` keeps it).
   """
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
   operands, positions, leaves, key_impls = [], [], [], []
@@ -158,7 +176,9 @@ def split_for_format(what: str, args: tuple, kwargs: dict) -> Formatting:
          "array of numbers")
   for i, (path, leaf) in enumerate(paths_leaves):
     leaves.append(leaf)
-    kind = _classify(leaf)
+    if arrays_only and not isinstance(leaf, (jax.Array, jax.core.Tracer)):
+      continue
+    kind = _classify(leaf, python_numbers=False)
     if kind == "bad":
       raise _bad_array(what, path, leaf, fix)
     if kind == "static":

@@ -160,7 +160,10 @@ def _split_extra(what: str, extra):
           f"{what}: extra= sets {key!r}, an attribute of every LogRecord "
           "(logging would raise KeyError: \"Attempt to overwrite\"); use "
           "another name")
-  fa = _arguments.split_for_format(f"{what} extra=", (), dict(extra))
+  # (only jax arrays and tracers cross to the host; every other value stays
+  # the object it is, as Logger.log keeps it: 7 an int, 0.1 a float)
+  fa = _arguments.split_for_format(f"{what} extra=", (), dict(extra),
+                                   arrays_only=True)
   rebuild = fa.rebuild
 
   def values(np_values):
@@ -192,7 +195,9 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   does); ``level`` an int or a level name. ``extra``, ``stacklevel``,
   ``stack_info`` and ``exc_info`` mean what they mean for
   :meth:`logging.Logger.log`, resolved when the call is traced (``extra``
-  values may be arrays: the record then holds their NumPy values).
+  values are kept as given, ``7`` an ``int``, ``0.1`` a ``float``, as
+  ``Logger.log`` keeps them; a ``jax.Array`` or traced value there becomes
+  its NumPy value, a 0-d one a NumPy scalar).
   Whether the level is enabled is decided when the record would be emitted.
 
   Records carry ``device_id``, ``shard_index`` and ``process_index`` (see

@@ -106,13 +106,52 @@ def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
         f"{', '.join(unused)}")
 
 
+def _format_known(fmt: str, args, kwargs, run_time_only: set[int]) -> None:
+  """Formats ``fmt`` as ``str.format`` does (the same fields, numbered the
+  same way), except the fields whose format spec takes a value from an
+  argument in ``run_time_only`` (ids): that spec is known when the
+  computation runs, not now (``{:>{w}}`` with ``w`` an array), so the field
+  is not formatted here. Raises what ``str.format`` raises for the others.
+  """
+  auto = 0
+
+  def value(name):
+    nonlocal auto
+    if name == "":
+      name, auto = str(auto), auto + 1
+    return _FORMATTER.get_value(int(name) if name.isdigit() else name,
+                                args, kwargs)
+
+  for _, name, spec, conversion in _FORMATTER.parse(fmt):
+    if name is None:
+      continue
+    x = _FORMATTER.convert_field(value(name), conversion)
+    parts, known = [], True
+    for literal, inner, inner_spec, inner_conversion in _FORMATTER.parse(spec):
+      parts.append(literal)
+      if inner is None:
+        continue
+      w = value(inner)
+      if id(w) in run_time_only:
+        known = False
+      else:
+        parts.append(format(_FORMATTER.convert_field(w, inner_conversion),
+                            inner_spec))
+    if known:
+      format(x, "".join(parts))
+
+
 def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
   """Formats zero-valued stand-ins of the operands' shapes and dtypes.
 
   Catches format specs that do not fit the values (``"{:d}"`` of a float,
   ``"{:.2f}"`` of a non-scalar array) at trace time, naming ``fmt``. The
   stand-ins are broadcast views of one zero: no memory per element. Key
-  arrays are formatted as their key data, as under ``jax.jit``.
+  arrays are formatted as their key data, as under ``jax.jit``. Static
+  arguments are formatted as they are. A spec with a nested field naming an
+  array (``"{:>{w}}"``, ``w`` traced) is known at run time only: that field
+  is left to the run (where a spec that does not fit raises what
+  ``str.format`` raises, as under ``jax.debug.print``).
   """
   samples = []
   for x in fa.operands:
@@ -121,7 +160,7 @@ def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
     samples.append(Value(np.broadcast_to(np.zeros((), dtype), np.shape(x))))
   a, k = fa.rebuild(samples)
   try:
-    fmt.format(*a, **k)
+    _format_known(fmt, a, k, {id(v) for v in samples})
   except (ValueError, TypeError) as err:
     raise ValueError(
         f"{what}: format string {fmt!r} does not fit its arguments: "
@@ -214,8 +253,9 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   Arguments are formatted as ``jax.debug.print`` formats them: pytrees whose
   array leaves are printed as ``jax.Array`` values (0-d arrays as scalars,
   ``{'a': Array(2, dtype=int32)}`` inside containers), other leaves (str,
-  dtypes, any object) as they are; the NumPy print options in effect at the
-  call apply. Fields name whole arguments, with conversions and format specs
+  dtypes, any object) as they are; Python numbers are static, formatted as
+  Python formats them (``print("{}", x.shape)`` prints ``(2, 3)``); the
+  NumPy print options in effect at the call apply. Fields name whole arguments, with conversions and format specs
   (``{x!r}``, ``{:.3f}``); attribute or index access (``{x.shape}``) is an
   error. See ``design/formatting.md``.
 

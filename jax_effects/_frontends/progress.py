@@ -18,8 +18,10 @@ with ``print``, ``log``, ``callback`` and adopted ``jax.debug`` callbacks):
 * leaving: *close*, which advances by what is still pending and closes the
   bar, so it ends at its final count.
 
-The host functions, the drawing (tqdm or a plain renderer) and the open
-bars are ``_runtime/bars.py``.
+The host functions, the drawing (tqdm or a plain renderer,
+``_runtime/plain_bars.py``), the options' check and the open bars are
+``_runtime/bars.py``. An update inside a ``vmap`` the bar was not opened in
+counts once per element of it (``_compat.enclosing_vmaps``).
 
 Part in the token calling convention: that of every effect (the pass adds
 the token and carrier to each host call), plus the counter's chain, which
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_effects import _compat
 from jax_effects._core import effects as _effects
 # (imported for the pass's rule of counter_p)
 from jax_effects._pass import token_pass as _token_pass  # noqa: F401
@@ -69,6 +72,20 @@ def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+class _OutOfRange(TypeError, ValueError):
+  """A numeric argument of ``progress`` out of its range: a ``ValueError``,
+  and a ``TypeError`` as every refused argument of ``progress`` is."""
+
+
+def _static_int(x) -> bool:
+  """Whether ``x`` is a Python or NumPy integer (not a bool, not traced)."""
+  return (isinstance(x, (int, np.integer))
+          and not isinstance(x, (bool, np.bool_)))
+
+
 class Progress:
   """A progress bar of a compiled loop (see :func:`progress`).
 
@@ -84,10 +101,14 @@ class Progress:
     if total is not None and not _is_traced(total):
       if (isinstance(total, (bool, np.bool_))
           or not np.issubdtype(np.asarray(total).dtype, np.integer)
-          or np.ndim(total) or int(total) < 0):
+          or np.ndim(total)):
         raise TypeError(
             f"{self._what}: total must be a non-negative int (or an int32 "
             f"array, or None for no total), got {total!r}")
+      if int(total) < 0:
+        raise _OutOfRange(
+            f"{self._what}: total must be a non-negative int (or None for "
+            f"no total), got {total!r}")
       total = int(total)
     elif total is not None and (
         jnp.shape(total) or not jnp.issubdtype(total.dtype, jnp.integer)):
@@ -96,11 +117,15 @@ class Progress:
           f"{jax.typeof(total).str_short()}")
     if desc is not None and not isinstance(desc, str):
       raise TypeError(f"{self._what}: desc must be a str or None, got {desc!r}")
-    if (isinstance(every, (bool, np.bool_))
-        or not isinstance(every, (int, np.integer)) or every < 1):
+    if not _static_int(every):
       raise TypeError(
           f"{self._what}: every must be an int >= 1 (one host call per that "
-          f"many updates), got {every!r}")
+          f"many updates), got {every!r} of type {type(every).__name__}")
+    if not 1 <= every <= _INT32_MAX:
+      raise _OutOfRange(
+          f"{self._what}: every must be an int >= 1 (one host call per that "
+          f"many updates) and at most 2**31 - 1 (updates are counted in an "
+          f"int32 on the device), got every={every!r}")
     if file is not None and not callable(getattr(file, "write", None)):
       raise TypeError(
           f"{self._what}: file must have a write method (a text stream), "
@@ -115,6 +140,7 @@ class Progress:
             f"{self._what}: every={every} with per_element: each element's "
             f"bar is advanced by its own host calls (every=1), as an "
             f"element may stop iterating before the others")
+    _bars.check_options(self._what, file, options)
     self._total = total
     self._every = int(every)
     self._per_element = per_element
@@ -124,18 +150,20 @@ class Progress:
     self._id: Any = None
     self._counter: _counters.Counter | None = None
     self._manual: frozenset = frozenset()
+    self._vmaps: frozenset = frozenset()   # ids of the vmaps the bar is in
 
   def __repr__(self):
     return f"<{self._what} ({self._state})>"
 
   def _bind(self, fn: Callable, what: str, operands: list,
-            result_avals: tuple = ()) -> list:
+            result_avals: tuple = (), counts_elements: bool = False) -> list:
     # (batch_once: one run for a whole vmap batch, unless a bar per element
     # was asked for: then the element index makes every effect per element)
     return _primitives.bind_effect(
         fn, what, operands, effect=_effects.DEFAULT, ordered=True,
         result_avals=result_avals, reads_placement=True,
-        batch_once=self._per_element is None)
+        batch_once=self._per_element is None,
+        counts_elements=counts_elements)
 
   def __enter__(self) -> "Progress":
     if self._state != "new":
@@ -156,6 +184,7 @@ class Progress:
     (self._id,) = self._bind(self._spec.open, self._what, operands,
                              (_ID_AVAL,))
     self._manual = _manual_axes()
+    self._vmaps = frozenset(t for t, _ in _compat.enclosing_vmaps())
     if self._every > 1:
       self._counter = _counters.Counter(self._what)
       _counters.set_count(self._counter, 0)
@@ -165,7 +194,12 @@ class Progress:
   def update(self, n: int | jax.Array = 1) -> None:
     """Advances the bar by ``n`` (default 1) when the computation gets here,
     in program order; with ``every=k`` the host hears of it once ``k``
-    updates are pending (and at the end)."""
+    updates are pending (and at the end).
+
+    Inside a ``vmap`` the bar was not opened in (``jax.lax.map(f, xs,
+    batch_size=k)`` runs ``f`` vmapped over batches of ``k``) the update
+    counts ``n`` per element: the batch of ``k`` advances the bar by
+    ``k * n``."""
     what = f"{self._what}.update"
     if self._state != "open":
       raise RuntimeError(
@@ -184,11 +218,28 @@ class Progress:
     if isinstance(n, (bool, np.bool_)) or not jnp.issubdtype(
         jnp.result_type(n), jnp.integer) or jnp.ndim(n):
       raise TypeError(f"{what}(n): n must be an integer scalar, got {n!r}")
+    # Elements of the vmaps around this update that the bar is not in.
+    elements = 1
+    new_vmaps = [size for t, size in _compat.enclosing_vmaps()
+                 if t not in self._vmaps]
+    for size in new_vmaps:
+      elements *= size
+    if not _is_traced(n):
+      if not -_INT32_MAX - 1 <= int(n) * elements <= _INT32_MAX:
+        raise _OutOfRange(
+            f"{what}(n): n={int(n)}"
+            f"{f' for each of {elements} vmapped elements' if new_vmaps else ''}"
+            f" is out of range: a bar advances by at most 2**31 - 1 at once "
+            f"(an int32 on the device)")
+      n = int(n) * elements
+    elif new_vmaps:
+      n = n * elements
     if self._counter is None:
-      self._bind(self._spec.advance, what, [self._id, jnp.asarray(n, np.int32)])
+      self._bind(self._spec.advance, what, [self._id, jnp.asarray(n, np.int32)],
+                 counts_elements=bool(new_vmaps))
       return
     counter, every, bar_id = self._counter, self._every, self._id
-    pending = _counters.add_count(counter, n)
+    pending = _counters.add_count(counter, n, elements=bool(new_vmaps))
 
     def flush(pending):
       self._bind(self._spec.advance, what, [bar_id, pending])
@@ -243,18 +294,23 @@ def progress(total: int | jax.Array | None, *, desc: str | None = None,
   once per ``k`` of them (and when the bar closes), so a long loop pays
   almost nothing (in ``jax_effects.jit`` code; elsewhere nothing carries
   the count through the program and it is kept on the host, one call per
-  update). The drawing itself is
+  update; ``every`` is at most 2**31 - 1). The drawing itself is
   throttled by time (``mininterval``, 0.1 s, as tqdm). ``file``: where to
-  draw (default ``sys.stderr``). ``**options`` go to ``tqdm`` when it is
-  installed (``pip install jax_effects[progress]``; ``tqdm.auto``, a widget
-  in notebooks, when ``file`` is None); without it a plain renderer draws
-  ``desc:  40%|####      | 4/10 [00:01<00:01, 3.96it/s]`` and takes
-  ``mininterval`` and ``unit``.
+  draw (default ``sys.stderr``). ``**options`` are tqdm's keyword
+  arguments: they go to ``tqdm`` when it is installed (``pip install
+  jax_effects[progress]``; ``tqdm.auto``, a widget in notebooks, when
+  ``file`` is None); without it a plain renderer draws
+  ``desc:  40%|####      | 4/10 [00:01<00:01, 3.96it/s]`` and the options
+  it can (``_runtime/plain_bars.DRAWN``) as tqdm does. An unknown option or
+  a value that cannot be drawn is refused here, naming it. Lines printed or
+  logged while the bar is drawn are written around it, as ``tqdm.write``.
 
   Inside ``shard_map``/``pmap`` every device draws its own bar, labelled
   with ``print``'s device prefix (open the bar inside the mapped function).
   Under ``vmap`` one bar counts the batch (the count must be the same for
-  every element), unless ``per_element`` names the ``vmap``'s
+  every element; an update inside a ``vmap`` the bar was opened outside,
+  as in ``jax.lax.map(f, xs, batch_size=k)``, counts per element), unless
+  ``per_element`` names the ``vmap``'s
   ``axis_name``: then every element draws its own bar (labelled
   ``[element i]``, advanced by each update the element makes, also in a
   ``while_loop`` whose elements stop at different steps; ``every=1`` only).

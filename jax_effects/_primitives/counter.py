@@ -9,6 +9,7 @@ count without a carry of the user's. ``counter_p`` reads and writes it::
 
     count' = counter_p(x; counter, op)   # op "set": count' = x
                                          # op "add": count' = count + x
+                                         # ("add_elements": the same)
 
 Part in the token calling convention: a counter is a chain key with neither a
 compiler token nor a runtime token. It starts at 0 in each computation (its
@@ -27,7 +28,8 @@ is its ``Counter``, one that stays in its computation. Rules:
 * **vmap**: one count for the whole batch. An unbatched ``x`` (the common
   ``bar.update()``) stays unbatched, also in a ``while_loop`` whose predicate
   ``vmap`` batched (the count then advances once per iteration of the batched
-  loop); a batched ``x`` is refused, naming the counter.
+  loop, except an ``"add_elements"``, refused there); a batched ``x`` is
+  refused, naming the counter.
 * **jvp**: the count of the primal computation; its tangent is zero.
 * **eager** (no trace): the count is kept on the host, per thread.
 * **plain ``jax.jit``** (the pass never runs, e.g. an eager ``lax.scan``
@@ -145,6 +147,8 @@ ad.primitive_jvps[counter_p] = _jvp
 
 def _batcher(axis_data, args, dims, *, counter, op):
   del axis_data
+  if op == "add_elements" and _primitives.control_dependence.depth:
+    raise _primitives.elements_in_batched_loop_error(counter.description)
   if dims[0] is not None:
     raise NotImplementedError(
         f"{counter.description}: the count given to it is batched by "
@@ -203,6 +207,9 @@ def set_count(counter: Counter, value) -> jax.Array:
   return counter_p.bind(_as_count(value), counter=counter, op="set")
 
 
-def add_count(counter: Counter, n) -> jax.Array:
-  """Adds ``n`` to ``counter``; returns the new count."""
-  return counter_p.bind(_as_count(n), counter=counter, op="add")
+def add_count(counter: Counter, n, elements: bool = False) -> jax.Array:
+  """Adds ``n`` to ``counter``; returns the new count. ``elements``: ``n``
+  counts the elements of the ``vmap``s around it (op ``"add_elements"``, an
+  add refused in a ``while_loop`` whose predicate ``vmap`` batched)."""
+  return counter_p.bind(_as_count(n), counter=counter,
+                        op="add_elements" if elements else "add")

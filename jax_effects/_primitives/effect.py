@@ -185,6 +185,19 @@ def control_dependent():
     control_dependence.depth -= 1
 
 
+def elements_in_batched_loop_error(description: str) -> NotImplementedError:
+  """An update counting a vmap's elements inside a ``while_loop`` whose
+  predicate that vmap batched (``_primitives.counter`` raises it too)."""
+  return NotImplementedError(
+      f"{description} counts the elements of a jax.vmap its bar was not "
+      f"opened in (jax.lax.map with batch_size is one), but it is inside a "
+      f"jax.lax.while_loop whose predicate jax.vmap batched: the elements "
+      f"stop iterating at different steps, so the batch's steps are not its "
+      f"elements' updates. Open the bar inside the vmapped function (one bar "
+      f"for the batch, or per_element= for a bar per element), or update it "
+      f"outside the while_loop.")
+
+
 def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
   if host_callback.batch_once:
     if any(d is not None for d in dims):
@@ -195,6 +208,8 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
           f"whose predicate is batched). Keep it out of per-element control "
           f"flow and pass values that are the same for every element, or run "
           f"the elements with jax.lax.map or in a shard_map.")
+    if host_callback.counts_elements and control_dependence.depth:
+      raise elements_in_batched_loop_error(host_callback.description)
     outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
                          ordered=ordered)
     return outs, [None] * len(outs)
@@ -292,14 +307,16 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
                 reads_placement: bool = False,
-                batch_once: bool = False, edges: tuple = ()) -> list:
+                batch_once: bool = False, edges: tuple = (),
+                counts_elements: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
   host side (flat NumPy operands -> results matching ``result_avals``);
   ``eager`` its eager form, ``reads_placement`` whether it reads its
-  placement on every run and ``batch_once`` whether it runs once for a
-  ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
+  placement on every run, ``batch_once`` whether it runs once for a
+  ``vmap`` batch and ``counts_elements`` whether it counts that batch's
+  elements (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
   under ``jit`` ``fn`` receives the operands with edges cut to them.
   """
@@ -313,6 +330,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges))
+      edges=tuple(edges), counts_elements=counts_elements)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

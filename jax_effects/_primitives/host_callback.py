@@ -40,7 +40,11 @@ class HostCallback:
   ``edges.Edges`` or None for each of the last ``len(edges)`` operands
   (those the front end bound): under ``jit`` ``fn`` receives that operand
   cut to its edges (the lowering cuts it; eagerly it arrives whole, which
-  ``edges.Summarized`` formats the same). Compared and hashed by
+  ``edges.Summarized`` formats the same). ``counts_elements`` (with
+  ``batch_once``): the operands count the elements of the ``vmap``s around
+  it (a progress bar's update inside a ``vmap`` its bar was not opened in),
+  which a ``while_loop`` whose predicate ``vmap`` batched cannot keep (its
+  elements stop at different steps): refused there. Compared and hashed by
   identity.
   """
   fn: Callable[..., Sequence[Any]]
@@ -52,6 +56,7 @@ class HostCallback:
   reads_placement: bool = False
   batch_once: bool = False
   edges: tuple = ()
+  counts_elements: bool = False
 
   def __repr__(self):
     return f"<host callback {self.description}>"

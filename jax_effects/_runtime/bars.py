@@ -12,125 +12,38 @@ with their placement's prefix (``placement``).
 
 Drawing: ``tqdm`` when it is installed (``tqdm.auto`` when ``file`` is
 None, which is a notebook widget in Jupyter, else ``tqdm.std``; the bar's
-options are tqdm's), otherwise :class:`_PlainBar`, a standard-library
-renderer on ``sys.stderr`` (or ``file``) that writes what tqdm writes for
-``n/total``, percentage, elapsed time and rate, at most every
-``mininterval`` seconds (0.1 by default, as tqdm) plus when it opens and
-closes.
+options are tqdm's), otherwise ``plain_bars.PlainBar``, a standard-library
+renderer on ``sys.stderr`` (or ``file``) that writes what tqdm writes.
+:func:`check_options` refuses, when ``progress`` is called, an option the
+renderer does not know (tqdm would refuse it when the bar opens, inside the
+computation) or a value it cannot draw. While a bar is drawn in place,
+``output``'s lines and records are written around it (``output.write_around``):
+tqdm's bars are cleared and redrawn by ``tqdm.external_write_mode`` (what
+``tqdm.write`` does), plain ones by ``plain_bars.around_write``, so a
+printed line never lands inside a bar's line.
 
 No part of the token calling convention: these functions run inside host
 callbacks, which the convention has already put in order.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+import difflib
+import inspect
 import itertools
+import numbers
 import sys
 import threading
-import time
 from typing import Any, TextIO
 
 import numpy as np
 
+from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import plain_bars as _plain_bars
 
-__all__ = ["BarSpec", "open_bars"]
-
-
-def _interval(seconds: float) -> str:
-  """``mm:ss`` or ``h:mm:ss``, as tqdm writes intervals."""
-  minutes, s = divmod(int(seconds), 60)
-  h, m = divmod(minutes, 60)
-  return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-_write_lock = threading.Lock()
-# id(file) -> the _PlainBar that wrote last to it (a TTY line is shared).
-_last_writer: dict[int, "_PlainBar"] = {}
-
-
-class _PlainBar:
-  """A bar drawn with the standard library: ``desc:  40%|####      | 4/10
-  [00:01<00:01,  3.96it/s]``.
-
-  On a terminal the line is redrawn in place (``\\r``) and ends with a
-  newline when the bar closes; elsewhere (a file, a CI log) every drawing is
-  a line of its own. Options: ``mininterval`` (seconds between two drawings
-  of an update, default 0.1) and ``unit`` (default ``"it"``); other tqdm
-  options are ignored.
-  """
-
-  def __init__(self, total: int | None, desc: str | None,
-               file: TextIO | None, options: dict):
-    self.total = total
-    self.desc = desc
-    self.file = file
-    self.mininterval = float(options.get("mininterval", 0.1))
-    self.unit = str(options.get("unit", "it"))
-    self.n = 0
-    self.drawn = -1    # the count last drawn
-    self.start = self.last = 0.0
-
-  def open(self) -> None:
-    self.start = self.last = time.monotonic()
-    self._draw(self.start, end=False)
-
-  def advance(self, n: int) -> None:
-    self.n += n
-    now = time.monotonic()
-    if now - self.last >= self.mininterval:
-      self.last = now
-      self._draw(now, end=False)
-
-  def close(self, n: int) -> None:
-    self.n += n
-    self._draw(time.monotonic(), end=True)
-
-  def text(self, now: float) -> str:
-    elapsed = now - self.start
-    rate = self.n / elapsed if elapsed > 0 and self.n else None
-    rate_s = (f"{rate:5.2f}{self.unit}/s" if rate is not None
-              else f"?{self.unit}/s")
-    head = f"{self.desc}: " if self.desc else ""
-    if self.total is None:
-      return f"{head}{self.n}{self.unit} [{_interval(elapsed)}, {rate_s}]"
-    frac = min(max(self.n / self.total, 0.0), 1.0) if self.total else 1.0
-    filled = int(frac * 10)
-    left = ("?" if rate is None
-            else _interval(max(self.total - self.n, 0) / rate))
-    return (f"{head}{frac * 100:3.0f}%|{'#' * filled}{' ' * (10 - filled)}| "
-            f"{self.n}/{self.total} [{_interval(elapsed)}<{left}, {rate_s}]")
-
-  def _draw(self, now: float, end: bool) -> None:
-    file = self.file if self.file is not None else sys.stderr
-    if file is None:
-      return
-    try:
-      tty = file.isatty()
-    except (AttributeError, ValueError):
-      tty = False
-    shown = self.drawn == self.n   # (its last line shows the count)
-    if end and shown and not tty:
-      return
-    self.drawn = self.n
-    text = self.text(now)
-    with _write_lock:
-      if tty:
-        last = _last_writer.get(id(file))
-        if end:
-          _last_writer.pop(id(file), None)
-          if last is self and shown:   # the line is current: end it
-            file.write("\n")
-            file.flush()
-            return
-        else:
-          _last_writer[id(file)] = self
-        # (after another bar's line, this one starts a line of its own)
-        lead = "\r" if last is self or last is None else "\n"
-        file.write(lead + text + ("\n" if end else ""))
-      else:
-        file.write(text + "\n")
-      file.flush()
+__all__ = ["BarSpec", "check_options", "open_bars"]
 
 
 class _TqdmBar:
@@ -145,14 +58,18 @@ class _TqdmBar:
 
   def open(self) -> None:
     self.bar = self.make()   # tqdm draws 0/total at once
+    _writes_around_bars(+1)
 
   def advance(self, n: int) -> None:
     self.bar.update(n)
 
   def close(self, n: int) -> None:
-    if n:
-      self.bar.update(n)
-    self.bar.close()
+    try:
+      if n:
+        self.bar.update(n)
+      self.bar.close()
+    finally:
+      _writes_around_bars(-1)
 
 
 def _tqdm_class(file: TextIO | None):
@@ -165,6 +82,162 @@ def _tqdm_class(file: TextIO | None):
   except ImportError:
     return None
   return tqdm
+
+
+# --- options -----------------------------------------------------------------------
+
+_tqdm_known: dict[type, frozenset] = {}
+
+
+def _tqdm_options(tqdm_class) -> frozenset:
+  """The keyword arguments ``tqdm_class`` takes (named in its classes'
+  ``__init__``; a notebook bar's ``display`` too) besides ``progress``'s own
+  ``total``, ``desc``, ``file``."""
+  known = _tqdm_known.get(tqdm_class)
+  if known is None:
+    names = set()
+    for klass in tqdm_class.__mro__:
+      init = vars(klass).get("__init__")
+      if init is None:
+        continue
+      init = getattr(init, "func", init)   # (a functools.partialmethod)
+      try:
+        params = inspect.signature(init).parameters.values()
+      except (TypeError, ValueError):
+        continue
+      names.update(p.name for p in params
+                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+      if klass.__module__ == "tqdm.notebook":
+        names.add("display")
+    known = _tqdm_known[tqdm_class] = frozenset(
+        names - {"self", "total", "desc", "file"})
+  return known
+
+
+def _real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _value_problem(name: str, value) -> str | None:
+  """What is wrong with ``name=value`` for a bar (None: nothing)."""
+  if name in ("leave", "disable", "dynamic_ncols", "write_bytes", "gui"):
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+      return "must be True, False or None"
+  elif name in ("mininterval", "maxinterval", "delay", "smoothing",
+                "initial"):
+    if not _real(value) or value < 0:
+      return "must be a number >= 0"
+  elif name == "miniters":
+    if value is not None and (not _real(value) or value < 0):
+      return "must be a number >= 0 or None"
+  elif name in ("unit", "colour"):
+    if not isinstance(value, str) and (name == "unit" or value is not None):
+      return "must be a str"
+  elif name == "unit_scale":
+    if not isinstance(value, bool) and (not _real(value) or value <= 0):
+      return "must be True, False or a number > 0"
+  elif name == "unit_divisor":
+    if not _real(value) or value <= 0:
+      return "must be a number > 0"
+  elif name in ("ncols", "nrows", "position"):
+    if value is not None and (isinstance(value, bool)
+                              or not isinstance(value, numbers.Integral)
+                              or value < 0):
+      return "must be an int >= 0 or None"
+  elif name == "ascii":
+    if not (value is None or isinstance(value, bool)
+            or isinstance(value, str) and len(value) >= 2):
+      return "must be True, False, None or a str of at least 2 characters"
+  elif name == "postfix":
+    if value is not None and not isinstance(value, (str, Mapping)):
+      return "must be a str or a dict"
+  elif name == "bar_format" and value is not None:
+    if not isinstance(value, str):
+      return "must be a str or None"
+    try:
+      _plain_bars.format_meter(1, 10, 1.0, prefix="d", bar_format=value)
+      _plain_bars.format_meter(1, None, 1.0, prefix="d", bar_format=value)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as err:
+      return (f"is not a format of tqdm's fields ({err!r}; the fields are "
+              f"{{l_bar}}, {{bar}}, {{r_bar}}, {{n_fmt}}, {{total_fmt}}, "
+              f"{{percentage}}, {{elapsed}}, {{remaining}}, {{rate_fmt}}, "
+              f"{{desc}}, {{postfix}}, ...)")
+  return None
+
+
+def check_options(what: str, file: TextIO | None, options: dict) -> None:
+  """Refuses, naming ``what`` and the option, an option the renderer that
+  will draw the bar does not know (as tqdm refuses it: "Unknown
+  argument(s)", here at the call, and also without tqdm: the
+  standard-library renderer knows tqdm's names) or a value it cannot draw.
+  """
+  tqdm_class = _tqdm_class(file)
+  known = (_plain_bars.OPTIONS if tqdm_class is None
+           else _tqdm_options(tqdm_class))
+  unknown = [k for k in options if k not in known]
+  if unknown:
+    hints = []
+    for k in unknown:
+      close = difflib.get_close_matches(k, sorted(known), n=1)
+      hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close
+                               else ""))
+    renderer = ("tqdm" if tqdm_class is not None else
+                "the standard-library renderer (tqdm is not installed)")
+    raise TypeError(
+        f"{what}: unknown option(s) {', '.join(hints)}: a bar's options are "
+        f"tqdm's keyword arguments, drawn by {renderer}; known: "
+        f"{', '.join(sorted(known))}")
+  for name, value in options.items():
+    problem = _value_problem(name, value)
+    if problem is not None:
+      raise TypeError(f"{what}: option {name}={value!r} {problem}")
+
+
+# --- writes while a bar is drawn ----------------------------------------------------
+
+_around_lock = threading.Lock()
+_tqdm_open = 0   # open tqdm bars
+_plain_live = False
+
+
+def _around(stream: TextIO | None, write) -> None:
+  """``output``'s writes while bars are drawn: tqdm bars are cleared and
+  redrawn around them by ``tqdm.external_write_mode`` (what ``tqdm.write``
+  does), plain ones by ``plain_bars.around_write``."""
+  if _tqdm_open:
+    from tqdm.std import tqdm
+    with tqdm.external_write_mode(
+        file=stream if stream is not None else sys.stderr):
+      _plain_bars.around_write(stream, write)
+  else:
+    _plain_bars.around_write(stream, write)
+
+
+def _route() -> None:
+  _output.write_around(_around if _tqdm_open or _plain_live else None)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child writes around none of the parent's bars."""
+  global _around_lock, _tqdm_open, _plain_live
+  _around_lock = threading.Lock()
+  _tqdm_open, _plain_live = 0, False
+  _output.write_around(None)
+
+
+def _writes_around_bars(delta: int) -> None:
+  global _tqdm_open
+  with _around_lock:
+    _tqdm_open += delta
+    _route()
+
+
+def _plain_live_changed(live: bool) -> None:
+  global _plain_live
+  with _around_lock:
+    _plain_live = live
+    _route()
 
 
 # Open bars: id -> bar. An id is an int32 the device passes back.
@@ -181,7 +254,8 @@ def _new_bar(spec: "BarSpec", total: int | None, element: int | None):
   desc = (label + spec.desc) if spec.desc else (label.rstrip() or None)
   tqdm = _tqdm_class(spec.file)
   if tqdm is None:
-    return _PlainBar(total, desc, spec.file, spec.options)
+    return _plain_bars.PlainBar(total, desc, spec.file, spec.options,
+                                _plain_live_changed)
   return _TqdmBar(tqdm, total, desc, spec.file, spec.options)
 
 

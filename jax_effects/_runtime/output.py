@@ -103,6 +103,21 @@ def capturing_all_records() -> bool:
 
 _write_lock = threading.Lock()
 
+# None, or ``around(stream, write)``: runs ``write()``, which writes to
+# ``stream`` (None: a record's handlers, which write where they write), with
+# the progress bars drawn in place on that terminal cleared before and
+# redrawn after, as ``tqdm.write`` does. Set by ``_runtime.bars`` while a
+# bar is drawn in place (:func:`write_around`).
+_around: Callable[[Any, Callable[[], None]], None] | None = None
+
+
+def write_around(around: Callable[[Any, Callable[[], None]], None] | None
+                 ) -> None:
+  """Routes the lines and records written from now on through ``around``
+  (None: written directly); see ``_runtime.bars``."""
+  global _around
+  _around = around
+
 
 def _write_line(line: str) -> None:
   """Writes one line (without its newline) to ``sys.stdout``, and listeners.
@@ -111,14 +126,31 @@ def _write_line(line: str) -> None:
   ``sys.stdout`` (a ``TextIOWrapper``) is not thread-safe: one lock keeps
   every line whole. As for the builtin ``print``, a ``sys.stdout`` of None
   writes nothing and a closed one raises ``ValueError`` (which reaches the
-  caller as the callback's error).
+  caller as the callback's error). While a progress bar is drawn in place,
+  the line is written around it (:func:`write_around`).
   """
   out = sys.stdout
   if out is not None:
-    with _write_lock:
-      out.write(line + "\n")
+    around = _around
+    if around is None:
+      with _write_lock:
+        out.write(line + "\n")
+    else:
+      def write():
+        with _write_lock:
+          out.write(line + "\n")
+      around(out, write)
   for fn in _line_listeners:
     fn(line)
+
+
+def _handle(logger: logging.Logger, record: logging.LogRecord) -> None:
+  """``logger.handle(record)``, around the bars drawn in place."""
+  around = _around
+  if around is None:
+    logger.handle(record)
+  else:
+    around(None, lambda: logger.handle(record))
 
 
 def _handle_record(logger: logging.Logger, record: logging.LogRecord) -> None:
@@ -128,7 +160,7 @@ def _handle_record(logger: logging.Logger, record: logging.LogRecord) -> None:
   """
   enabled = logger.isEnabledFor(record.levelno)
   if enabled:
-    logger.handle(record)
+    _handle(logger, record)
     for fn in _record_listeners:
       fn(record)
   for fn in _all_record_listeners:
@@ -171,7 +203,7 @@ def deliver_jax_record(logger: logging.Logger,
   JAX hands it over (``logger.handle``, whatever the logger's level), and to
   listeners as a record the logger handled; held like an ordered record."""
   def handle():
-    logger.handle(record)
+    _handle(logger, record)
     for fn in _record_listeners:
       fn(record)
     for fn in _all_record_listeners:

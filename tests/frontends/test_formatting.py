@@ -4,8 +4,15 @@
 The differential test runs each case of a table through ``jax.debug.print``
 and ``jax_effects.print``, eagerly, under ``jit`` with the array leaves
 traced, and under ``jit`` with every leaf a constant, and compares the
-printed lines. The other tests cover what is deliberately stricter
-(fields cannot reach into arguments) and the clear errors.
+printed lines. One deliberate difference: a Python number given to
+``jax_effects.print`` is a static value, formatted as Python formats it
+(``print("{}", x.shape)`` prints ``(2, 3)``, ``0.1`` prints ``0.1``), where
+``jax.debug.print`` makes it a weakly typed ``int32``/``float32`` array; the
+reference gets those numbers wrapped in :class:`PyNumber`, which
+``jax.debug.print`` keeps static and formats as the number. (Under ``jit``
+with the leaves traced they are arrays in both.) The other tests cover what
+is deliberately stricter (fields cannot reach into arguments) and the clear
+errors.
 """
 import collections
 import contextlib
@@ -45,6 +52,34 @@ class Tag:
 
 TAG = Tag()
 
+
+class PyNumber:
+  """A Python number as ``jax_effects.print`` formats it (a static value),
+  for the reference: ``jax.debug.print`` keeps it static (not an array)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __format__(self, spec):
+    return format(self.value, spec)
+
+  def __repr__(self):
+    return repr(self.value)
+
+  def __str__(self):
+    return str(self.value)
+
+
+def _python_number(leaf) -> bool:
+  return (isinstance(leaf, (bool, int, float, complex))
+          and not isinstance(leaf, np.generic))
+
+
+def _static_numbers(args, kwargs):
+  """``(args, kwargs)`` with every Python number wrapped in PyNumber."""
+  return tree_util.tree_map(
+      lambda x: PyNumber(x) if _python_number(x) else x, (args, kwargs))
+
 DTYPES = [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
           jnp.uint32, jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64,
           jnp.int4, jnp.uint4, ml_dtypes.float8_e4m3fn]
@@ -69,6 +104,19 @@ CASES = [
     ("conversion_and_spec", "{x!r:>40}|{x!s:^9}", (), {"x": jnp.float32(2)},
      None),
     ("nested_spec", "{:>{w}}", (jnp.int32(3),), {"w": 6}, None),
+    # (issue 29: the trace-time check filled the width with 0: ">0" is a
+    # zero-padded spec, which complex refuses)
+    ("nested_spec_complex", "z = {:>{w}}", (jnp.complex64(1 + 2j),),
+     {"w": 12}, None),
+    ("nested_spec_array_width", "{:>{w}}|{:.{p}f}|{:{f}^{w}}",
+     (jnp.complex64(1 - 2j), jnp.float32(1 / 3), jnp.int32(7)),
+     {"w": jnp.int32(12), "p": jnp.int32(3), "f": "*"}, None),
+    ("nested_spec_auto_numbered", "{:{}}|{:^{}.{}}|{!r:>{}}",
+     (jnp.float32(2.5), 9, jnp.float32(1 / 3), jnp.int32(12), 4,
+      jnp.complex64(1j), 30), {}, None),
+    ("shape", "{} {} {!r}", ((2, 3), (), (4,)), {}, None),
+    ("python_numbers", "{} {} {!r} {:.3f} {:d} {}",
+     (0.1, 7, 1 / 3, 2.5, True, -3 + 0.5j), {}, None),
     ("keywords_and_positions", "{1} {0} {a} {1}",
      (jnp.int32(1), jnp.arange(3)), {"a": jnp.float32(0.5)}, None),
     ("zero_d_and_zero_size", "{} {!r} {} {!r}",
@@ -156,9 +204,12 @@ def test_print_lines_match_jax_debug_print(case, mode, capsys):
       (jax.debug.print, jax.jit, jax.effects_barrier),
       (je.print, je.jit, je.effects_barrier)):
     capsys.readouterr()
+    a, k = args, kwargs
+    if printer is jax.debug.print and mode != "jit":
+      a, k = _static_numbers(args, kwargs)
     with (np.printoptions(**options) if options else contextlib.nullcontext()):
       try:
-        _run(printer, jit, barrier, mode, fmt, args, kwargs)
+        _run(printer, jit, barrier, mode, fmt, a, k)
       except TypeError as err:
         if printer is jax.debug.print and "not hashable" in str(err):
           # JAX 0.8's jax.debug.print refuses np.printoptions(formatter=...)
@@ -228,6 +279,33 @@ def test_attribute_and_index_fields_fail_at_trace_time(fmt, field, jit,
   assert repr(fmt) in msg and f"the field {field}" in msg, msg
   assert "whole arguments" in msg
   assert effects_capture.printed == []
+
+
+def test_the_refusals_advice_prints_what_it_says(effects_capture):
+  """Issue 29: the refusal of ``{x.shape}`` advises ``print('{}', x.shape)``,
+  which prints the shape as Python does (a tuple of Python ints, static)."""
+  x = jnp.zeros((2, 3))
+  with pytest.raises(ValueError) as info:
+    je.jit(lambda x: je.print("{x.shape}", x=x))(x)
+  assert "print('{}', x.shape)" in str(info.value)
+  je.jit(lambda x: je.print("{}", x.shape))(x)
+  je.print("{}", x.shape)
+  je.jit(lambda x: je.log("{}", x.shape))(x)
+  assert effects_capture.printed == ["{}".format(x.shape)] * 2 == ["(2, 3)"] * 2
+  assert [r.getMessage() for r in effects_capture.logged] == ["(2, 3)"]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_numbers_are_formatted_as_python_formats_them(jit,
+                                                             effects_capture):
+  # (as arrays they were int32/float32: 12345678901 failed the trace, 0.1
+  # printed 0.10000000149011612)
+  def f():
+    je.print("{} {} {!r} {:>{w}}", 12345678901, 0.1, True, 1 + 2j, w=9)
+
+  (je.jit(f) if jit else f)()
+  assert effects_capture.printed == [
+      "{} {} {!r} {:>{w}}".format(12345678901, 0.1, True, 1 + 2j, w=9)]
 
 
 def test_log_refuses_attribute_fields_too():

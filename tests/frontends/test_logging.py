@@ -9,6 +9,8 @@ possible: the same call through ``logging`` itself, on the same source
 line, must give a record with the same location (``stacklevel``), message,
 ``extra`` attributes, ``exc_info``, ``stack_info`` and adapter processing.
 """
+import io
+import json
 import logging
 import sys
 
@@ -334,6 +336,99 @@ def test_extra_sets_record_attributes(run, std, effects_capture):
   fmt = logging.Formatter("%(request)s %(step)d %(message)s")
   assert fmt.format(rec) == "r-1 8 e 4"
   assert records[0].getMessage() == "e 4"  # the logger's handler got it
+
+
+class JsonFormatter(logging.Formatter):
+  """What python-json-logger and structlog's stdlib bridge do: the record's
+  own attributes (those ``extra`` added, and ours) with the message, through
+  ``json.dumps`` with no ``default=``. A value JSON cannot take (a NumPy
+  scalar) makes the handler drop the record (``Handler.handleError``)."""
+
+  STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__)
+
+  def format(self, record):
+    fields = {k: v for k, v in record.__dict__.items()
+              if k not in self.STANDARD}
+    return json.dumps({"message": record.getMessage(), **fields})
+
+
+EXTRA = {"run_id": 7, "lr": 0.1, "warm": True, "seen": 12345678901,
+         "name_": "exp-1", "none": None, "shape": (2, 3),
+         "tags": ["a", 1.5]}
+JSON_EXTRA = {**EXTRA, "shape": [2, 3]}   # (what JSON makes of the tuple)
+
+
+@pytest.fixture
+def json_lines(monkeypatch):
+  """A logger with a JSON handler; yields (logger, lines it wrote). A
+  record the handler drops reports on stderr (``logging.raiseExceptions``),
+  and its line is missing."""
+  lg = logging.getLogger("test_logging.json")
+  out = io.StringIO()
+  handler = logging.StreamHandler(out)
+  handler.setFormatter(JsonFormatter())
+  lg.addHandler(handler)
+  lg.setLevel(logging.INFO)
+  lg.propagate = False
+  yield lg, lambda: [json.loads(line) for line in out.getvalue().splitlines()]
+  lg.removeHandler(handler)
+  lg.setLevel(logging.NOTSET)
+  lg.propagate = True
+
+
+def _json_program(lg, where):
+  def one(x):
+    je.log("loss {:.2f}", x, logger=lg, extra=EXTRA)
+    return x
+
+  if where == "scan":
+    return lambda xs: jax.lax.scan(lambda c, x: (c, one(x)), 0, xs)[1]
+  if where == "vmap":
+    return jax.vmap(one)
+  return lambda xs: [one(x) for x in xs]
+
+
+@pytest.mark.parametrize("where", ["loop", "scan", "vmap"])
+@pytest.mark.parametrize("run", RUNNERS)
+def test_extra_keeps_python_values_for_a_json_handler(json_lines, run, where,
+                                                      capsys):
+  """Issue 29: ``extra`` is kept as ``Logger.log`` keeps it (7 an int, 0.1 a
+  float, True a bool, 12345678901 whole), so a JSON handler formats every
+  record; only traced values become arrays."""
+  lg, lines = json_lines
+  f = run(_json_program(lg, where))
+  f(jnp.array([0.5, 0.25, 0.125]))
+  je.effects_barrier()
+  assert "Logging error" not in capsys.readouterr().err
+  got = lines()
+  assert [r["message"] for r in got] == ["loss 0.50", "loss 0.25", "loss 0.12"]
+  for r in got:
+    assert {k: r[k] for k in JSON_EXTRA} == JSON_EXTRA
+    for k in JSON_EXTRA:   # (json.loads gives 7 for 7.0: types too)
+      assert type(r[k]) is type(JSON_EXTRA[k]), (k, r[k])
+    assert r["process_index"] == 0
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_extra_values_are_the_objects_given_traced_ones_numpy(run, std,
+                                                              effects_capture):
+  lg, records = std
+  token = object()
+  plain_array = np.arange(3)
+
+  def f(x):
+    je.log("m", logger=lg, extra={"obj": token, "np": plain_array,
+                                  "traced": x * 2, "mixed": {"k": 3, "v": x}})
+    lg.info("m", extra={"obj": token, "np": plain_array})
+    return x
+
+  run(f)(jnp.int32(4))
+  (ours,) = effects_capture.logged
+  assert ours.obj is token and ours.np is plain_array   # as logging keeps them
+  assert records[-1].obj is token and records[-1].np is plain_array
+  assert ours.traced == 8 and isinstance(ours.traced, np.int32)
+  assert ours.mixed["k"] == 3 and type(ours.mixed["k"]) is int
+  assert ours.mixed["v"] == 4 and isinstance(ours.mixed["v"], np.int32)
 
 
 @pytest.mark.parametrize("key", ["message", "asctime", "msg", "lineno",

@@ -345,6 +345,81 @@ def test_vmap_a_bar_per_element_when_asked(streams, no_tqdm):
     je.jit(one)(3)
 
 
+def _drawn_counts(events):
+  return [e[2] for e in drawn(events)]
+
+
+@pytest.mark.parametrize("every, counts", [
+    (1, ["0/10", "3/10", "6/10", "9/10", "10/10"]),
+    (2, ["0/10", "3/10", "6/10", "9/10", "10/10"]),
+    (4, ["0/10", "6/10", "10/10"])])
+def test_lax_map_with_batch_size_counts_elements(streams, no_tqdm, every,
+                                                 counts):
+  """Issue 29: ``lax.map(f, xs, batch_size=3)`` runs ``f`` vmapped over
+  batches of 3 (and the remainder of 1): an update in ``f``, inside a vmap
+  its bar was not opened in, counts once per element: 10/10, not 4/10."""
+  file, events = streams
+
+  def f(xs):
+    with je.progress(10, desc="map", every=every, file=file,
+                     mininterval=0) as bar:
+      def step(x):
+        bar.update()
+        return x * 2
+      return jax.lax.map(step, xs, batch_size=3)
+
+  out = run(je.jit(f), jnp.arange(10.0))
+  np.testing.assert_array_equal(out, np.arange(10.0) * 2)
+  assert _drawn_counts(events) == counts
+  events.clear()
+  with jax.disable_jit():
+    run(f, jnp.arange(10.0))
+  assert _drawn_counts(events) == counts
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_vmap_the_bar_is_not_in_counts_its_elements(streams, no_tqdm,
+                                                      every):
+  """Around a loop (the update in a scan body, the vmap outside it) and
+  nested (the product of the sizes); a bar opened inside the vmap still
+  counts the batch's steps (``test_vmap_one_bar_for_the_batch``)."""
+  file, events = streams
+
+  def f(xs):
+    with je.progress(24, desc="v", every=every, file=file,
+                     mininterval=0) as bar:
+      def one(x):
+        def step(c, _):
+          bar.update(2)
+          return c + x, None
+        return jax.lax.scan(step, 0.0, None, length=4)[0]
+      return jax.vmap(jax.vmap(one))(xs)
+
+  out = run(je.jit(f), jnp.ones((3, 1)))
+  np.testing.assert_array_equal(out, np.full((3, 1), 4.0))
+  assert _drawn_counts(events) == [f"{6 * i}/24" for i in range(5)]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_counting_elements_in_a_batched_while_loop_is_refused(every):
+  """Elements of a vmapped while_loop whose predicate is batched stop at
+  different steps: the batch's steps are not the elements' updates."""
+  @je.jit
+  def f(ns):
+    with je.progress(None, every=every) as bar:
+      def one(n):
+        def body(c):
+          bar.update()
+          return c + 1
+        return jax.lax.while_loop(lambda c: c < n, body, 0)
+      return jax.vmap(one)(ns)
+
+  with pytest.raises(NotImplementedError,
+                     match=r"counts the elements of a jax\.vmap its bar was "
+                           r"not opened in .*while_loop whose predicate"):
+    f(jnp.array([1, 2, 3]))
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_vmap_batched_count_is_refused(every):
   def one(x):

@@ -1,0 +1,403 @@
+"""The standard-library progress bar: tqdm's meter, drawn without tqdm.
+
+``jax_effects.progress`` draws with tqdm when it is installed
+(``_runtime/bars.py``); otherwise :class:`PlainBar` draws the same text.
+:func:`format_meter` is tqdm's ``tqdm.format_meter`` (tqdm 4.x) written
+again, field for field, for the options this renderer draws (:data:`DRAWN`):
+``desc: 40%|####      | 4/10 [00:01<00:01,  3.96it/s, loss=0.1]``, or a
+``bar_format`` of tqdm's fields. The bar's characters are ``" #"`` unless
+``ascii`` says otherwise (``True``: tqdm's ``" 123456789#"``, ``False``:
+tqdm's Unicode blocks, a str: those characters). The other tqdm options
+(:data:`OPTIONS`) are accepted and change nothing here (the rate is the
+average since the bar opened, what tqdm's ``smoothing=0`` shows; bars are
+stacked in the order they draw, whatever their ``position``).
+
+Drawing follows tqdm: the bar is drawn when it opens (unless ``delay``), on
+an update when at least ``miniters`` updates and ``mininterval`` seconds
+have passed since the last drawing, and when it closes (``leave``: the final
+count stays; ``leave=False`` erases the line; ``leave=None`` leaves it if no
+other bar was open when it opened); ``disable=True`` draws nothing,
+``disable=None`` nothing unless the stream is a terminal. On a terminal the
+line is redrawn in place (``\\r``) and ends with a newline when the bar
+closes; elsewhere (a file, a CI log) every drawing is a line of its own.
+
+A bar's line on a terminal is *live* until it ends: a line printed there
+meanwhile (``print``, ``log``) would be written into it, so
+:func:`around_write` clears the live lines on that terminal, writes, and
+redraws them, as ``tqdm.write`` does.
+
+No part of the token calling convention: these run inside host callbacks
+(``BarSpec``'s), which the convention has already put in order.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+import datetime
+from numbers import Number
+import sys
+import threading
+import time
+from typing import Any, Callable, TextIO
+
+from jax_effects._runtime import fork as _fork
+
+__all__ = ["OPTIONS", "DRAWN", "PlainBar", "format_meter", "format_postfix",
+           "around_write", "live_bars", "lock"]
+
+#: tqdm's keyword arguments (tqdm 4.x) besides ``total``, ``desc`` and
+#: ``file`` (``progress``'s own): the options a bar takes, whichever renderer
+#: draws it.
+OPTIONS = frozenset({
+    "iterable", "leave", "ncols", "mininterval", "maxinterval", "miniters",
+    "ascii", "disable", "unit", "unit_scale", "dynamic_ncols", "smoothing",
+    "bar_format", "initial", "position", "postfix", "unit_divisor",
+    "write_bytes", "lock_args", "nrows", "colour", "delay", "gui"})
+
+#: The options the standard-library renderer draws as tqdm does.
+DRAWN = ("leave", "disable", "mininterval", "miniters", "delay", "unit",
+         "unit_scale", "unit_divisor", "ncols", "ascii", "initial", "postfix",
+         "bar_format")
+
+_ASCII = " 123456789#"
+_UTF = " " + "".join(map(chr, range(0x258F, 0x2587, -1)))
+_PLAIN = " #"
+
+
+def _interval(seconds: float) -> str:
+  """``mm:ss`` or ``h:mm:ss`` (``tqdm.format_interval``)."""
+  sign = "-" if seconds < 0 else ""
+  minutes, s = divmod(abs(int(seconds)), 60)
+  h, m = divmod(minutes, 60)
+  return f"{sign}{h:d}:{m:02d}:{s:02d}" if h else f"{sign}{m:02d}:{s:02d}"
+
+
+def _sizeof(num: float, divisor: float = 1000) -> str:
+  """``tqdm.format_sizeof``: 3 significant digits and an SI prefix."""
+  for unit in ("", "k", "M", "G", "T", "P", "E", "Z"):
+    if abs(num) < 999.5:
+      if abs(num) < 99.95:
+        if abs(num) < 9.995:
+          return f"{num:1.2f}{unit}"
+        return f"{num:2.1f}{unit}"
+      return f"{num:3.0f}{unit}"
+    num /= divisor
+  return f"{num:3.1f}Y"
+
+
+def _format_num(n) -> str:
+  """``tqdm.format_num``."""
+  f = f"{n:.3g}".replace("e+0", "e+").replace("e-0", "e-")
+  n = str(n)
+  return f if len(f) < len(n) else n
+
+
+def format_postfix(postfix) -> str | None:
+  """The text of a ``postfix=`` option as tqdm makes it (``set_postfix``
+  for a mapping: keys sorted, numbers shortened; else as given)."""
+  if not isinstance(postfix, Mapping) or not postfix:
+    return postfix
+  parts = []
+  for key in sorted(postfix):
+    value = postfix[key]
+    value = (_format_num(value) if isinstance(value, Number)
+             else value if isinstance(value, str) else str(value))
+    parts.append(f"{key}={value.strip()}")
+  return ", ".join(parts)
+
+
+class _Probe:
+  """The ``{bar}`` field while the rest is measured (tqdm's
+  ``FormatReplace``): empty, whatever its spec."""
+
+  def __init__(self):
+    self.called = False
+
+  def __format__(self, spec: str) -> str:
+    self.called = True
+    return ""
+
+
+class _Bar:
+  """The ``{bar}`` field (tqdm's ``Bar``): ``frac`` of ``length`` cells."""
+
+  def __init__(self, frac: float, length: int, charset: str):
+    self.frac = frac if frac <= 1 else 1
+    self.length = length
+    self.charset = charset
+
+  def __format__(self, spec: str) -> str:
+    charset, length = self.charset, self.length
+    if spec:
+      kind = spec[-1].lower()
+      if kind in "aub":
+        charset = {"a": _ASCII, "u": _UTF, "b": "  "}[kind]
+        spec = spec[:-1]
+      if spec:
+        length = int(spec) + (self.length if int(spec) < 0 else 0)
+    steps = len(charset) - 1
+    full, part = divmod(int(self.frac * length * steps), steps)
+    text = charset[-1] * full
+    if full < length:
+      text += charset[part] + charset[0] * (length - full - 1)
+    return text
+
+
+def format_meter(n: float, total: float | None, elapsed: float, *,
+                 ncols: int | None = None, prefix: str = "",
+                 ascii: bool | str | None = None, unit: str = "it",
+                 unit_scale: bool | float = False, bar_format: str | None = None,
+                 postfix: str | None = None, unit_divisor: float = 1000,
+                 initial: float = 0) -> str:
+  """The text of a bar, as ``tqdm.format_meter`` writes it (``ascii=None``
+  draws ``" #"``)."""
+  if total and n >= total + 0.5:
+    total = None
+  rate = None
+  if unit_scale and unit_scale not in (True, 1):
+    if total:
+      total *= unit_scale
+    n *= unit_scale
+    unit_scale = False
+  elapsed_str = _interval(elapsed)
+  if elapsed:
+    rate = (n - initial) / elapsed
+  inv_rate = 1 / rate if rate else None
+  rate_noinv_fmt = ((_sizeof(rate) if unit_scale else f"{rate:5.2f}")
+                    if rate else "?") + unit + "/s"
+  rate_inv_fmt = ((_sizeof(inv_rate) if unit_scale else f"{inv_rate:5.2f}")
+                  if inv_rate else "?") + "s/" + unit
+  rate_fmt = rate_inv_fmt if inv_rate and inv_rate > 1 else rate_noinv_fmt
+  if unit_scale:
+    n_fmt = _sizeof(n, unit_divisor)
+    total_fmt = _sizeof(total, unit_divisor) if total is not None else "?"
+  else:
+    n_fmt = str(n)
+    total_fmt = str(total) if total is not None else "?"
+  postfix = ", " + postfix if postfix else ""
+  remaining = (total - n) / rate if rate and total else 0
+  remaining_str = _interval(remaining) if rate else "?"
+  try:
+    eta = (datetime.datetime.now() + datetime.timedelta(seconds=remaining)
+           if rate and total
+           else datetime.datetime.fromtimestamp(0, datetime.timezone.utc))
+  except OverflowError:
+    eta = datetime.datetime.max
+  if prefix:
+    l_bar = prefix if prefix[-2:] == ": " else prefix + ": "
+  else:
+    l_bar = ""
+  r_bar = (f"| {n_fmt}/{total_fmt} [{elapsed_str}<{remaining_str}, "
+           f"{rate_fmt}{postfix}]")
+  fields = {
+      "n": n, "n_fmt": n_fmt, "total": total, "total_fmt": total_fmt,
+      "elapsed": elapsed_str, "elapsed_s": elapsed, "ncols": ncols,
+      "desc": prefix or "", "unit": unit,
+      "rate": inv_rate if inv_rate and inv_rate > 1 else rate,
+      "rate_fmt": rate_fmt, "rate_noinv": rate,
+      "rate_noinv_fmt": rate_noinv_fmt, "rate_inv": inv_rate,
+      "rate_inv_fmt": rate_inv_fmt, "postfix": postfix,
+      "unit_divisor": unit_divisor, "colour": None,
+      "remaining": remaining_str, "remaining_s": remaining,
+      "l_bar": l_bar, "r_bar": r_bar, "eta": eta, "nrows": None}
+  charset = (_PLAIN if ascii is None else _ASCII if ascii is True
+             else _UTF if ascii is False else ascii)
+  if total:
+    frac = n / total
+    percentage = frac * 100
+    l_bar += f"{percentage:3.0f}%|"
+    if ncols == 0:
+      return l_bar[:-1] + r_bar[1:]
+    fields["l_bar"] = l_bar
+    if bar_format:
+      fields["percentage"] = percentage
+      if not prefix:
+        bar_format = bar_format.replace("{desc}: ", "")
+    else:
+      bar_format = "{l_bar}{bar}{r_bar}"
+  elif bar_format:
+    l_bar += "|"
+    fields.update(l_bar=l_bar, percentage=0)
+    frac, charset = 0, "  "
+  else:
+    text = (f"{(prefix + ': ') if prefix else ''}{n_fmt}{unit} "
+            f"[{elapsed_str}, {rate_fmt}{postfix}]")
+    return text[:ncols] if ncols else text
+  probe = _Probe()
+  nobar = bar_format.format(bar=probe, **fields)
+  if not probe.called:
+    return nobar[:ncols] if ncols else nobar
+  bar = _Bar(frac, max(1, ncols - len(nobar)) if ncols else 10, charset)
+  text = bar_format.format(bar=bar, **fields)
+  return text[:ncols] if ncols else text
+
+
+# --- drawing -------------------------------------------------------------------------
+
+#: Serializes drawing and the writes around live lines (reentrant: a log
+#: handler run inside :func:`around_write` may print).
+lock = threading.RLock()
+# id(stream) -> the PlainBar whose line is live on that terminal.
+_live: dict[int, "PlainBar"] = {}
+_open = 0   # plain bars open (for leave=None)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child draws none of the parent's lines (and holds no lock a
+  parent's thread held)."""
+  global lock, _open
+  lock = threading.RLock()
+  _live.clear()
+  _open = 0
+
+
+def live_bars() -> list["PlainBar"]:
+  """The bars whose line is live (drawn in place, not ended) on a terminal."""
+  return list(_live.values())
+
+
+def _same_terminal(a, b) -> bool:
+  """Whether writes to ``a`` and ``b`` land on one screen: the same stream,
+  or the process's stdout and stderr (``None``: either of them)."""
+  std = (sys.stdout, sys.stderr, None)
+  return a is b or (a in std and b in std)
+
+
+def around_write(stream: TextIO | None, write: Callable[[], Any]) -> None:
+  """Runs ``write()`` (which writes to ``stream``; None: stdout or stderr)
+  with the live bar lines on that terminal cleared before and redrawn
+  after, so the text never lands inside a bar's line."""
+  with lock:
+    cleared = [b for b in _live.values() if _same_terminal(b.stream, stream)]
+    for b in cleared:
+      b.clear()
+    try:
+      write()
+    finally:
+      for b in cleared:
+        b.redraw()
+
+
+class PlainBar:
+  """A bar drawn with the standard library (see the module docstring).
+
+  ``on_live(bool)`` is called (under :data:`lock`) when the first line goes
+  live and when the last live line ends, so writes are routed through
+  :func:`around_write` only while a line is live.
+  """
+
+  def __init__(self, total: int | None, desc: str | None,
+               file: TextIO | None, options: dict,
+               on_live: Callable[[bool], None]):
+    o = options
+    self.total = total
+    self.desc = desc
+    self.file = file
+    self.on_live = on_live
+    self.leave = o.get("leave", True)
+    self.disable = o.get("disable", False)
+    self.mininterval = float(o.get("mininterval", 0.1))
+    self.miniters = o.get("miniters") or 0
+    self.delay = float(o.get("delay", 0))
+    self.initial = o.get("initial", 0)
+    self.n = self.initial
+    self.meter = dict(
+        ncols=o.get("ncols"), ascii=o.get("ascii"), unit=o.get("unit", "it"),
+        unit_scale=o.get("unit_scale", False), bar_format=o.get("bar_format"),
+        postfix=format_postfix(o.get("postfix")),
+        unit_divisor=o.get("unit_divisor", 1000), initial=self.initial)
+    self.stream: TextIO | None = None
+    self.tty = False
+    self.drawn_n = None      # the count last drawn (None: never drawn)
+    self.width = 0           # the length of the live line's text
+    self.start = self.last = 0.0
+
+  def open(self) -> None:
+    global _open
+    stream = self.file if self.file is not None else sys.stderr
+    self.stream = stream
+    try:
+      self.tty = bool(stream.isatty())
+    except (AttributeError, ValueError):
+      self.tty = False
+    if self.disable is None:
+      self.disable = not self.tty
+    with lock:
+      if self.leave is None:
+        self.leave = _open == 0
+      _open += 1
+    self.start = self.last = time.monotonic()
+    if self.delay <= 0:
+      self._draw(self.start, end=False)
+
+  def advance(self, n: int) -> None:
+    self.n += n
+    if self.n - (self.drawn_n or 0) < self.miniters:
+      return
+    now = time.monotonic()
+    if now - self.last >= self.mininterval and now >= self.start + self.delay:
+      self.last = now
+      self._draw(now, end=False)
+
+  def close(self, n: int) -> None:
+    global _open
+    self.n += n
+    with lock:
+      _open -= 1
+      if self.drawn_n is None:   # never drawn (delay): nothing to leave
+        return
+      if self.leave:
+        self._draw(time.monotonic(), end=True)
+      elif _live.get(id(self.stream)) is self:
+        self.clear()
+        self._end_live()
+
+  def text(self, now: float) -> str:
+    return format_meter(self.n, self.total, now - self.start,
+                        prefix=self.desc or "", **self.meter)
+
+  def _write(self, text: str) -> None:
+    self.stream.write(text)
+    self.stream.flush()
+
+  def _end_live(self) -> None:
+    _live.pop(id(self.stream), None)
+    if not _live:
+      self.on_live(False)
+
+  def clear(self) -> None:
+    """Erases the live line (tqdm's ``clear``)."""
+    self._write("\r" + " " * self.width + "\r")
+
+  def redraw(self) -> None:
+    """Draws the live line again, with the current count."""
+    self._draw(time.monotonic(), end=False)
+
+  def _draw(self, now: float, end: bool) -> None:
+    if self.disable or self.stream is None:
+      return
+    with lock:
+      shown = self.drawn_n == self.n   # (the last drawing shows the count)
+      if end and shown and not self.tty:
+        return
+      self.drawn_n = self.n
+      text = self.text(now)
+      if not self.tty:
+        self._write(text + "\n")
+        return
+      last = _live.get(id(self.stream))
+      if end:
+        if last is self:
+          self._end_live()
+          if shown:   # the line is current: end it
+            self._write("\n")
+            return
+      else:
+        if not _live:
+          self.on_live(True)
+        _live[id(self.stream)] = self
+      # (after another bar's line, this one starts a line of its own)
+      lead = "\r" if last is self or last is None else "\n"
+      pad = " " * (self.width - len(text)) if last is self else ""
+      self.width = 0 if end else len(text)
+      self._write(lead + text + pad + ("\n" if end else ""))
