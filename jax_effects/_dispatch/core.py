@@ -54,8 +54,7 @@ from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import launch_lock as _launch_lock
-from jax_effects._runtime import per_device as _per_device
-from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import threads as _threads
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
@@ -224,7 +223,7 @@ class Core:
       if self.state is not FIRST:   # decided by another thread meanwhile
         return self.call(*args, **kwargs)
       if _errors.deferred and _compat.at_top_level():
-        _raising.raise_deferred(_threads.thread_state())
+        _errors.raise_deferred(_threads.thread_state())
       previous = getattr(_bodies.strict, "on", False)
       _bodies.strict.on = True
       try:
@@ -267,7 +266,7 @@ class Core:
         self.learn(mode, err)
         continue
       if (token.sharding is not threaded.per_device_sharding
-          and _per_device.kept_on_devices(token)):
+          and _device_tokens.kept_on_devices(token)):
         with self.lock:
           threaded.per_device_sharding = token.sharding
           self.refresh(mode)

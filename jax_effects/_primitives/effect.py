@@ -60,7 +60,6 @@ from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
-from jax_effects._runtime import raising as _raising
 from jax_effects._runtime import threads as _threads
 
 # --- trace-time primitive ------------------------------------------------------
@@ -85,7 +84,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
     raise branch_vmapped_error(host_callback)
   if _errors.deferred:   # a dispatched callback failed: raise it first
-    _raising.raise_deferred(_threads.thread_state())
+    _errors.raise_deferred(_threads.thread_state())
   if ordered:
     state = _threads.thread_state()
     marker = _effects.marker(effect, True)
@@ -93,13 +92,11 @@ def _effect_impl(*args, host_callback, effect, ordered):
     if state.mode != mode:   # after a mode switch: follow earlier dispatches
       state.switch_mode(mode)
     key = _effects.chain_key(marker, mode)
-    token = state.runtime.get(key)
-    if token is not None:
-      token.block_until_ready()
+    state.wait_for((key,))
     # ... and for effects under plain jax.jit (incl. eager cond/while).
     token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
-      token.block_until_ready()
+      _threads.settled(token)
   if host_callback.eager is not None:
     host_callback.eager(*args)
     return []

@@ -40,8 +40,12 @@ class HostCallback:
   ``edges.Edges`` or None for each of the last ``len(edges)`` operands
   (those the front end bound): under ``jit`` ``fn`` receives that operand
   cut to its edges (the lowering cuts it; eagerly it arrives whole, which
-  ``edges.Summarized`` formats the same). Compared and hashed by
-  identity.
+  ``edges.Summarized`` formats the same). ``cleanup``: runs also after an
+  earlier effect of its chain failed in the same execution (a progress
+  bar's close, as a ``finally`` block; ``host_functions.FailedBit``).
+  ``chain``: the chain key the token-threading pass put it on (None before
+  the pass): what the host keeps for an execution is named by it
+  (``_runtime.host_jobs``). Compared and hashed by identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -52,6 +56,8 @@ class HostCallback:
   reads_placement: bool = False
   batch_once: bool = False
   edges: tuple = ()
+  cleanup: bool = False
+  chain: Any = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"
