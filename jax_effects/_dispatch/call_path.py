@@ -109,7 +109,7 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
 
 
 def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
-             kwargs, site: _launch_lock.LaunchSite):
+             kwargs, site: _launch_lock.LaunchSite, at_risk: bool = False):
   """One dispatch step (every threaded call: :class:`~jax_effects._dispatch.core.Core`, :class:`Compiled`).
 
   The steps of the module docstring, in order. Passes the thread's runtime
@@ -117,7 +117,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   returned token. Returns ``(outputs, token)``. :class:`NeedsTokens`
   propagates unchanged. A computation over several CPU devices is launched
   under ``_launch_lock.launch_lock`` (``site``: what this call site launched
-  last).
+  last). ``at_risk``: the computation runs one of JAX's own callbacks and
+  may fail as a whole (``ThreadTokens.tokens_for``).
   """
   if _errors.deferred:   # an earlier call's callback failed
     _errors.raise_deferred(state)   # before dispatching anything
@@ -133,30 +134,29 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         out, token = _launch(site, call, tokens, args, kwargs)
       except ValueError as err:
         if not _placed_elsewhere(err, tokens):
-          _failed(state, keys, read, err)
+          _failed(state, keys, err)
         elsewhere = True
       except BaseException as err:  # noqa: BLE001 - an execution error or not
-        _failed(state, keys, read, err)
+        _failed(state, keys, err)
       if elsewhere:
         # A token kept on the devices of this function's last computation
         # (device_tokens.kept_on_devices), while this call's arguments put
         # the computation on others: JAX refused it before running anything.
         # Its first device's copy (or combination) goes instead.
-        state.launch_failed(keys, read)
         tokens, read = state.tokens_for(keys, None)
         try:
           out, token = _launch(site, call, tokens, args, kwargs)
         except BaseException as err:  # noqa: BLE001 - an execution error or not
-          _failed(state, keys, read, err)
+          _failed(state, keys, err)
       seqs = (state.execution_seqs(keys)
               if _host_jobs.sites_lowered() else None)
       try:
         _launch_lock.launched(site, token.sharding)
-        state.update(keys, token, read)
+        state.update(keys, token, read, at_risk)
       except BaseException:
         # KeyboardInterrupt (SIGINT) landing in update, after the computation
         # was dispatched: its token is still stored, so what follows waits.
-        state.store_interrupted(keys, token, read)
+        state.store_interrupted(keys, token, read, at_risk)
         raise
       if seqs and len(token.sharding.device_set) > 1:
         _executions.watch_failure(state.slot, seqs, token)
@@ -175,12 +175,11 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   return out, token
 
 
-def _failed(state, keys, read, err: BaseException) -> None:
+def _failed(state, keys, err: BaseException) -> None:
   """Raises the error of a dispatch that failed (step 5): an XLA failure
   frees what the host kept for the execution (``executions.failed``); after
   a SIGINT during the call (``interrupts``) it is ``KeyboardInterrupt``."""
   try:
-    state.launch_failed(keys, read)
     if _interrupts.slots and _interrupts.take(state):
       _executions.failed(state.slot, state.execution_seqs(keys))
       _errors.move_own_errors()   # (for the next call or barrier)
@@ -255,16 +254,15 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
     if state.fast_mode != mode or errors or state.dispatching:
       return general(*args, **kwargs)
     passed = state.runtime.get(key)
-    if passed is None or not passed.is_ready():
-      # (a chain starting, or its last computation still running: the
-      # general path gates this one, ThreadTokens.tokens_for)
+    if passed is None:   # (a chain starting: the general path)
       return general(*args, **kwargs)
-    try:
-      # (ThreadTokens.tokens_for, inlined: a failed token goes to the
-      # general path, which learns it)
-      passed.block_until_ready()
-    except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
-      return general(*args, **kwargs)
+    if passed.is_ready():
+      try:
+        # (ThreadTokens.tokens_for, inlined: a failed token goes to the
+        # general path, which learns it; one still running is handed on)
+        passed.block_until_ready()
+      except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
+        return general(*args, **kwargs)
     state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
     try:                    # handled by interrupts)
       try:
@@ -280,18 +278,18 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
         learn(err)
         token = None
       except BaseException as err:  # noqa: BLE001 - an execution error or not
-        _failed(state, keys, ((), ()), err)
+        _failed(state, keys, err)
       if token is not None:
         try:
           sharding = token.sharding
           if sharding is not site.sharding:
             _launch_lock.launched(site, sharding)
           if not state.store_last(key, token, passed):
-            state.update(keys, token, ((passed,), ()))
+            state.update(keys, token, (passed,))
             if _device_tokens.kept_on_devices(token):   # (a new signature)
               per_device(token)
         except BaseException:
-          state.store_interrupted(keys, token, ((passed,), ()))
+          state.store_interrupted(keys, token, (passed,))
           raise
     finally:
       state.dispatching = 0   # (ThreadTokens.end_dispatch)

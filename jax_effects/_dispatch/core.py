@@ -71,9 +71,12 @@ class _Threaded:
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
   ``len(keys)`` tokens, by ``convention.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
-  whether launches take the launch lock (``_launch_lock``).
+  whether launches take the launch lock (``_launch_lock``). ``at_risk``: a
+  trace runs one of JAX's own host calls, which fail their execution when
+  they raise (``ThreadTokens.tokens_for``; no fast hook).
   """
-  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
+  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch",
+               "at_risk")
 
   def __init__(self):
     self.keys: tuple = ()
@@ -81,6 +84,7 @@ class _Threaded:
     self.jitted: dict[int | None, Any] = {}
     self.fast: Callable | None = None
     self.launch = _launch_lock.LaunchSite()
+    self.at_risk = False
 
 
 class Core:
@@ -182,7 +186,7 @@ class Core:
       keys = threaded.keys
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and threaded.per_device_sharding is None and jitted is not None
-          and self.state is not FALLBACK):
+          and self.state is not FALLBACK and not threaded.at_risk):
         threaded.fast = _call_path.fast_dispatch(
             self, mode, keys[0], jitted, site=threaded.launch)
       else:
@@ -201,6 +205,17 @@ class Core:
       self.refresh(mode)
       if self.state is not FALLBACK:
         self.enter(THREADED)
+
+  def at_risk(self, mode: str) -> None:
+    """A trace in ``mode`` runs one of JAX's own host calls that fail their
+    execution (``_Threaded.at_risk``)."""
+    threaded = self.threaded(mode)
+    if not threaded.at_risk:
+      with self.lock:
+        threaded.at_risk = True
+        self.refresh(mode)
+        if self.state is FAST:
+          self.enter(THREADED)
 
   def per_device(self, mode: str, token) -> None:
     """A call in ``mode`` returned a per-device token (a shard_map program)."""
@@ -259,12 +274,15 @@ class Core:
     while True:
       keys, jitted = self.keys_and_jit(mode, args)
       try:
+        at_risk = threaded.at_risk
         out, token = _call_path.dispatch(
             state, mode, keys, threaded.per_device_sharding, jitted, args,
-            kwargs, threaded.launch)
+            kwargs, threaded.launch, at_risk)
       except NeedsTokens as err:
         self.learn(mode, err)
         continue
+      if threaded.at_risk and not at_risk:   # (learnt by this call's trace)
+        state.mark_at_risk(keys)
       if (token.sharding is not threaded.per_device_sharding
           and _device_tokens.kept_on_devices(token)):
         with self.lock:

@@ -334,6 +334,28 @@ def refusal(eqn) -> NotImplementedError:
 
 # --- top level -----------------------------------------------------------------
 
+#: JAX's own primitives that call the host and fail their execution when the
+#: host function raises (left to JAX by the pass: ``jax.pure_callback``, a
+#: ``jax.debug.callback(partitioned=True)``, a user's FFI call). A program
+#: with one may fail as a whole while the next is dispatched
+#: (``_runtime.threads.ThreadTokens.tokens_for``).
+_MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
+
+
+def may_fail(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a sub-jaxpr) runs one of JAX's own host calls
+  that fail their execution when they raise (:data:`_MAY_FAIL`)."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in _MAY_FAIL or (name == "debug_callback"
+                             and eqn.params.get("partitioned")):
+      return True
+    for sub in _compat.jaxprs_in_params(eqn.params):
+      if may_fail(sub):
+        return True
+  return False
+
+
 def _per_device_keys(jaxpr, mode: str) -> set:
   """The chain keys with an effect inside a ``shard_map`` (per device)
   anywhere in ``jaxpr``."""

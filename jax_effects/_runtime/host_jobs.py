@@ -1,50 +1,38 @@
 """Effects left to run on the host, in each chain's order, and the pieces they wait for.
 
-Two things make an effect wait on the host instead of running when its
-host function is called:
+An effect whose operands are assembled on the host from every device's part
+(``_primitives.host_assembly``) can run only once every device's call has
+left its part (a *piece*) at the call site (a :class:`Site`). The first
+device's call must not wait for them: XLA's CPU runtime runs each device's
+program in its own, data-driven order, so another device may reach one of
+the program's collectives before its part of the effect, and wait there for
+the first device, which would wait for it: a deadlock
+(``tests/frontends/test_summarized_printing.py``). So when a piece is
+missing the first device's call leaves the effect here, as a *job*, and
+returns; the call that brings the last piece runs it.
 
-* **Its operands are still on other devices.** An effect whose operands are
-  assembled on the host from every device's part (``_primitives.host_assembly``)
-  can run only once every device's call has left its part (a *piece*) at the
-  call site (a :class:`Site`). The first device's call must not wait for
-  them: XLA's CPU runtime runs each device's program in its own, data-driven
-  order, so another device may reach one of the program's collectives before
-  its part of the effect, and wait there for the first device, which would
-  wait for it: a deadlock (``tests/frontends/test_summarized_printing.py``).
-  So when a piece is missing the first device's call leaves the effect here,
-  as a *job*, and returns; the call that brings the last piece runs it.
-* **An earlier execution of its chain has not ended.** A computation's
-  runtime token orders it after the chain's previous computation on the
-  device. When that computation is still running at dispatch, its token
-  is not handed on (it may yet fail, and a failed token would fail this
-  computation too: ``threads``): the new computation starts from a fresh
-  token, and its effects on that chain wait here, in a *gated lane*, until
-  the previous one has ended (its token resolved, learnt by
-  ``executions``'s watcher; ended means done or failed, never a timeout).
-
-So the jobs of one thread's chain form *lanes*, one per execution (named by
+The jobs of one thread's chain form *lanes*, one per execution (named by
 its identity: the slot and sequence number its carriers hold,
-``token_value``), ordered by sequence number. Only the first lane runs, and
-only once it is open (its gate, if any, has opened); its jobs run in order,
-each once it is ready; an effect of the first lane arriving when the lane
-has no job queued runs at once, one of a later execution queues in its lane
-(an effect with results, which the program needs now, waits until its turn
-instead), and one of an earlier execution (it precedes every lane) runs at
-once. A lane ends when its jobs have run and, for a gated lane, its own
-execution has ended; then the next one runs. Pieces are matched by
+``token_value``), ordered by sequence number. Only the first lane runs; its
+jobs run in order, each once it is ready. While a chain has lanes, a later
+effect of it waits too: one of an execution that has a lane (or comes
+after every lane) queues in its own lane, and one with results, which the
+program needs now, waits until its turn (:func:`wait_turn`); an effect of
+an execution earlier than every lane runs at once. Pieces are matched by
 execution identity too, never first in first out: a print shows its own
 execution's values or nothing; pieces of an execution whose first device
 has moved on are stale and dropped.
 
 This module owns the lanes, jobs and pieces and is their only writer.
 **Nothing waits on a clock**: a job ends when it runs or when its execution
-is known to have failed (``executions.failed`` calls :func:`cancel`), a gate
-opens when the previous execution ends, so barriers wait for slow devices
-as long as they take and every wait inside a computation ends once a
-failure is known. A job that fails defers its error as any callback does;
-the jobs of the same execution queued behind it are skipped, as the later
-effects of a chain are after a failure (never those of other chains or
-executions). What a thread kept here goes when its slot is freed.
+is known to have failed (``executions.failed`` calls :func:`cancel`: learnt
+from the execution's own token, by the dispatching thread, its barrier, or
+the watcher of computations in flight), so barriers wait for slow devices as
+long as they take and every wait inside a computation ends once a failure
+is known. A job that fails defers its error as any callback does; the jobs
+of the same execution queued behind it are skipped, as the later effects of
+a chain are after a failure (never those of other chains or executions).
+What a thread kept here goes when its slot is freed.
 
 Part in the token calling convention: none (the carrier passes through a
 call whose effect is left here unchanged; its identity names the lane).
@@ -60,7 +48,7 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import token_value as _token_value
 
 __all__ = ["queues", "waits", "submit", "drain", "wait_turn", "wait_idle",
-           "cancel", "gate", "Job", "Site"]
+           "cancel", "Job", "Site"]
 
 #: One lock for the lanes, the jobs and the pieces they wait for.
 lock = threading.Condition()
@@ -95,25 +83,13 @@ class Job:
 
 class Lane:
   """The effects of one execution (``seq``) of a (slot, chain) left here.
+  ``failed``: a job of it failed: the rest are skipped."""
+  __slots__ = ("seq", "jobs", "failed")
 
-  ``open``: its gate has opened (the chain's previous execution ended; an
-  ungated lane is open). ``own``: registered at dispatch (a gated lane):
-  it ends only once its execution has ended (``ended``), since its
-  effects may still arrive; any other lane ends when its jobs have run.
-  ``failed``: a job of it failed: the rest are skipped.
-  """
-  __slots__ = ("seq", "jobs", "open", "own", "ended", "failed")
-
-  def __init__(self, seq: int, open_: bool, own: bool):
+  def __init__(self, seq: int):
     self.seq = seq
     self.jobs: collections.deque = collections.deque()
-    self.open = open_
-    self.own = own
-    self.ended = False
     self.failed = False
-
-  def finished(self) -> bool:
-    return not self.jobs and (not self.own or self.ended)
 
 
 def _lane(lanes: list, seq: int, create: bool):
@@ -126,12 +102,12 @@ def _lane(lanes: list, seq: int, create: bool):
     if _token_value.seq_after(lane.seq, seq):
       if i == 0 or not create:
         return None
-      lane = Lane(seq, True, False)
+      lane = Lane(seq)
       lanes.insert(i, lane)
       return lane
   if not create or not lanes:
     return None
-  lane = Lane(seq, True, False)
+  lane = Lane(seq)
   lanes.append(lane)
   return lane
 
@@ -139,7 +115,7 @@ def _lane(lanes: list, seq: int, create: bool):
 def waits(slot: int, chain, seq: int) -> bool:
   """Whether an effect of execution ``seq`` of (``slot``, ``chain``) must
   wait here (module docstring): not when this thread is running that
-  chain's jobs, nor when its lane is first, open and empty."""
+  chain's jobs, nor when it precedes every lane."""
   key = (slot, chain)
   lanes = queues.get(key)
   if lanes is None or local.lane == key:
@@ -148,11 +124,7 @@ def waits(slot: int, chain, seq: int) -> bool:
     lanes = queues.get(key)
     if not lanes:
       return False
-    lane = _lane(lanes, seq, create=False)
-    if lane is None:
-      return not _earlier_than_all(lanes, seq)
-    return not (lane is lanes[0] and lane.open and not lane.jobs
-                and key not in _draining)
+    return not _earlier_than_all(lanes, seq)
 
 
 def _earlier_than_all(lanes, seq) -> bool:
@@ -166,40 +138,9 @@ def submit(slot: int, chain, seq: int, job: Job) -> None:
     lanes = queues.setdefault(key, [])
     lane = _lane(lanes, seq, create=True)
     if lane is None:   # (earlier than every lane: first)
-      lane = Lane(seq, True, False)
+      lane = Lane(seq)
       lanes.insert(0, lane)
     lane.jobs.append(job)
-  drain(slot, chain)
-
-
-def gate(slot: int, chain, seq: int) -> Lane:
-  """Registers the gated lane of execution ``seq`` (before it is
-  launched): its effects wait until :func:`open_gate`."""
-  key = (slot, chain)
-  with lock:
-    lanes = queues.setdefault(key, [])
-    lane = _lane(lanes, seq, create=False)
-    if lane is None:
-      lane = Lane(seq, False, True)
-      lanes.append(lane)
-    else:
-      lane.open, lane.own, lane.ended = False, True, False
-    return lane
-
-
-def open_gate(slot: int, chain, lane: Lane) -> None:
-  """The chain's previous execution has ended: ``lane`` may run."""
-  with lock:
-    lane.open = True
-    lock.notify_all()
-  drain(slot, chain)
-
-
-def ended(slot: int, chain, lane: Lane) -> None:
-  """``lane``'s own execution has ended: no more of its effects come."""
-  with lock:
-    lane.ended = True
-    lock.notify_all()
   drain(slot, chain)
 
 
@@ -214,7 +155,7 @@ def drain(slot: int, chain) -> None:
       lanes = queues.get(key)
       if lanes is None or key in _draining:
         return
-      while lanes and lanes[0].open and lanes[0].finished():
+      while lanes and not lanes[0].jobs:
         lanes.pop(0)
         lock.notify_all()
       if not lanes:
@@ -222,8 +163,6 @@ def drain(slot: int, chain) -> None:
         lock.notify_all()
         return
       lane = lanes[0]
-      if not lane.open or not lane.jobs:
-        return
       job = lane.jobs[0]
       if not job.cancelled and not lane.failed and not job.ready():
         return
@@ -247,20 +186,18 @@ def drain(slot: int, chain) -> None:
 
 def wait_turn(slot: int, chain, seq: int) -> None:
   """Blocks until an effect of execution ``seq`` may run (an effect with
-  results: the program needs them now): its lane is first, open and has
-  no job queued, or it has none and precedes every lane."""
+  results: the program needs them now): the jobs before it have run (or
+  their executions are known to have failed)."""
   key = (slot, chain)
   with lock:
     while True:
       lanes = queues.get(key)
       if not lanes:
         return
+      if _earlier_than_all(lanes, seq):
+        return
       lane = _lane(lanes, seq, create=False)
-      if lane is None:
-        if _earlier_than_all(lanes, seq):
-          return
-        lane = _lane(lanes, seq, create=True)
-      if (lane is lanes[0] and lane.open and not lane.jobs
+      if (lane is not None and lane is lanes[0] and not lane.jobs
           and key not in _draining):
         return
       lock.wait()
@@ -280,8 +217,8 @@ def wait_idle(slots=None) -> None:
 
 def cancel(slot: int, chains: dict) -> None:
   """Executions of ``slot`` failed (``chains``: chain -> sequence number):
-  their jobs waiting for pieces that will never come are skipped, their
-  lanes end, and their pieces are dropped (``executions.failed``)."""
+  their jobs waiting for pieces that will never come are skipped and their
+  pieces dropped (``executions.failed``)."""
   with lock:
     for chain, seq in chains.items():
       lanes = queues.get((slot, chain))
@@ -290,7 +227,6 @@ def cancel(slot: int, chains: dict) -> None:
           if lane.seq == seq:
             for job in lane.jobs:
               job.cancelled = True
-            lane.ended = True
       for site in list(_sites):
         if site.chain == chain:
           site.drop(slot, seq)

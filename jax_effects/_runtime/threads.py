@@ -15,14 +15,14 @@ next one wait for it. This module owns that state, and is its only writer:
   read before a dispatch (:meth:`ThreadTokens.tokens_for`) and written after
   it (:meth:`ThreadTokens.update`); ``output`` keeps the latest output token
   per device set, for the barrier.
-* **A failed token is never handed on** (``design/errors.md``): before a
-  chain's token is passed to the next computation, the computation that
-  returned it must have ended without failing (:meth:`tokens_for` waits for
-  it: a thread has at most one computation in flight per chain). A failed
-  one (an XLA failure: the call's results carry it, as under ``jax.jit``)
-  ends its chain's lineage: the next computation starts the chain afresh,
-  and what the failed execution held on the host is freed
-  (``executions.failed``).
+* **A failed token is never handed on** (``design/errors.md``): a
+  computation that failed as a whole (an XLA failure: the call's results
+  carry it, as under ``jax.jit``) ends its chain's lineage: the next
+  computation starts the chain afresh, and what the failed execution held
+  on the host is freed (``executions.failed``). A token still in flight is
+  handed on (the device orders the computations) unless its computation
+  may fail (it runs JAX's own callbacks): then the dispatch waits for it
+  (:meth:`ThreadTokens.tokens_for`).
 * **Calls made inside a call**: a call dispatched from a host callback of
   the thread's own call in flight stores its token first; the outer call
   then *joins* it (:meth:`update`) instead of overwriting it, so the next
@@ -58,7 +58,6 @@ from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import fork as _fork
-from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import token_value as _token_value
 
@@ -76,7 +75,7 @@ def settled(token) -> bool:
 
 class ThreadTokens:
   """The token state of one Python thread (see the module docstring)."""
-  __slots__ = ("runtime", "seqs", "joined", "output", "last_sharding",
+  __slots__ = ("runtime", "seqs", "at_risk", "joined", "output", "last_sharding",
                "last_token", "device_tokens", "fast_mode", "dispatching",
                "slot", "initial", "thread", "mode", "__weakref__")
 
@@ -89,6 +88,9 @@ class ThreadTokens:
     # execution it dispatches without reading a token (the next execution
     # of the chain is seqs[key] + 1).
     self.seqs: dict[Any, int] = {}
+    # Chain keys whose token is returned by a computation that may fail as
+    # a whole (see tokens_for): handed on only once it has ended.
+    self.at_risk: set = set()
     # Tokens of calls made inside this thread's call in flight (from its
     # host callbacks), joined when it stored its own (see update): the next
     # dispatch waits for them.
@@ -172,21 +174,16 @@ class ThreadTokens:
 
   def tokens_for(self, keys, device_sharding) -> tuple:
     """``(tokens, read)``: the runtime tokens of ``keys`` to pass to the
-    next computation, and what the dispatch hands back to :meth:`update` or
-    :meth:`launch_failed` (the tokens read, the gated chains).
+    next computation, and the tokens read for them (for :meth:`update`).
 
-    A token whose computation has ended is handed on after a check that it
-    did not fail; a failed one is not (its chain starts afresh:
-    :meth:`chains_failed`). A token whose computation is still running is
-    not handed on either (it may yet fail, and would fail this computation
-    with it): the computation gets a fresh token of its chain (the same
-    slot and sequence number, so its identity is the one the device would
-    have given it) and its effects on that chain wait on the host until the
-    running one has ended (``host_jobs``: a gated lane, opened by
-    ``executions``'s watcher). So a dispatch never waits for the device,
-    except in the deterministic view (``output.holding``), whose order of
-    output is made at each computation's end (``device_tokens.combine``):
-    there it waits for the running one.
+    A failed token is never handed on (its chain starts afresh:
+    :meth:`chains_failed`). A token whose computation has ended is checked
+    (done, or failed). One still running is handed on as it is (the device
+    orders the next computation after it, so a dispatch never waits for the
+    device), unless that computation may fail as a whole
+    (:attr:`at_risk`: it runs one of JAX's own callbacks, which fail an
+    execution when they raise): then the dispatch waits for it first, so a
+    failure ends there and never fails the computations after it.
     ``device_sharding``: sharding of the token kept on devices the callee
     returned last time (None: the callee takes scalar tokens only); see
     ``device_tokens.for_sharding``.
@@ -196,15 +193,12 @@ class ThreadTokens:
     runtime = self.runtime
     tokens = []
     failed = ()
-    gated = ()
     read = tuple(runtime.get(key) for key in keys)
     for key, token in zip(keys, read):
-      if token is None or type(token) is _token_value.TOKEN_DTYPE:
+      if token is None:
         token = self._fresh(key)
-      elif not _is_done(token) and not _output.holding():
-        gated += ((key, self._gate(key, token)),)
-        token = self._fresh(key)
-      elif not settled(token):
+      elif ((key in self.at_risk or _is_done(token))
+            and not settled(token)):
         failed += (key,)
         token = self._fresh(key)
       tokens.append(token)
@@ -212,7 +206,7 @@ class ThreadTokens:
       self.chains_failed(failed)
     if self.device_tokens:
       tokens = self._for_sharding(keys, tokens, device_sharding)
-    return tuple(tokens), (read, gated)
+    return tuple(tokens), read
 
   def wait_for(self, keys) -> None:
     """Waits until the computations holding ``keys``' tokens have ended
@@ -235,19 +229,6 @@ class ThreadTokens:
     if _compat.host_transfers_guarded():
       return _placed(value)
     return value
-
-  def _gate(self, key, running):
-    """Gates the next execution of ``key`` behind the one returning
-    ``running`` (see :meth:`tokens_for`); returns its lane."""
-    slot, seq = self.slot, self.seqs.get(key, 0)
-    lane = _host_jobs.gate(slot, key, (seq + 1) & _token_value.SEQ_MASK)
-
-    def on_end(failed: bool) -> None:
-      if failed:
-        _executions.failed(slot, {key: seq})
-      _host_jobs.open_gate(slot, key, lane)
-    _executions.watch(running, on_end)
-    return lane
 
   def _for_sharding(self, keys, tokens, sharding) -> list:
     """``tokens`` with each token kept on other devices than ``sharding``'s
@@ -273,10 +254,12 @@ class ThreadTokens:
   def end_dispatch(self) -> None:
     self.dispatching -= 1
 
-  def update(self, keys, token: jax.Array, read: tuple = ((), ())) -> None:
+  def update(self, keys, token: jax.Array, read: tuple = (),
+             at_risk: bool = False) -> None:
     """Records ``token`` (returned by one executable given the tokens of
     ``keys``: ``read`` is what :meth:`tokens_for` returned with them) for
-    ``keys`` and its devices.
+    ``keys`` and its devices. ``at_risk``: the computation runs one of JAX's
+    own callbacks (see :meth:`tokens_for`).
 
     A call made during that dispatch from one of its host callbacks (on this
     thread) has stored a later token of a chain meanwhile: that token is
@@ -308,40 +291,32 @@ class ThreadTokens:
           self.device_tokens = True
       else:
         runtime = _compat.uncommitted(token) if _compat.committed(token) else token
-      store, seqs = self.runtime, self.seqs
-      passed, gated = read
+      store, seqs, risky = self.runtime, self.seqs, self.at_risk
       # The device's token is the maximum of the chains' carriers
       # (token_value): so is the host's copy of its sequence number.
       seq = max(((seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
                  for k in keys if k is not _effects.UNORDERED), default=None)
       for i, key in enumerate(keys):
         if key is not _effects.UNORDERED:
-          if passed:
-            self._join_if_stored_meanwhile(key, passed[i])
+          if read:
+            self._join_if_stored_meanwhile(key, read[i])
           store[key] = runtime
           seqs[key] = seq
-    for key, lane in read[1]:
-      self._end_lane_with(key, lane, token)
+          if at_risk:
+            risky.add(key)
+          elif risky:
+            risky.discard(key)
     self._refresh_fast()
-
-  def _end_lane_with(self, key, lane, token) -> None:
-    slot = self.slot
-
-    def on_end(failed: bool) -> None:
-      _host_jobs.ended(slot, key, lane)
-    _executions.watch(token, on_end)
-
-  def launch_failed(self, keys, read: tuple) -> None:
-    """The dispatch raised (nothing ran, or the computation failed as a
-    whole): its gated lanes end; the chains keep their tokens (the
-    computations that returned them are unaffected)."""
-    for key, lane in read[1]:
-      _host_jobs.ended(self.slot, key, lane)
 
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys``."""
     return {k: (self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
+
+  def mark_at_risk(self, keys) -> None:
+    """The computation that returned ``keys``' tokens may fail as a whole
+    (learnt by its own trace, after its dispatch: see :meth:`tokens_for`)."""
+    self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
 
   def _join_if_stored_meanwhile(self, key, passed) -> None:
     current = self.runtime.get(key)
@@ -407,7 +382,8 @@ class ThreadTokens:
     """The thread's mode changed: its next dispatch takes the general path."""
     self.fast_mode = None
 
-  def store_interrupted(self, keys, token, read=((), ())) -> None:
+  def store_interrupted(self, keys, token, read=(),
+                        at_risk: bool = False) -> None:
     """Stores a dispatched computation's token when an interrupt
     (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
     between the dispatch and :meth:`update`: the computation runs anyway, so
@@ -415,7 +391,7 @@ class ThreadTokens:
     the same token twice is harmless; if storing fails, the token is waited for.
     """
     try:
-      self.update(keys, token, read)
+      self.update(keys, token, read, at_risk)
     except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
       wait_quietly((token,))
 
@@ -453,6 +429,7 @@ class ThreadTokens:
   def reset(self) -> None:
     self.runtime.clear()
     self.seqs.clear()
+    self.at_risk.clear()
     self.joined.clear()
     self.output.clear()
     self.last_sharding = None
