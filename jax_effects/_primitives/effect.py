@@ -289,7 +289,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
                 reads_placement: bool = False,
-                batch_once: bool = False, edges: tuple = ()) -> list:
+                batch_once: bool = False, edges: tuple = (),
+                cleanup: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -299,6 +300,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
   under ``jit`` ``fn`` receives the operands with edges cut to them.
+  ``cleanup``: runs also after an earlier effect of its chain failed in the
+  same execution (``HostCallback.cleanup``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -310,6 +313,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges))
+      edges=tuple(edges), cleanup=cleanup)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)
