@@ -575,6 +575,16 @@ def enclosing_vmaps() -> tuple[tuple[int, int], ...]:
   return tuple(found)
 
 
+def jax_runtime_tokens() -> list:
+  """Every token JAX keeps for ``jax.effects_barrier`` on this thread
+  (ordered effects' runtime tokens, and the output token per device of
+  every executable with host callbacks), to wait for without raising what
+  JAX raises there (``_runtime.barrier``)."""
+  tokens = _dispatch.runtime_tokens
+  return [*tokens.current_tokens.values(),
+          *tokens.output_runtime_tokens.values()]
+
+
 def jax_runtime_token(effect):
   """JAX's own runtime token of an ordered effect on this thread, if any.
 

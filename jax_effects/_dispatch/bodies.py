@@ -44,7 +44,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import threaded as _threaded_primitive
 from jax_effects._runtime import barrier as _barrier
-from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import threads as _threads
 
 #: ``.on`` while a call can catch :class:`NeedsTokens` from the pure body
@@ -126,8 +126,10 @@ def threaded(core, mode: str, k: int, args, kwargs):
     raise NeedsTokens(missing)
   outs, token = _token_pass.thread_program(
       closed, dyn, dict(zip(known, runtime)), mode)
+  if _token_pass.may_fail(closed.jaxpr):
+    core.at_risk(mode)   # (its dispatches then wait: ThreadTokens.tokens_for)
   if token is None:
-    token = jnp.zeros((), _errors.TOKEN_DTYPE)
+    token = jnp.zeros((), _token_value.TOKEN_DTYPE)
   return tree_util.tree_unflatten(out_tree, outs), token
 
 
@@ -147,7 +149,7 @@ def replay(core, mode: str | None, runtime: tuple, args, kwargs):
           else _token_pass.runtime_chain_keys(closed.effects, mode_))
   with jax.disable_jit(), _threaded_primitive.already_ran():
     if mode is None:
-      runtime = [jnp.zeros((), _errors.TOKEN_DTYPE) for _ in keys]
+      runtime = [jnp.zeros((), _token_value.TOKEN_DTYPE) for _ in keys]
     outs, token = _token_pass.thread_program(
         closed, dyn, dict(zip(keys, runtime)), mode_)
   outs = tree_util.tree_unflatten(out_tree, outs)

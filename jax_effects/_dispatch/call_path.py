@@ -10,22 +10,30 @@ devices, stored before anything else can happen on the thread. The steps,
 in order:
 
 1. raise the errors earlier computations of this thread deferred, before
-   dispatching anything (``raising.raise_deferred``);
+   dispatching anything (``errors.raise_deferred``);
 2. after a switch of the thread's ordering mode, wait for its earlier
    dispatches (``ThreadTokens.switch_mode``);
-3. fetch the runtime tokens (``ThreadTokens.tokens_for``; a per-device token for
-   another device set is combined, ``per_device``);
-4. mark the thread dispatching (a SIGINT now waits until 6: ``interrupts``);
+3. fetch the runtime tokens (``ThreadTokens.tokens_for``): the computations
+   that returned them have ended without failing (a failed one's chain
+   starts afresh: a failed token is never handed on); a token kept on other
+   devices is combined (``device_tokens``);
+4. mark the thread dispatching (``ThreadTokens.begin_dispatch``: a SIGINT is
+   now handled by ``interrupts``);
 5. launch ``g``, under the launch lock when it spans several CPU devices
-   (``launch_lock``); an execution error is raised as it is
-   (``raising.dispatch_failed``); a kept per-device token refused because the
-   arguments put the computation elsewhere is replaced by its first device's
-   copy and the launch retried;
-6. store the returned token (``ThreadTokens.update``), also when an interrupt
-   lands right after the launch (``ThreadTokens.store_interrupted``);
-7. raise the errors of callbacks that ran inline in this call
-   (``raising.raise_own``); after jax_effects' own exit handler (a call from
-   a later one), report every error at once and exit (``exit.report_late``).
+   (``launch_lock``); an execution error is raised as it is, after what the
+   host kept for the execution is freed (``executions.failed``), or as
+   ``KeyboardInterrupt`` after a SIGINT (``interrupts``); a kept per-device
+   token refused because the arguments put the computation elsewhere is
+   replaced by its first device's copy and the launch retried;
+6. store the returned token (``ThreadTokens.update``, joining a token a
+   call made inside this one stored meanwhile), also when an interrupt
+   lands right after the launch (``ThreadTokens.store_interrupted``); a
+   computation over several devices that may leave effects to run on the
+   host is watched until it ends (``executions.watch``);
+7. raise ``KeyboardInterrupt`` after a SIGINT during the call; raise the
+   errors of callbacks that ran inline in this call (``errors.raise_own``);
+   after jax_effects' own exit handler (a call from a later one), report
+   every error at once and exit (``exit.report_late``).
 
 :func:`dispatch` is the general path. :func:`fast_dispatch` builds the hot
 path of one function in its common case, as a closure installed as the
@@ -41,13 +49,18 @@ step                                   fast path
                                        ``fast_mode`` is the function's mode
                                        (cleared by any mode change)
 3. fetch tokens                        one chain, scalar tokens: one dict get
-                                       (``fast_mode`` is None while a
-                                       per-device token is held)
+                                       and a wait on it (``fast_mode`` is None
+                                       while a token kept on devices or a
+                                       joined one is held); a failed one
+                                       falls back (the general path learns it)
+4. mark dispatching                    falls back inside a call of the same
+                                       thread (a call from a host callback)
 5. elsewhere-retry                     not needed: scalar tokens are
                                        uncommitted and follow the arguments
-6. store the token                     replaces ``last_token`` without
-                                       hashing a sharding; the general
-                                       ``update`` when the device set changes
+6. store the token                     ``ThreadTokens.store_last`` (no
+                                       sharding hashed); the general
+                                       ``update`` when the device set changes;
+                                       no watch (one device)
 =====================================  =====================================
 
 A first call, a call under a trace, a trace that finds another chain
@@ -59,14 +72,18 @@ from __future__ import annotations
 import functools
 from typing import Any, Protocol
 
+import jax
+
 from jax_effects import _compat
+from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import exit as _exit
+from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
-from jax_effects._runtime import per_device as _per_device
-from jax_effects._runtime import raising as _raising
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_value as _token_value
 
 #: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
 #: ...): reserved.
@@ -88,69 +105,94 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
   than those of the computation (it names the token's parameter)."""
   message = str(err)
   return ("incompatible devices" in message and TOKENS_KW in message
-          and any(_per_device.kept_on_devices(t) for t in tokens))
+          and any(_device_tokens.kept_on_devices(t) for t in tokens))
 
 
-def dispatch(state, mode: str, keys: tuple, per_device_sharding, call, args,
-              kwargs, site: _launch_lock.LaunchSite):
+def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
+             kwargs, site: _launch_lock.LaunchSite, at_risk: bool = False):
   """One dispatch step (every threaded call: :class:`~jax_effects._dispatch.core.Core`, :class:`Compiled`).
 
-  First raises the errors earlier computations of this thread deferred
-  (before dispatching anything), and after a mode switch waits for the
-  thread's earlier dispatches (``ThreadTokens.switch_mode``). Then passes
-  the thread's runtime tokens of ``keys`` to ``call(*tokens, *args,
-  **kwargs)`` and stores the returned token, also when an interrupt lands
-  right after the dispatch; raises the errors of callbacks that ran inline
-  in this call (``design/errors.md``). Returns ``(outputs, token)``.
-  :class:`NeedsTokens` propagates unchanged. A computation over several CPU
-  devices is launched under ``_launch_lock.launch_lock`` (``site``: what
-  this call site launched last).
+  The steps of the module docstring, in order. Passes the thread's runtime
+  tokens of ``keys`` to ``call(*tokens, *args, **kwargs)`` and stores the
+  returned token. Returns ``(outputs, token)``. :class:`NeedsTokens`
+  propagates unchanged. A computation over several CPU devices is launched
+  under ``_launch_lock.launch_lock`` (``site``: what this call site launched
+  last). ``at_risk``: the computation runs one of JAX's own callbacks and
+  may fail as a whole (``ThreadTokens.tokens_for``).
   """
   if _errors.deferred:   # an earlier call's callback failed
-    _raising.raise_deferred(state)   # before dispatching anything
+    _errors.raise_deferred(state)   # before dispatching anything
   if state.mode != mode:   # after a mode switch: follow earlier dispatches
     state.switch_mode(mode)
-  tokens = state.tokens_for(keys, per_device_sharding)
-  state.dispatching = True   # (SIGINT here waits for the token's storing)
+  tokens, read = state.tokens_for(keys, device_sharding)
+  outer = _errors.enter_call() if state.dispatching else None
   try:
-    elsewhere = False
+    state.begin_dispatch()   # (SIGINT now: interrupts)
     try:
-      out, token = _launch(site, call, tokens, args, kwargs)
-    except ValueError as err:
-      if not _placed_elsewhere(err, tokens):
-        _raising.dispatch_failed(state, err)
-      elsewhere = True
-    except Exception as err:  # noqa: BLE001 - an execution error or not
-      _raising.dispatch_failed(state, err)
-    if elsewhere:
-      # A token kept on the devices of this function's last computation
-      # (_per_device.kept_on_devices), while this call's arguments put
-      # the computation on others: JAX refused it before running anything.
-      # Its first device's copy (or combination) goes instead.
-      tokens = state.tokens_for(keys, None)
+      elsewhere = False
       try:
         out, token = _launch(site, call, tokens, args, kwargs)
-      except Exception as err:  # noqa: BLE001 - an execution error or not
-        _raising.dispatch_failed(state, err)
-    try:
-      _launch_lock.launched(site, token.sharding)
-      state.update(keys, token)
-    except BaseException:
-      # KeyboardInterrupt (SIGINT) landing in update, after the computation
-      # was dispatched: its token is still stored, so what follows waits.
-      state.store_interrupted(keys, token)
-      raise
+      except ValueError as err:
+        if not _placed_elsewhere(err, tokens):
+          _failed(state, keys, err)
+        elsewhere = True
+      except BaseException as err:  # noqa: BLE001 - an execution error or not
+        _failed(state, keys, err)
+      if elsewhere:
+        # A token kept on the devices of this function's last computation
+        # (device_tokens.kept_on_devices), while this call's arguments put
+        # the computation on others: JAX refused it before running anything.
+        # Its first device's copy (or combination) goes instead.
+        tokens, read = state.tokens_for(keys, None)
+        try:
+          out, token = _launch(site, call, tokens, args, kwargs)
+        except BaseException as err:  # noqa: BLE001 - an execution error or not
+          _failed(state, keys, err)
+      seqs = (state.execution_seqs(keys)
+              if _host_jobs.sites_lowered() else None)
+      try:
+        _launch_lock.launched(site, token.sharding)
+        state.update(keys, token, read, at_risk)
+      except BaseException:
+        # KeyboardInterrupt (SIGINT) landing in update, after the computation
+        # was dispatched: its token is still stored, so what follows waits.
+        state.store_interrupted(keys, token, read, at_risk)
+        raise
+      if seqs and len(token.sharding.device_set) > 1:
+        _executions.watch_failure(state.slot, seqs, token)
+    finally:
+      state.end_dispatch()
+    if _interrupts.slots and _interrupts.take(state):
+      _errors.move_own_errors()   # (for the next call or barrier)
+      raise KeyboardInterrupt   # the computation ran; its token is stored
+    if _threads.after_exit_handler:   # dispatched by a late exit handler
+      _exit.report_late(state)
+    if _errors.own.errors:   # a callback of this call failed (ran inline)
+      _errors.raise_own(state, token)
   finally:
-    state.dispatching = False
-  if _threads.after_exit_handler:   # dispatched by a late exit handler
-    _exit.report_late(state)
-  if state.own_errors:   # a callback of this call failed (ran inline)
-    _raising.raise_own(state, token)
+    if outer is not None:
+      _errors.leave_call(outer)
   return out, token
 
 
-_interrupts.interrupts_deferred_in(dispatch)
-_interrupts.interrupts_deferred_in(_launch)
+def _failed(state, keys, err: BaseException) -> None:
+  """Raises the error of a dispatch that failed (step 5): an XLA failure
+  frees what the host kept for the execution (``executions.failed``); after
+  a SIGINT during the call (``interrupts``) it is ``KeyboardInterrupt``."""
+  try:
+    if _interrupts.slots and _interrupts.take(state):
+      _executions.failed(state.slot, state.execution_seqs(keys))
+      _errors.move_own_errors()   # (for the next call or barrier)
+      raise KeyboardInterrupt from None
+    if isinstance(err, jax.errors.JaxRuntimeError):
+      _executions.failed(state.slot, state.execution_seqs(keys))
+    _errors.dispatch_failed(err)
+  finally:
+    del err   # (no reference cycle through this frame: errors.reraise)
+
+
+_interrupts.dispatching_frame(dispatch)
+_interrupts.dispatching_frame(_launch)
 
 
 class FastHookOwner(Protocol):
@@ -196,9 +238,11 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
   fun, general, retry = owner.call_fun, owner.call_threaded, owner.retry
   learn = functools.partial(owner.learn, mode)
   per_device = functools.partial(owner.per_device, mode)
-  committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
+  own = _errors.own
+  interrupted = _interrupts.slots
   local = _threads.local
+  keys = (key,)
 
   def call(*args, **kwargs):
     if trace.value is not eval_trace or axis_env.value is not top_axis_env:
@@ -207,57 +251,57 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
       state = local.state
     except AttributeError:   # the thread's first call
       return general(*args, **kwargs)
-    if state.fast_mode != mode or errors:
+    if state.fast_mode != mode or errors or state.dispatching:
       return general(*args, **kwargs)
-    runtime = state.runtime
-    token = runtime.get(key)
-    if token is None:
-      token = state.initial_token()
-    state.dispatching = True   # (see _on_sigint)
-    try:
+    passed = state.runtime.get(key)
+    if passed is None:   # (a chain starting: the general path)
+      return general(*args, **kwargs)
+    if passed.is_ready():
+      try:
+        # (ThreadTokens.tokens_for, inlined: a failed token goes to the
+        # general path, which learns it; one still running is handed on)
+        passed.block_until_ready()
+      except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
+        return general(*args, **kwargs)
+    state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
+    try:                    # handled by interrupts)
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
         if site.serialize is not True or not _launch_lock.serialize_launch(site):
-          out, token = (jitted(token, *args, **kwargs) if kwargs
-                        else jitted(token, *args))
+          out, token = (jitted(passed, *args, **kwargs) if kwargs
+                        else jitted(passed, *args))
         else:
           with _launch_lock.launch_lock:
-            out, token = (jitted(token, *args, **kwargs) if kwargs
-                          else jitted(token, *args))
+            out, token = (jitted(passed, *args, **kwargs) if kwargs
+                          else jitted(passed, *args))
       except retry as err:   # the trace found another chain
         learn(err)
         token = None
-      except Exception as err:  # noqa: BLE001 - an execution error or not
-        _raising.dispatch_failed(state, err)
+      except BaseException as err:  # noqa: BLE001 - an execution error or not
+        _failed(state, keys, err)
       if token is not None:
         try:
           sharding = token.sharding
           if sharding is not site.sharding:
             _launch_lock.launched(site, sharding)
-          if sharding is not state.last_sharding or state.last_token is None:
-            if _per_device.kept_on_devices(token):   # a per-device token (a new signature)
-              state.update((key,), token)
+          if not state.store_last(key, token, passed):
+            state.update(keys, token, (passed,))
+            if _device_tokens.kept_on_devices(token):   # (a new signature)
               per_device(token)
-              sharding = None
-            else:   # another device set than the last dispatch's
-              state.file_last()
-              state.output.pop(sharding, None)
-              state.last_sharding = sharding
-          if sharding is not None:
-            state.last_token = token
-            runtime[key] = (uncommitted(token) if committed(token)
-                            else token)
         except BaseException:
-          state.store_interrupted((key,), token)   # see store_interrupted
+          state.store_interrupted(keys, token, (passed,))
           raise
     finally:
-      state.dispatching = False
+      state.dispatching = 0   # (ThreadTokens.end_dispatch)
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
-    if state.own_errors:   # a callback of this call failed (ran inline)
-      _raising.raise_own(state, token)
+    if interrupted and _interrupts.take(state):
+      _errors.move_own_errors()
+      raise KeyboardInterrupt   # the computation ran; its token is stored
+    if own.errors:   # a callback of this call failed (ran inline)
+      _errors.raise_own(state, token)
     return out
-  _interrupts.interrupts_deferred_in(call)
+  _interrupts.dispatching_frame(call)
   return call
 
 

@@ -54,8 +54,7 @@ from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import launch_lock as _launch_lock
-from jax_effects._runtime import per_device as _per_device
-from jax_effects._runtime import raising as _raising
+from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import threads as _threads
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
@@ -72,9 +71,12 @@ class _Threaded:
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
   ``len(keys)`` tokens, by ``convention.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
-  whether launches take the launch lock (``_launch_lock``).
+  whether launches take the launch lock (``_launch_lock``). ``at_risk``: a
+  trace runs one of JAX's own host calls, which fail their execution when
+  they raise (``ThreadTokens.tokens_for``; no fast hook).
   """
-  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
+  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch",
+               "at_risk")
 
   def __init__(self):
     self.keys: tuple = ()
@@ -82,6 +84,7 @@ class _Threaded:
     self.jitted: dict[int | None, Any] = {}
     self.fast: Callable | None = None
     self.launch = _launch_lock.LaunchSite()
+    self.at_risk = False
 
 
 class Core:
@@ -183,7 +186,7 @@ class Core:
       keys = threaded.keys
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and threaded.per_device_sharding is None and jitted is not None
-          and self.state is not FALLBACK):
+          and self.state is not FALLBACK and not threaded.at_risk):
         threaded.fast = _call_path.fast_dispatch(
             self, mode, keys[0], jitted, site=threaded.launch)
       else:
@@ -202,6 +205,17 @@ class Core:
       self.refresh(mode)
       if self.state is not FALLBACK:
         self.enter(THREADED)
+
+  def at_risk(self, mode: str) -> None:
+    """A trace in ``mode`` runs one of JAX's own host calls that fail their
+    execution (``_Threaded.at_risk``)."""
+    threaded = self.threaded(mode)
+    if not threaded.at_risk:
+      with self.lock:
+        threaded.at_risk = True
+        self.refresh(mode)
+        if self.state is FAST:
+          self.enter(THREADED)
 
   def per_device(self, mode: str, token) -> None:
     """A call in ``mode`` returned a per-device token (a shard_map program)."""
@@ -224,7 +238,7 @@ class Core:
       if self.state is not FIRST:   # decided by another thread meanwhile
         return self.call(*args, **kwargs)
       if _errors.deferred and _compat.at_top_level():
-        _raising.raise_deferred(_threads.thread_state())
+        _errors.raise_deferred(_threads.thread_state())
       previous = getattr(_bodies.strict, "on", False)
       _bodies.strict.on = True
       try:
@@ -260,14 +274,17 @@ class Core:
     while True:
       keys, jitted = self.keys_and_jit(mode, args)
       try:
+        at_risk = threaded.at_risk
         out, token = _call_path.dispatch(
             state, mode, keys, threaded.per_device_sharding, jitted, args,
-            kwargs, threaded.launch)
+            kwargs, threaded.launch, at_risk)
       except NeedsTokens as err:
         self.learn(mode, err)
         continue
+      if threaded.at_risk and not at_risk:   # (learnt by this call's trace)
+        state.mark_at_risk(keys)
       if (token.sharding is not threaded.per_device_sharding
-          and _per_device.kept_on_devices(token)):
+          and _device_tokens.kept_on_devices(token)):
         with self.lock:
           threaded.per_device_sharding = token.sharding
           self.refresh(mode)

@@ -25,7 +25,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
-from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import threads as _threads
 
@@ -243,7 +243,7 @@ def trace(core, function, args, kwargs) -> Traced:
     mode = _effects.get_ordering()
     while True:
       keys, jitted = core.keys_and_jit(mode, args)
-      tokens = tuple(jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE)
+      tokens = tuple(jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE)
                      for _ in keys)
       try:
         traced = jitted.trace(*tokens, *args, **kwargs)

@@ -156,14 +156,15 @@ class Progress:
     return f"<{self._what} ({self._state})>"
 
   def _bind(self, fn: Callable, what: str, operands: list,
-            result_avals: tuple = (), counts_elements: bool = False) -> list:
+            result_avals: tuple = (), counts_elements: bool = False,
+            cleanup: bool = False) -> list:
     # (batch_once: one run for a whole vmap batch, unless a bar per element
     # was asked for: then the element index makes every effect per element)
     return _primitives.bind_effect(
         fn, what, operands, effect=_effects.DEFAULT, ordered=True,
         result_avals=result_avals, reads_placement=True,
         batch_once=self._per_element is None,
-        counts_elements=counts_elements)
+        counts_elements=counts_elements, cleanup=cleanup)
 
   def __enter__(self) -> "Progress":
     if self._state != "new":
@@ -264,7 +265,10 @@ class Progress:
       pending = _counters.add_count(self._counter, 0)
     else:
       pending = jnp.zeros((), np.int32)
-    self._bind(self._spec.close, f"{self._what} closing", [self._id, pending])
+    # (a cleanup effect: it closes the bar also after an earlier effect of
+    # the chain failed, as ``with tqdm(...)`` does on an exception)
+    self._bind(self._spec.close, f"{self._what} closing", [self._id, pending],
+               cleanup=True)
 
 
 def progress(total: int | jax.Array | None, *, desc: str | None = None,

@@ -24,7 +24,7 @@ the carriers of the chains used inside as extra operands and results::
   are in flight (several threads, or async dispatch), so a program that had
   none must not get one from us. The dispatch hook combines the elements into
   the next runtime token outside the program
-  (``_per_device.combine``), so the next computation's effects
+  (``_runtime.device_tokens.combine``), so the next computation's effects
   follow every device's effects, and each device keeps program order across
   calls.
 * Where a scalar carrier is needed (an effect after the ``shard_map`` that
@@ -78,7 +78,8 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   # A chain's runtime token (or a chain starting here) is the same on every
   # device; after an effect that ran once (on the first device of several,
   # first_device.on_first_device) only device 0's copy is current.
-  after_once = [k in chains.carriers and k not in chains.entries for k in keys]
+  after_once = [k in chains.carriers and not chains.still_entered(k)
+                for k in keys]
   carriers_in = []
   for c, once in zip(chains.take(keys), after_once):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh

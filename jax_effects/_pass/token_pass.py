@@ -36,6 +36,7 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -54,7 +55,7 @@ from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import markers as _markers
-from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import token_value as _token_value
 
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
 Rule = Callable[..., Sequence[Any]]
@@ -77,27 +78,29 @@ def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
 class Chains:
   """Current compiler token and carrier of each chain, during the pass.
 
-  ``entries``: the chains whose carrier is still the runtime-token argument
-  (top level only). Its value may carry the ``FAILED`` bit of an earlier
-  execution (a failed effect leaves it in the returned token): the chain's
-  first effect clears it, when that effect runs once, at the top level
-  (``entry=True``, on the host, free unless the bit is set); any other first
-  use takes the carrier with the bit masked off (one ``and``).
+  At the top level a chain's carrier starts as its runtime token advanced
+  to this execution (``_runtime.token_value.advance``: the next sequence
+  number, an earlier execution's ``FAILED`` bit cleared), see
+  :func:`thread_program`; an unordered chain starts from zero.
+  ``entered``: those top-level carriers, while no effect has replaced them
+  (the same on every device).
   """
-  __slots__ = ("tokens", "carriers", "entries")
+  __slots__ = ("tokens", "carriers", "entered")
 
-  def __init__(self, carriers: dict, entries=()):
+  def __init__(self, carriers: dict, entered: bool = False):
     self.tokens: dict = {}
     self.carriers: dict = dict(carriers)
-    self.entries: set = set(entries)
+    self.entered: dict = dict(carriers) if entered else {}
+
+  def still_entered(self, key) -> bool:
+    """Whether ``key``'s carrier is still the runtime token it entered with."""
+    c = self.carriers.get(key)
+    return c is not None and c is self.entered.get(key)
 
   def carrier(self, key):
     c = self.carriers.get(key)
     if c is None:  # an unordered chain starting here
-      c = self.carriers[key] = jnp.zeros((), _errors.TOKEN_DTYPE)
-    elif key in self.entries:   # a runtime token: an earlier FAILED is stale
-      self.entries.discard(key)
-      c = self.carriers[key] = jnp.bitwise_and(c, _errors.SLOT_MASK)
+      c = self.carriers[key] = jnp.zeros((), _token_value.TOKEN_DTYPE)
     return c
 
   def take(self, keys) -> tuple:
@@ -192,14 +195,9 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
-  # The chain's first effect at the top level runs once per execution: it
-  # clears a stale FAILED bit of its runtime token itself (see Chains).
-  entry = key in chains.entries and _context.kind == "top"
-  if entry:
-    chains.entries.discard(key)
-    carrier = chains.carriers[key]
-  else:
-    carrier = chains.carrier(key)
+  if host_callback.chain is not key:   # (what the host keeps is named by it)
+    host_callback = dataclasses.replace(host_callback, chain=key)
+  carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:
     # The per-device carriers of a shard_map (one per device) meet an effect
@@ -209,7 +207,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # full rematerialization", a warning JAX's program does not get).
     carrier = jnp.max(carrier)
   token, carrier, *results = _threaded.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=host_callback, entry=entry,
+      token, carrier, *invals, host_callback=host_callback, entry=False,
       ordered=key is not _effects.UNORDERED)
   if shape:
     # The chain stays per device (a loop's carry must keep its type; at the
@@ -307,6 +305,28 @@ def refusal(eqn) -> NotImplementedError:
 
 # --- top level -----------------------------------------------------------------
 
+#: JAX's own primitives that call the host and fail their execution when the
+#: host function raises (left to JAX by the pass: ``jax.pure_callback``, a
+#: ``jax.debug.callback(partitioned=True)``, a user's FFI call). A program
+#: with one may fail as a whole while the next is dispatched
+#: (``_runtime.threads.ThreadTokens.tokens_for``).
+_MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
+
+
+def may_fail(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a sub-jaxpr) runs one of JAX's own host calls
+  that fail their execution when they raise (:data:`_MAY_FAIL`)."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in _MAY_FAIL or (name == "debug_callback"
+                             and eqn.params.get("partitioned")):
+      return True
+    for sub in _compat.jaxprs_in_params(eqn.params):
+      if may_fail(sub):
+        return True
+  return False
+
+
 def _per_device_keys(jaxpr, mode: str) -> set:
   """The chain keys with an effect inside a ``shard_map`` (per device)
   anywhere in ``jaxpr``."""
@@ -337,9 +357,13 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # callbacks, instead of a vector carried through its loops (reduced around
   # every once effect there: an all-reduce per iteration in which every
   # device waits for the callback before it).
-  runtime_tokens = {k: t if jnp.ndim(t) == 0 or k in per_device
-                    else jnp.max(t) for k, t in runtime_tokens.items()}
-  chains = Chains(runtime_tokens, entries=runtime_tokens)
+  # Each chain enters with its token advanced to this execution's identity
+  # (_runtime.token_value: the same on every device).
+  runtime_tokens = {
+      k: _token_value.advance(t if jnp.ndim(t) == 0 or k in per_device
+                              else jnp.max(t))
+      for k, t in runtime_tokens.items()}
+  chains = Chains(runtime_tokens, entered=True)
   saved, _context.per_device = _context.per_device, per_device
   try:
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
@@ -353,8 +377,8 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # (A chain that went through shard_map ends as a per-device vector, see
   # _shard_map_rule: the token is then that vector, no collective needed.)
   # A chain whose effect failed ends with the FAILED bit (its later effects
-  # were skipped) and so may the token: the next computation's entries clear
-  # it (Chains); the error itself is reported by the dispatching thread
+  # were skipped) and so may the token: the next computation's advance
+  # clears it; the error itself is reported by the dispatching thread
   # (design/errors.md).
   if any(jnp.shape(c) for c in finals):
     # A per-device token: a chain whose last effect ran once contributes the
@@ -367,7 +391,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # elements) and the combination for any other computation read; a
     # broadcast would make every device wait for that chain's callbacks at
     # the end of the execution, for no effect of theirs.
-    finals = [c if jnp.shape(c) or k in chains.entries or k not in per_device
+    finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in per_device
               else _first_device.from_first_device_p.bind(c)
               for k, c in carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None

@@ -60,7 +60,6 @@ from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
-from jax_effects._runtime import raising as _raising
 from jax_effects._runtime import threads as _threads
 
 # --- trace-time primitive ------------------------------------------------------
@@ -85,7 +84,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
   if host_callback.traced_in_branch:  # a cond branch inlined by vmap
     raise branch_vmapped_error(host_callback)
   if _errors.deferred:   # a dispatched callback failed: raise it first
-    _raising.raise_deferred(_threads.thread_state())
+    _errors.raise_deferred(_threads.thread_state())
   if ordered:
     state = _threads.thread_state()
     marker = _effects.marker(effect, True)
@@ -93,13 +92,11 @@ def _effect_impl(*args, host_callback, effect, ordered):
     if state.mode != mode:   # after a mode switch: follow earlier dispatches
       state.switch_mode(mode)
     key = _effects.chain_key(marker, mode)
-    token = state.runtime.get(key)
-    if token is not None:
-      token.block_until_ready()
+    state.wait_for((key,))
     # ... and for effects under plain jax.jit (incl. eager cond/while).
     token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
-      token.block_until_ready()
+      _threads.settled(token)
   if host_callback.eager is not None:
     host_callback.eager(*args)
     return []
@@ -308,7 +305,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 eager: Callable[..., None] | None = None,
                 reads_placement: bool = False,
                 batch_once: bool = False, edges: tuple = (),
-                counts_elements: bool = False) -> list:
+                counts_elements: bool = False,
+                cleanup: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -319,6 +317,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   elements (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
   under ``jit`` ``fn`` receives the operands with edges cut to them.
+  ``cleanup``: runs also after an earlier effect of its chain failed in the
+  same execution (``HostCallback.cleanup``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -330,6 +330,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges), counts_elements=counts_elements)
+      edges=tuple(edges), counts_elements=counts_elements,
+      cleanup=cleanup)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

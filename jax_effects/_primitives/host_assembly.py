@@ -27,7 +27,7 @@ The lowering (:func:`lower`), one custom call per device::
   passing the operands' local parts as they are).
 * ``device_id``: an iota over the devices annotated one element per device.
 * Every device's call but the first's leaves its parts in the call site's
-  :class:`Meeting` and returns its carrier unchanged. The first device's
+  ``_runtime.host_jobs.Site`` and returns its carrier unchanged. The first device's
   call runs the effect (``host_functions.host_function``: placement,
   ``FAILED``, deferred errors as for any effect that runs once) with each
   operand assembled from every device's part (its own last, so a value only
@@ -39,11 +39,12 @@ The lowering (:func:`lower`), one custom call per device::
   collectives, which waits for the first device (a deadlock). The first
   device's carrier is the chain's (the others' are stale copies, never
   read, as in ``first_device``).
-* Parts are matched by the dispatching thread's slot (the carrier, which an
-  ordered chain carries from its runtime token) and, per device, in order:
-  each device runs a thread's executions of one ordered chain in dispatch
-  order (each execution takes the runtime token the previous one returned),
-  and its calls of one site within an execution in program order.
+* Parts are matched by the identity of their execution, which every
+  device's carrier holds alike (the dispatching thread's slot and the
+  execution's sequence number, ``_runtime/token_value``): never first in
+  first out, so a print shows its own execution's values or nothing; the
+  parts of an execution that failed are dropped (``_runtime/host_jobs``,
+  ``_runtime/executions``).
 
 Used where it applies (:func:`applies`): an ordered effect without results
 (its results would be needed by the program before the parts are there),
@@ -57,7 +58,6 @@ changes.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -74,9 +74,9 @@ from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
-from jax_effects._runtime import raising as _raising
-from jax_effects._runtime import sequence as _sequence
+from jax_effects._runtime import token_value as _token_value
 
 __all__ = ["Layout", "applies", "lower"]
 
@@ -249,39 +249,6 @@ class Layout:
     return values
 
 
-# --- where the parts meet ------------------------------------------------------
-
-class Meeting:
-  """Where one lowered call site's devices leave their parts for the first
-  device's call (per dispatching thread's slot and device, first in first
-  out). Guarded by ``_sequence.lock``: the jobs that wait for parts and the
-  parts are one state."""
-
-  def __init__(self, num_devices: int):
-    self.num_devices = num_devices
-    self.parts: dict = collections.defaultdict(collections.deque)
-    _sequence.holders.add(self)
-
-  def forget(self, slot: int) -> None:
-    """Drops ``slot``'s parts (its jobs were given up; under the lock)."""
-    for key in [k for k in self.parts if k[0] == slot]:
-      del self.parts[key]
-
-  def deposit(self, slot: int, device: int, parts: tuple) -> None:
-    with _sequence.lock:
-      self.parts[slot, device].append(parts)
-    _sequence.drain(slot)   # the slot's first job may wait for this part
-
-  def complete(self, slot: int) -> bool:
-    """Whether every other device has left a part (under the lock)."""
-    parts = self.parts
-    return all(parts[slot, d] for d in range(1, self.num_devices))
-
-  def take(self, slot: int) -> list:
-    """One part tuple from each other device (under the lock, complete)."""
-    return [self.parts[slot, d].popleft() for d in range(1, self.num_devices)]
-
-
 # --- lowering ----------------------------------------------------------------------
 
 def applies(ctx, host_callback, avals, edges: tuple, ordered: bool) -> bool:
@@ -352,8 +319,8 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
   inner = _host_functions.host_function(
       host_callback, where, passthrough=1, threaded=True,
       avals_out=avals_out, entry=entry)
-  meeting = Meeting(num_devices)
-  host = _assembling_host(inner, meeting, layouts, avals_out)
+  site = _host_jobs.Site(num_devices, host_callback.chain)
+  host = _assembling_host(inner, site, layouts, avals_out)
 
   target = _TARGETS[ctx.module_context.platforms[0]]
   sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals,
@@ -382,46 +349,53 @@ def lower_cached(ctx, key, fn, *args) -> list:
                         multiple_results=True)(ctx, *args)
 
 
-def _assembling_host(inner, meeting: Meeting, layouts: list, avals_out):
+def _assembling_host(inner, site: _host_jobs.Site, layouts: list,
+                     avals_out):
   """The function every device's call runs (module docstring): the other
   devices leave their parts; the first device's call runs the effect now if
-  every part is there and its thread has no job waiting, else leaves it as a
-  job (``_sequence``) that the call bringing the last part runs."""
-  SLOT_MASK, FAILED = int(_errors.SLOT_MASK), int(_errors.FAILED)
+  every part of its execution is there and its thread has no job waiting,
+  else leaves it as a job (``_host_jobs``) that the call bringing the last
+  part runs."""
+  FAILED = int(_errors.FAILED)
   zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   packed_at = [i for i, layout in enumerate(layouts) if layout is not None]
 
   def run(carrier, args, others):
-    slot = int(carrier) & SLOT_MASK
+    slot = _token_value.slot_of(int(carrier))
     try:
       for j, i in enumerate(packed_at):
         args[i] = layouts[i].unpack([*(o[j] for o in others), args[i]])
     except Exception as exc:  # noqa: BLE001 - reported like a callback's
       # (a bug of ours: never fail the computation, see design/errors.md)
-      _raising.defer_error(exc, slot, inline=True)
+      _errors.defer(exc, slot, inline=True)
       return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
     return inner(carrier, *args)
 
   def host(carrier, *operands):
     device = int(operands[-1][0])
     args = list(operands[:-1])
-    slot = int(carrier) & SLOT_MASK
+    value = int(carrier)
+    slot = _token_value.slot_of(value)
+    seq = _token_value.seq_of(value)
     if device:
-      meeting.deposit(slot, device, tuple(args[i] for i in packed_at))
+      site.deposit(slot, seq, device, tuple(args[i] for i in packed_at))
       return (carrier, *zeros)
-    with _sequence.lock:
-      now = slot not in _sequence.queues and meeting.complete(slot)
-      others = meeting.take(slot) if now else None
+    chain = site.chain
+    waits = _host_jobs.queues and _host_jobs.waits(slot, chain, seq)
+    with _host_jobs.lock:
+      site.arrive(slot, seq)
+      now = not waits and site.complete(slot, seq)
+      others = site.take(slot, seq) if now else None
     if now:
       return run(carrier, args, others)
 
     def job() -> bool:
-      with _sequence.lock:
-        parts = meeting.take(slot)
+      with _host_jobs.lock:
+        parts = site.take(slot, seq)
       return bool(int(run(carrier, args, parts)[0]) & FAILED)
 
-    _sequence.submit(slot, _sequence.Job(
-        job, functools.partial(meeting.complete, slot)))
+    _host_jobs.submit(slot, chain, seq, _host_jobs.Job(
+        job, lambda: site.complete(slot, seq)))
     return (carrier, *zeros)
 
   return host

@@ -44,8 +44,12 @@ class HostCallback:
   ``batch_once``): the operands count the elements of the ``vmap``s around
   it (a progress bar's update inside a ``vmap`` its bar was not opened in),
   which a ``while_loop`` whose predicate ``vmap`` batched cannot keep (its
-  elements stop at different steps): refused there. Compared and hashed by
-  identity.
+  elements stop at different steps): refused there. ``cleanup``: runs also
+  after an earlier effect of its chain failed in the same execution (a
+  progress bar's close, as a ``finally`` block; ``host_functions.FailedBit``).
+  ``chain``: the chain key the token-threading pass put it on (None before
+  the pass): what the host keeps for an execution is named by it
+  (``_runtime.host_jobs``). Compared and hashed by identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -57,6 +61,8 @@ class HostCallback:
   batch_once: bool = False
   edges: tuple = ()
   counts_elements: bool = False
+  cleanup: bool = False
+  chain: Any = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"

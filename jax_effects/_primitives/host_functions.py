@@ -9,7 +9,10 @@ in the program, see ``threaded._threaded_lowering``), the effect's
 operands, and, for a per-device callback, the partition id. While the user's function runs,
 ``_runtime.placement.site`` says where. A user exception never fails the
 computation: it is deferred to the dispatching thread, which raises it once
-(see ``design/errors.md``), and the results are zeros.
+(see ``design/errors.md``), and the results are zeros. The one exception is
+an interrupt (Ctrl-C) of the dispatching thread's call
+(``_runtime.interrupts``): it is raised into XLA, which ends the computation
+at once, and the call raises ``KeyboardInterrupt``.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ import numpy as np
 
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import host_jobs as _host_jobs
+from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import placement as _placement
-from jax_effects._runtime import raising as _raising
-from jax_effects._runtime import sequence as _sequence
+from jax_effects._runtime import token_value as _token_value
 
 
 # --- the function XLA calls ------------------------------------------------------------
@@ -44,7 +48,7 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
   ones; None if unknown).
 
   It never fails its computation (``design/errors.md``): a user exception is
-  deferred to the dispatching thread (``_raising.defer_error``) and
+  deferred to the dispatching thread (``_runtime.errors.defer``) and
   the results are zeros (the passthrough ones as received, the carrier with
   ``FAILED`` set, so the later effects of the chain are skipped).
 
@@ -78,27 +82,28 @@ def _setting_site(fn, running):
   return placed
 
 
-def _behind(run, running, result_avals, skipped):
+def _behind(run, running, result_avals, skipped, chain):
   """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
-  (``_runtime.sequence``) runs after them: as a job of its own (with its
-  placement set for it), or, if it has results, once they have run."""
+  (``_runtime.host_jobs``) runs after them: as a job of its own (with its
+  placement set for it, named by its execution), or, if it has results,
+  once they have run (or their executions are known to have failed)."""
   FAILED = int(_errors.FAILED)
   site = _placement.site
 
-  def behind(slot, carrier, args):
+  def behind(slot, seq, carrier, args):
     if result_avals:
-      _sequence.wait_idle((slot,))
+      _host_jobs.wait_turn(slot, chain, seq)
       return run(carrier, args)
 
     def job() -> bool:
       prev = site.running
       site.running = running
       try:
-        return bool(int(run(carrier, args)[0]) & FAILED)
+        return bool(int(np.max(run(carrier, args)[0])) & FAILED)
       finally:
         site.running = prev
 
-    _sequence.submit(slot, _sequence.Job(job))
+    _host_jobs.submit(slot, chain, seq, _host_jobs.Job(job))
     return (carrier, *skipped)
 
   return behind
@@ -125,28 +130,42 @@ class FailedBit:
     thread whose slot the carrier holds, and the carrier gets ``FAILED``
     (:meth:`fail`); the results are zeros.
 
+  * a *cleanup* effect (``HostCallback.cleanup``: a progress bar's close)
+    runs whatever the bit, as a ``finally`` block does, and passes the
+    carrier on as received;
+  * an interrupt of the dispatching thread's call (``_runtime.interrupts``)
+    is not a user exception: it is raised into XLA, ending the computation
+    (:meth:`fail` re-raises it).
+
   Host functions test the bit themselves (``index(carrier) & FAILED``, the
   hot path) and call these only when it matters.
   """
-  __slots__ = ("entry",)
+  __slots__ = ("entry", "cleanup")
   FAILED = int(_errors.FAILED)
-  SLOT_MASK = int(_errors.SLOT_MASK)
+  SLOT_MASK = int(_token_value.SLOT_MASK)
 
-  def __init__(self, entry: bool):
+  def __init__(self, entry: bool, cleanup: bool = False):
     self.entry = entry
+    self.cleanup = cleanup
 
   def on_failed(self, carrier):
     """``carrier`` has ``FAILED`` set: None (skip this effect), or the
-    carrier to run with (the chain's entry: an earlier execution's bit)."""
+    carrier to run with (the chain's entry: an earlier execution's bit; a
+    cleanup effect: as received)."""
+    if self.cleanup:
+      return carrier
     if not self.entry:
       return None
-    return np.bitwise_and(carrier, _errors.SLOT_MASK)
+    return np.bitwise_and(carrier, _token_value.ID_MASK)
 
   @staticmethod
   def fail(carrier, exc: BaseException, slot: int, inline: bool = True):
-    """Defers ``exc`` to thread ``slot`` (``raising.defer_error``); returns
-    the carrier with ``FAILED`` set."""
-    _raising.defer_error(exc, slot, inline=inline)
+    """Defers ``exc`` to thread ``slot`` (``errors.defer``); returns the
+    carrier with ``FAILED`` set. An interrupt of ``slot``'s call is raised
+    instead (see above)."""
+    if _interrupts.slots and slot in _interrupts.slots:
+      raise exc
+    _errors.defer(exc, slot, inline=inline)
     return np.bitwise_or(carrier, _errors.FAILED)
 
 
@@ -160,7 +179,7 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
     fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
-  rule = FailedBit(entry)
+  rule = FailedBit(entry, host_callback.cleanup)
   FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
@@ -183,14 +202,27 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return failed(carrier, exc)
     return (carrier,)
 
-  behind = _behind(run, running, result_avals, skipped_results)
-  queues, waits = _sequence.queues, _sequence.waits
+  chain = host_callback.chain
+  behind = _behind(run, running, result_avals, skipped_results, chain)
+  queues, waits = _host_jobs.queues, _host_jobs.waits
+  interrupted = _interrupts.slots
+
+  def slow(carrier, args):
+    # Jobs wait somewhere, or some thread's call is interrupted.
+    value = index(carrier)
+    slot = value & SLOT_MASK
+    if interrupted and slot in interrupted:
+      raise KeyboardInterrupt   # (ends the computation: see FailedBit)
+    seq = _token_value.seq_of(value)
+    if queues and waits(slot, chain, seq):
+      return behind(slot, seq, carrier, args)
+    return run(carrier, args)
 
   if n_operands == 1 and not result_avals:
     # The common case (one operand, no result): no packing, no other frame.
     def host(carrier, x, *, running=running):
-      if queues and waits(index(carrier) & SLOT_MASK):
-        return behind(index(carrier) & SLOT_MASK, carrier, (x,))
+      if queues or interrupted:
+        return slow(carrier, (x,))
       if index(carrier) & FAILED:
         return run(carrier, (x,))
       try:
@@ -200,8 +232,8 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return (carrier,)
   else:
     def host(carrier, *args, running=running):
-      if queues and waits(index(carrier) & SLOT_MASK):
-        return behind(index(carrier) & SLOT_MASK, carrier, args)
+      if queues or interrupted:
+        return slow(carrier, args)
       return run(carrier, args)
   return host
 
@@ -217,16 +249,23 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
           if host_callback.reads_placement else (fn,) * len(placed)))
   what = host_callback.description
   result_avals = host_callback.result_avals
-  rule = FailedBit(entry)
+  rule = FailedBit(entry, host_callback.cleanup)
   FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
+  chain = host_callback.chain
 
   def host(carrier, *args):
-    if queues and waits(index(carrier) & SLOT_MASK):
-      behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
-                       result_avals, skipped_results)
-      return behind(index(carrier) & SLOT_MASK, carrier, args)
+    if queues or interrupted:
+      value = index(carrier)
+      slot = value & SLOT_MASK
+      if interrupted and slot in interrupted:
+        raise KeyboardInterrupt   # (ends the computation: see FailedBit)
+      seq = _token_value.seq_of(value)
+      if queues and waits(slot, chain, seq):
+        behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
+                         result_avals, skipped_results, chain)
+        return behind(slot, seq, carrier, args)
     if index(carrier) & FAILED:
       received, carrier = carrier, rule.on_failed(carrier)
       if carrier is None:
@@ -244,7 +283,8 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
     del running
     return (carrier,)
 
-  queues, waits = _sequence.queues, _sequence.waits
+  queues, waits = _host_jobs.queues, _host_jobs.waits
+  interrupted = _interrupts.slots
   return host
 
 
@@ -263,7 +303,8 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
            else tuple(_placement.running(p, threaded) for p in where.table))
   site = _placement.site
   carrier_at = passthrough - 1 if threaded and passthrough else None
-  rule = FailedBit(entry)
+  rule = FailedBit(entry, host_callback.cleanup)
+  chain = host_callback.chain
 
   def zeros(args, carrier):
     out = [*args[:passthrough],
@@ -273,15 +314,19 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
     return tuple(out)
 
   def host(*args):
-    if queues and carrier_at is not None:
+    if (queues or interrupted) and carrier_at is not None:
       c = args[carrier_at]
-      slot = int(c if not c.ndim else c.max()) & rule.SLOT_MASK
-      if waits(slot):
+      value = int(c if not c.ndim else c.max())
+      slot = value & rule.SLOT_MASK
+      if interrupted and slot in interrupted:
+        raise KeyboardInterrupt   # (ends the computation: see FailedBit)
+      seq = _token_value.seq_of(value)
+      if queues and waits(slot, chain, seq):
         if not result_avals:
-          _sequence.submit(slot, _sequence.Job(functools.partial(
+          _host_jobs.submit(slot, chain, seq, _host_jobs.Job(functools.partial(
               job, args, fixed if table is None else table[int(args[-1])])))
           return zeros(args, c)
-        _sequence.wait_idle((slot,))
+        _host_jobs.wait_turn(slot, chain, seq)
     if table is None:
       running = fixed
     else:
@@ -300,9 +345,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
         args = (*args[:carrier_at], carrier, *args[carrier_at + 1:])
       slot = value & rule.SLOT_MASK
     else:   # plain jax.jit: run on the dispatching thread if on one device
-      slot = 0 if running[0].per_device else _raising.plain_jit_slot()
-      if slot and _errors.has_deferred(slot):
-        return zeros(args, None)   # after an unreported failure: skipped
+      slot = 0 if running[0].per_device else _errors.plain_jit_slot()
     if reads_placement:   # (else _placement.current() finds ``running`` here)
       prev = site.running
       site.running = running
@@ -312,7 +355,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
                  else ())
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
       if carrier_at is None:   # plain jax.jit: no carrier, no chain to skip
-        _raising.defer_error(exc, slot, inline=False)
+        _errors.defer(exc, slot)
         return zeros(args, None)
       return zeros(args, rule.fail(carrier, exc, slot))
     finally:
@@ -320,7 +363,8 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
         site.running = prev
     return (*args[:passthrough], *results)
 
-  queues, waits = _sequence.queues, _sequence.waits
+  queues, waits = _host_jobs.queues, _host_jobs.waits
+  interrupted = _interrupts.slots
 
   def job(args, place) -> bool:
     # (an effect behind a thread's waiting jobs, see _behind)

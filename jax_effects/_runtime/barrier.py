@@ -2,37 +2,49 @@
 
 A thread's dispatched effects are done when its pending tokens (``threads``:
 the latest output token of each device set and the runtime token of each
-stream) are ready. :func:`effects_barrier` blocks on them (every thread's,
-exited ones included, with ``all_threads=True``) and on JAX's own runtime
-tokens (effects under plain ``jax.jit``), then raises the callback errors
-not reported yet, once (``design/errors.md``). :func:`wait_quietly` waits the
-same way and reports nothing (a mode switch: each error stays for the thread
-that dispatched it). Both are refused inside a host callback, which they
-would wait for.
+stream) are ready and the effects left to run on the host (``host_jobs``)
+have run. :func:`effects_barrier` waits for them (every thread's, exited
+ones included, with ``all_threads=True``) and for JAX's own runtime tokens
+(effects under plain ``jax.jit``), as long as they take: it never gives up
+on work that is still running. Then it raises the callback errors not
+reported yet, once (``design/errors.md``). A computation that failed as a
+whole (an XLA failure) is not reported here: it is its call's, raised by
+the call or carried by its results, as under ``jax.jit``; the barrier only
+frees what the host kept for it. :func:`wait_quietly` waits the same way
+and reports nothing (a mode switch: each error stays for the thread that
+dispatched it). Both are refused inside a host callback, which they would
+wait for.
 """
 from __future__ import annotations
 
 from jax_effects import _compat
-from jax_effects import _jax_api
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
-from jax_effects._runtime import sequence as _sequence
 from jax_effects._runtime import threads as _threads
-
-
-#: Seconds a barrier waits, once its computations have completed, for effects
-#: left to run on the host (``_runtime.sequence.wait_idle``).
-_PATIENCE_S = 60.0
 
 
 def _wait_host_jobs(all_threads: bool, states: list) -> None:
   """Waits for the effects left to run on the host once every device's part
-  is there (``_runtime.sequence``) of ``states``' threads (every thread's
-  with ``all_threads``); called once their computations completed, so every
-  device's call has been made."""
+  is there (``host_jobs``) of ``states``' threads (every thread's with
+  ``all_threads``); called once their computations ended, so every device's
+  call has been made or its execution is known to have failed."""
   if all_threads or states:   # (a thread with no state queued nothing)
-    _sequence.wait_idle(None if all_threads else (states[0].slot,),
-                        patience=_PATIENCE_S)
+    _host_jobs.wait_idle(None if all_threads else (states[0].slot,))
+
+
+def _settle_orphans(orphans: list) -> None:
+  for token in orphans:
+    _threads.settled(token)
+
+
+def _jax_barrier() -> None:
+  """Waits for JAX's own tokens (effects under plain ``jax.jit``), raising
+  nothing: a failure there is an XLA failure of a plain ``jax.jit`` call,
+  that call's (``design/errors.md``), and stays for ``jax.effects_barrier``
+  as JAX keeps it."""
+  for token in _compat.jax_runtime_tokens():
+    _threads.settled(token)
 
 
 def in_host_callback() -> bool:
@@ -63,12 +75,9 @@ def wait_quietly(all_threads: bool) -> None:
     states, orphans = [_threads.thread_state()], []
   for state in states:
     _threads.wait_quietly(state.pending())
-  _threads.wait_quietly(orphans)
+  _settle_orphans(orphans)
   _wait_host_jobs(all_threads, states)
-  try:   # effects under plain jax.jit (JAX keeps a failed token: reported later)
-    _jax_api.effects_barrier()
-  except Exception:  # noqa: BLE001
-    pass
+  _jax_barrier()
 
 
 def wait_for_thread() -> None:
@@ -102,32 +111,17 @@ def effects_barrier(all_threads: bool = False) -> None:
   else:   # (a thread with no state has dispatched nothing: a forked child)
     state = getattr(_threads.local, "state", None)
     states, orphans = ([] if state is None else [state]), []
-  first_error = None
+  own = getattr(_threads.local, "state", None)
   for state in states:
-    try:
-      for token in state.pending():
-        token.block_until_ready()
-    except Exception as err:  # a failed computation: report it, reset tokens
-      state.reset()
-      first_error = first_error or err
-  for token in orphans:
-    try:
-      token.block_until_ready()
-    except Exception as err:  # noqa: BLE001
-      first_error = first_error or err
+    if state is own:
+      state.settle()   # (a failed computation: its call's, see above)
+    else:   # (another thread's state is written by that thread only)
+      _threads.wait_quietly(state.pending())
+  _settle_orphans(orphans)
   _wait_host_jobs(all_threads, states)
-  try:   # effects under plain jax.jit use JAX's own tokens (this thread's)
-    _jax_api.effects_barrier()
-  except Exception as err:
-    _compat.clear_jax_runtime_tokens()   # JAX keeps failed ones: report once
-    first_error = first_error or err
+  _jax_barrier()
   if all_threads:
-    _threads.forget(dead, orphans)
-  if first_error is not None:
-    try:
-      _errors.reraise(first_error, None)
-    finally:
-      first_error = None   # (no reference cycle through this frame)
+    _threads.forget(dead)
   # deferred errors: this thread's (every thread's and those of unknown
   # origin with all_threads=True)
   _errors.raise_pending(None if all_threads

@@ -38,10 +38,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from jax_effects._core import effects as _effects
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import plain_bars as _plain_bars
+from jax_effects._runtime import token_value as _token_value
 
 __all__ = ["BarSpec", "check_options", "open_bars"]
 
@@ -242,6 +244,9 @@ def _plain_live_changed(live: bool) -> None:
 
 # Open bars: id -> bar. An id is an int32 the device passes back.
 _bars: dict[int, Any] = {}
+# Open bars by the slot of the thread whose execution opened them
+# (``token_value``): closed when that execution fails (close_for).
+_by_slot: dict[int, set] = {}
 _bars_lock = threading.Lock()
 _ids = itertools.count(1)
 
@@ -280,9 +285,12 @@ class BarSpec:
       element = int(element)
     total = int(operands[0]) if operands else self.total
     bar = _new_bar(self, total, element)
+    slot = _running_slot()
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
+      bar.slot = slot
+      _by_slot.setdefault(slot, set()).add(bar_id)
     _output.deliver(bar.open, True)
     return (np.asarray(bar_id, np.int32),)
 
@@ -294,12 +302,52 @@ class BarSpec:
     return ()
 
   def close(self, bar_id, n) -> tuple:
-    with _bars_lock:
-      bar = _bars.pop(int(bar_id), None)
+    """Closes the bar (a *cleanup* effect: it runs also after an earlier
+    effect of its chain failed, as ``with tqdm(...)`` closes on an
+    exception)."""
+    bar = _pop(int(bar_id))
     if bar is not None:
       n = int(n)
       _output.deliver(lambda: bar.close(n), True)
     return ()
+
+
+def _pop(bar_id: int):
+  with _bars_lock:
+    bar = _bars.pop(bar_id, None)
+    if bar is not None:
+      ids = _by_slot.get(bar.slot)
+      if ids is not None:
+        ids.discard(bar_id)
+        if not ids:
+          del _by_slot[bar.slot]
+  return bar
+
+
+def _running_slot() -> int:
+  """The slot of the thread that dispatched the running execution (its
+  carrier's, ``token_value``; 0 outside one)."""
+  carrier = _placement.host_local("carrier")
+  if carrier is None:
+    return 0
+  return _token_value.slot_of(int(np.max(carrier)))
+
+
+def close_for(slot: int, chains: tuple = ()) -> None:
+  """Closes the bars that an execution of ``slot`` opened and that are
+  still open: it failed or was interrupted (``executions.failed``), or the
+  slot is freed (``chains`` empty). Bars live on the chain of
+  :data:`~jax_effects.DEFAULT` (``GLOBAL`` in global mode): only a failure
+  on it closes them."""
+  if chains and not any(c is _effects.DEFAULT or c is _effects.GLOBAL
+                        for c in chains):
+    return
+  with _bars_lock:
+    ids = list(_by_slot.get(slot, ()))
+  for bar_id in ids:
+    bar = _pop(bar_id)
+    if bar is not None:
+      _output.deliver(lambda bar=bar: bar.close(0), True)
 
 
 def open_bars() -> int:

@@ -1,46 +1,43 @@
 """Errors of host callbacks: each reported once, to the thread that dispatched it.
 
-The contract is ``design/errors.md``. A callback error never fails an XLA
-computation (in a multi-device one the other devices would wait forever in
-the next collective; a failed computation's token would fail every later
-computation given it; under plain ``jax.jit`` no hook of ours could catch
-XLA's error). Instead the host function (``_primitives.host_functions``) *defers* the user's
-exception here, under the slot of the thread that dispatched the computation
-(the value of the carrier it received, :data:`SLOT_MASK`), and returns zeros
-with the carrier's :data:`FAILED` bit set, so the later effects of its chain
-in that execution are skipped, as nothing runs after a ``raise`` in Python.
-The pass masks the bit off the returned token (``_pass.token_pass``).
+The contract is ``design/errors.md``; this module owns its state (the
+deferred errors of every thread, and the errors of callbacks that ran inline
+in the thread's call in progress) and is its only writer. A callback error
+never fails an XLA computation (in a multi-device one the other devices
+would wait forever in the next collective; under plain ``jax.jit`` no hook
+of ours could catch XLA's error). Instead the host function
+(``_primitives.host_functions``) *defers* the user's exception here
+(:func:`defer`), under the slot of the thread that dispatched the
+computation (its carrier's, ``token_value``), and returns zeros with the
+carrier's ``FAILED`` bit set, so the later effects of its chain in that
+execution are skipped, as nothing runs after a ``raise`` in Python.
 
-That thread raises what is deferred for it, once (``raising``): the
-call itself when the callback ran inline in it, else its next call before it
-dispatches anything, or its barrier. Several errors pending at once are one
-report (:func:`group`); at most :data:`MAX_KEPT_ERRORS` are kept per thread
-between reports, the rest counted. A report is raised so that nothing of
-the library keeps it alive once the caller drops it (:func:`raise_pending`,
-:func:`reraise`): no frame it passes through holds it in a local, which
-would make a reference cycle (exception -> traceback -> frame -> exception)
-that only the garbage collector frees.
+That thread raises what is deferred for it, once: the call itself when the
+callback ran inline in it (:func:`raise_own`), else its next call before it
+dispatches anything (:func:`raise_deferred`), or its barrier. Several errors
+pending at once are one report (:func:`group`); at most
+:data:`MAX_KEPT_ERRORS` are kept per thread between reports, the rest
+counted. A report is raised so that nothing of the library keeps it alive
+once the caller drops it (:func:`raise_pending`, :func:`reraise`): no frame
+it passes through holds it in a local, which would make a reference cycle
+(exception -> traceback -> frame -> exception) that only the garbage
+collector frees.
+
+Its part in the token calling convention: the slot in a carrier names the
+thread an error is filed for; the ``FAILED`` bit (``token_value``) is the
+rule "nothing after a raise" inside one execution.
 """
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable
 
 import jax
-import numpy as np
 
 from jax_effects._runtime import fork as _fork
+from jax_effects._runtime import token_value as _token_value
 
-#: The dtype of runtime tokens and carriers: a token's value is the slot of
-#: the thread that dispatched it (``threads.ThreadTokens.slot``), with
-#: :data:`FAILED` set inside a computation after a callback failed.
-TOKEN_DTYPE = np.int32
-#: Carrier bit: an earlier effect of this chain in this execution failed, so
-#: the later ones are skipped (set by the host function that failed; masked
-#: off before the computation returns its token, see ``_pass.token_pass``).
-FAILED = np.int32(1 << 30)
-SLOT_MASK = np.int32((1 << 30) - 1)
+FAILED = _token_value.FAILED
 #: At most this many deferred errors are kept per thread between two reports;
 #: later ones are counted, and the count is reported with them.
 MAX_KEPT_ERRORS = 64
@@ -56,6 +53,22 @@ deferred: dict[int, list[BaseException]] = {}
 _dropped: dict[int, int] = {}
 
 
+
+
+class _Own(threading.local):
+  """The calling thread's slot (set when its token state is made,
+  :func:`set_thread_slot`) and the errors of callbacks that ran inline in
+  its call in progress: that call raises them when it returns
+  (:func:`raise_own`)."""
+
+  def __init__(self):
+    self.slot = -1
+    self.errors: list[BaseException] = []
+
+
+own = _Own()
+
+
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
   """A forked child reports none of the parent's errors (``fork``)."""
@@ -63,16 +76,38 @@ def _reset_after_fork() -> None:
   _lock = threading.Lock()
   deferred.clear()   # (emptied, never replaced: the fast hook holds it)
   _dropped.clear()
+  own.slot = -1
+  own.errors = []
 
 
-def defer(exc: BaseException, slot: int = 0) -> None:
-  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise."""
+def set_thread_slot(slot: int) -> None:
+  """The calling thread's slot (``threads.thread_state``)."""
+  own.slot = slot
+  own.errors = []
+
+
+def defer(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
+  """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
+
+  ``inline``: the callback may be running on the dispatching thread itself,
+  inside its jax_effects call (the CPU client runs a computation inline when
+  its inputs are ready): then that call raises it when it returns
+  (:func:`raise_own`), as a failing Python call would.
+  """
+  if inline and own.slot == slot:
+    own.errors.append(exc)
+    return
   with _lock:
-    kept = deferred.setdefault(slot, [])
-    if len(kept) < MAX_KEPT_ERRORS:
-      kept.append(exc)
-    else:
-      _dropped[slot] = _dropped.get(slot, 0) + 1
+    _keep(exc, slot)
+
+
+def _keep(exc: BaseException, slot: int) -> None:
+  # (under the lock)
+  kept = deferred.setdefault(slot, [])
+  if len(kept) < MAX_KEPT_ERRORS:
+    kept.append(exc)
+  else:
+    _dropped[slot] = _dropped.get(slot, 0) + 1
 
 
 def has_deferred(slot: int) -> bool:
@@ -159,18 +194,109 @@ def flat_errors(report: BaseException) -> list[BaseException]:
   return list(errors) if errors is not None else [report]
 
 
-def reraise(err: BaseException, reset: Callable[[], None] | None) -> None:
-  """Raises ``err``, an error raised by dispatching a computation.
-
-  ``reset`` (the dispatching thread's token reset) is called first for an
-  XLA execution failure: a failed computation's tokens carry its error and
-  must not be handed to the next computation. (A callback's error never
-  fails a computation, see the module docstring.) Any other error (a tracing
-  error, say) resets nothing.
-  """
-  if reset is not None and isinstance(err, jax.errors.JaxRuntimeError):
-    reset()
+def reraise(err: BaseException) -> None:
+  """Raises ``err`` holding no reference to it once it has left (see the
+  module docstring)."""
   try:
     raise err
   finally:
     del err   # (no cycle through this frame, see the module docstring)
+
+
+def slot_busy(slot: int) -> bool:
+  """Whether ``slot`` has errors not reported yet (``threads`` keeps it)."""
+  return slot in deferred
+
+
+# --- the thread's side: when a report is raised (``design/errors.md``) ------
+
+def plain_jit_slot() -> int:
+  """The dispatching thread's slot as seen by a callback under plain
+  ``jax.jit`` (no carrier): the calling thread's when it is one Python
+  started (the CPU client ran the computation inline, on the thread that
+  dispatched it), 0 (unknown) on one of XLA's threads (a foreign thread,
+  which ``threading`` sees as a dummy): nothing there says who dispatched
+  (``design/errors.md``)."""
+  if isinstance(threading.current_thread(), threading._DummyThread):
+    return 0
+  if own.slot < 0 and _thread_slot is not None:
+    _thread_slot()   # (the thread's state is made: it sets own.slot)
+  return own.slot if own.slot > 0 else 0
+
+
+#: Makes the calling thread's token state (``threads.thread_state``, which
+#: registers itself here): a plain ``jax.jit`` callback running inline on a
+#: thread new to jax_effects files its error under that thread's slot.
+_thread_slot = None
+
+
+def set_thread_state_maker(make) -> None:
+  global _thread_slot
+  _thread_slot = make
+
+
+def raise_deferred(state) -> None:
+  """Raises the errors deferred by computations ``state``'s thread
+  dispatched (its next call, before it dispatches anything).
+
+  Waits first for the thread's dispatched computations (only when an error is
+  pending), so the errors of a failed execution are all reported together.
+  """
+  if state.slot not in deferred:
+    return
+  state.settle()
+  raise_pending((state.slot,))
+
+
+def dispatch_failed(err: BaseException) -> None:
+  """Raises ``err``, raised by the dispatch in progress on this thread.
+
+  Errors of callbacks that ran inline before it (in :data:`own`) are
+  deferred to the thread's next call or barrier, which raise them before
+  dispatching anything: left for :func:`raise_own`, the next call would
+  raise them after running (its result discarded for an earlier call's
+  error).
+  """
+  try:
+    move_own_errors()
+    reraise(err)
+  finally:
+    del err   # (no reference cycle through this frame: reraise)
+
+
+def enter_call() -> list:
+  """A call made inside this thread's call in progress (from one of its
+  host callbacks): its own inline errors are its own; returns the outer
+  call's, for :func:`leave_call`."""
+  saved, own.errors = own.errors, []
+  return saved
+
+
+def leave_call(saved: list) -> None:
+  own.errors = saved + own.errors
+
+
+def move_own_errors() -> None:
+  """Moves the errors of callbacks that ran inline in the call in progress
+  to the thread's deferred errors: reported by whoever reports next."""
+  errors, own.errors = own.errors, []
+  if errors:
+    with _lock:
+      for exc in errors:
+        _keep(exc, own.slot)
+
+
+def raise_own(state, token) -> None:
+  """Raises the errors of the call that just returned (callbacks that ran
+  inline), with every other error of the thread pending once that call's
+  computation has completed: one report."""
+  errors, own.errors = own.errors, []
+  state.settle()
+  rest = pop_deferred((state.slot,))
+  errors = errors + (flat_errors(rest) if rest is not None else [])
+  report = errors[0] if len(errors) == 1 else group(errors)
+  del rest, errors
+  try:
+    raise report
+  finally:
+    del report   # (no reference cycle through this frame: raise_pending)

@@ -25,7 +25,6 @@ import traceback
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
-from jax_effects._runtime import raising as _raising
 from jax_effects._runtime import threads as _threads
 
 #: Reports collected before giving up on a barrier that keeps raising.
@@ -33,8 +32,9 @@ _MAX_REPORTS = 16
 
 
 def _unreported() -> list[BaseException]:
-  """Waits for every thread's effects; returns every report not raised yet
-  (an execution failure first, then the callbacks' errors)."""
+  """Waits for every thread's effects; returns every report of callback
+  errors not raised yet (an XLA failure is its call's: not reported here,
+  as ``jax.jit`` exits 0 after one, ``design/errors.md``)."""
   reports = []
   while len(reports) < _MAX_REPORTS:
     try:
@@ -90,7 +90,8 @@ def report_late(state: _threads.ThreadTokens) -> None:
   ends the process with status 1. No later point exists where the errors
   could be raised, and an exception escaping an exit handler would leave
   the status 0."""
-  _raising.move_own_errors(state)
+  del state
+  _errors.move_own_errors()
   reports = _unreported()
   if reports:
     _report_and_exit(reports)

@@ -1,43 +1,68 @@
-"""SIGINT during a dispatch: the interrupt waits until the token is stored.
+"""SIGINT (Ctrl-C) during a call: ``KeyboardInterrupt`` from the call, soon.
 
-Python raises ``KeyboardInterrupt`` at the next instruction boundary of the
-main thread: when SIGINT arrives while a dispatch is blocked in JAX's C++
-code (the CPU client runs a computation with host callbacks inline), that is
-right after the call returns, in the dispatching frame, before its result
-is stored: the computation runs, but its token would be lost, so the next
-call's effects could run before its effects and a barrier would not wait
-for them. While a registered dispatching frame (its code object, marked by
-:func:`interrupts_deferred_in`) stores its token
-(``ThreadTokens.dispatching``), the interrupt is deferred to the end of that
-call (``raising.raise_own``): the token is stored first. Anywhere else
-(tracing, compiling, a host callback, user code) it is raised at once, as
-Python's default handler does. A user's own SIGINT handler is left alone.
+Python runs a signal handler in the main thread between two bytecodes. A
+call that runs a compiled loop with host callbacks on the CPU client sits
+in XLA, which calls the callbacks inline: a ``KeyboardInterrupt`` raised by
+Python's handler in a callback would reach XLA as that callback's failure
+(``ValueError``/``JaxRuntimeError`` "CpuCallback error ...
+KeyboardInterrupt", so a user's ``except KeyboardInterrupt`` never runs),
+and one landing as the call returns, before its token is stored, would lose
+the token. jax_effects' handler (:func:`_on_sigint`, installed where
+Python's default one is; a user's own handler is left alone) decides by the
+innermost of jax_effects' marked frames (``frames``) while the main thread
+is inside a call (``ThreadTokens.dispatching``):
+
+* in a host function of the call's computation (``frames.HOST``): the
+  thread's slot is marked interrupted (:data:`slots`) and
+  ``KeyboardInterrupt`` raised there; host functions raise it into XLA
+  instead of deferring it (``_primitives.host_functions.FailedBit``), and
+  every later host function of that slot's computations raises at once, on
+  any device, so the computation ends at its next callback;
+* in the call path between the launch and the storing of the returned token
+  (``frames.DISPATCH``, the frame itself): marked, nothing raised there; the
+  token is stored first;
+* anywhere else (tracing, compiling, a callback of JAX's own running
+  inline): marked, and raised at once, as Python's default handler does.
+
+The call then raises ``KeyboardInterrupt`` (:func:`take`), whether its
+computation ended early (XLA's error is dropped: the interrupt is what the
+user did) or completed (its token stored). The computation's progress bars
+close (``executions.failed``). Outside a call the default handler raises.
 """
 from __future__ import annotations
 
 import signal
 import threading
 
+from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import threads as _threads
 
-_deferring_codes: set = set()
-
-
-def interrupts_deferred_in(function) -> None:
-  """Registers a dispatching function (its frame stores a dispatched
-  computation's token while ``ThreadTokens.dispatching``)."""
-  _deferring_codes.add(function.__code__)
+#: Slots whose call in progress was interrupted: their computations' host
+#: functions end them (read without a lock by every host function: empty in
+#: the common case).
+slots: set[int] = set()
 
 
 def _on_sigint(signum, frame):
   state = getattr(_threads.local, "state", None)
-  if (state is not None and state.dispatching and frame is not None
-      and frame.f_code in _deferring_codes):
-    exc = KeyboardInterrupt()
-    exc.jax_effects_signal = True
-    state.own_errors.append(exc)   # raised by this call once its token is stored
+  if state is None or not state.dispatching:
+    signal.default_int_handler(signum, frame)
     return
+  slots.add(state.slot)
+  marked, kind, top = _frames.innermost(frame)
+  if kind == _frames.DISPATCH and top:
+    return   # the call raises it once its token is stored (take)
   signal.default_int_handler(signum, frame)
+
+
+def take(state) -> bool:
+  """Whether ``state``'s call was interrupted (then it raises
+  ``KeyboardInterrupt``); clears the mark at the outermost call."""
+  if state.slot not in slots:
+    return False
+  if state.dispatching <= 1:
+    slots.discard(state.slot)
+  return True
 
 
 def _install_sigint_handler() -> None:
@@ -52,6 +77,10 @@ def _install_sigint_handler() -> None:
     pass
 
 
+def dispatching_frame(function) -> None:
+  """Marks a function of the call path whose frame runs from the launch to
+  the storing of the returned token (``frames.DISPATCH``)."""
+  _frames.mark(function.__code__, _frames.DISPATCH)
 
 
 _threads.on_new_thread.append(_install_sigint_handler)

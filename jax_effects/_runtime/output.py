@@ -29,7 +29,7 @@ output changes from run to run. While holding, the ordered output of
 per-device callbacks of token-threaded code is *held*, and released sorted by
 (position in its device's sequence, device id) when the dispatch's
 per-device token is combined into the next runtime token
-(``_per_device.combine``: a host callback that runs after
+(``device_tokens.combine``: a host callback that runs after
 every device's effects), or just before an ordered effect that runs once
 (which follows them by data dependency), or when the view ends. An adopted
 ``jax.debug.callback``/``io_callback`` releases what is held before it runs
@@ -54,6 +54,7 @@ import numpy as np
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
+from jax_effects._runtime import token_value as _token_value
 
 # --- listeners ---------------------------------------------------------------------
 
@@ -326,7 +327,7 @@ def release_in_callback() -> None:
   if failures:
     carrier = _placement.host_local("carrier")
     slot = (0 if carrier is None
-            else int(np.max(carrier)) & int(_errors.SLOT_MASK))
+            else _token_value.slot_of(int(np.max(carrier))))
     for exc in failures:
       _errors.defer(exc, slot)
 

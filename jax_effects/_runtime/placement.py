@@ -29,13 +29,13 @@ fields onto its records.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 
 import jax
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._runtime import frames as _frames
 
 __all__ = ["Placement", "current", "at_lowering"]
 
@@ -84,22 +84,18 @@ class _Site(threading.local):
 #: ``_Site``; :func:`running` builds the value).
 site = _Site()
 
-# Code objects of host functions (``_primitives.host_functions``) that do not
-# set ``site``: a callback's host function costs no store per run; a rare
-# query (the user's ``placement()``, a barrier refusing to run in a callback)
-# finds the innermost such frame on the stack and reads its local
-# RUNNING_LOCAL.
-_host_codes: set = set()
-
 #: The name of the local (or free) variable in which a registered host
 #: function's frame holds its ``(placement, threaded)`` (see
-#: :func:`register_host_code`).
+#: :func:`register_host_code`). Host functions set nothing per run: a rare
+#: query (the user's ``placement()``, a barrier refusing to run in a
+#: callback) finds the innermost host function's frame on the stack
+#: (``frames``) and reads this local.
 RUNNING_LOCAL = "running"
 
 
 def register_host_code(code) -> None:
-  """Registers the code of a host function whose frames hold their
-  ``(placement, threaded)`` in a local (or free) variable named
+  """Marks the code of a host function (``frames.HOST``), whose frames hold
+  their ``(placement, threaded)`` in a local (or free) variable named
   :data:`RUNNING_LOCAL`; refuses code without one (a renamed variable would
   otherwise silently hide every placement)."""
   if RUNNING_LOCAL not in (*code.co_varnames, *code.co_freevars,
@@ -108,7 +104,7 @@ def register_host_code(code) -> None:
         f"jax_effects: host function {code.co_name} ({code.co_filename}:"
         f"{code.co_firstlineno}) has no variable {RUNNING_LOCAL!r} for "
         f"placement() to read")
-  _host_codes.add(code)
+  _frames.mark(code, _frames.HOST)
 
 
 def running(placement: Placement | None, threaded: bool) -> tuple:
@@ -117,22 +113,11 @@ def running(placement: Placement | None, threaded: bool) -> tuple:
   return (placement, threaded)
 
 
-def _running_on_stack():
-  return host_local(RUNNING_LOCAL)
-
-
 def host_local(name: str):
   """The local ``name`` of the innermost host-function frame on this
   thread's stack (None: no host function runs, or it has no such local).
   A rare query (a placement, a failure's carrier), never per run."""
-  # (from this frame: a caller called from C, e.g. by atexit or
-  # _thread.start_new_thread, has no Python frame below it)
-  frame = sys._getframe()
-  while frame is not None:
-    if frame.f_code in _host_codes:
-      return frame.f_locals.get(name)
-    frame = frame.f_back
-  return None
+  return _frames.local_of_innermost(_frames.HOST, name)
 
 
 def current() -> Placement | None:
@@ -140,7 +125,7 @@ def current() -> Placement | None:
   placement = site.running[0]
   if placement is not None:
     return placement
-  found = _running_on_stack()
+  found = host_local(RUNNING_LOCAL)
   return None if found is None else found[0]
 
 

@@ -1,34 +1,49 @@
 """Per-thread token state: the runtime and output tokens of one Python thread.
 
 Compiler tokens order side effects *inside* one computation. Between
-computations, the order is carried by **runtime tokens**: tiny arrays (an
-``int32`` scalar holding the dispatching thread's slot, ``_runtime.errors``) that
-every token-threaded executable takes as inputs, one per ordered
-:class:`~jax_effects.Effect` it uses, and returns as outputs. Because an
-executable starts only when all its inputs are ready ("strict execution"),
-passing the token returned by the previous computation makes the next one
-wait for it. This module is that state and its changes:
+computations, the order is carried by **runtime tokens** (``token_value``:
+an ``int32`` holding the dispatching thread's slot and the execution's
+sequence number) that every token-threaded executable takes as inputs, one
+per ordered :class:`~jax_effects.Effect` it uses, and returns as outputs.
+Because an executable starts only when all its inputs are ready ("strict
+execution"), passing the token returned by the previous computation makes the
+next one wait for it. This module owns that state, and is its only writer:
+:class:`ThreadTokens` changes only through its methods.
 
-* :class:`ThreadTokens` is **thread-local and per effect**: each Python
-  thread has its own streams, so threads never wait for each other. Its
-  ``runtime`` map (chain key -> token) is read before a dispatch
-  (:meth:`ThreadTokens.tokens_for`) and written after it
-  (:meth:`ThreadTokens.update`); ``output``
-  keeps the latest output token per device set, for the barrier.
+* **Thread-local and per effect**: each Python thread has its own streams,
+  so threads never wait for each other. ``runtime`` (chain key -> token) is
+  read before a dispatch (:meth:`ThreadTokens.tokens_for`) and written after
+  it (:meth:`ThreadTokens.update`); ``output`` keeps the latest output token
+  per device set, for the barrier.
+* **A failed token is never handed on** (``design/errors.md``): a
+  computation that failed as a whole (an XLA failure: the call's results
+  carry it, as under ``jax.jit``) ends its chain's lineage: the next
+  computation starts the chain afresh, and what the failed execution held
+  on the host is freed (``executions.failed``). A token still in flight is
+  handed on (the device orders the computations) unless its computation
+  may fail (it runs JAX's own callbacks): then the dispatch waits for it
+  (:meth:`ThreadTokens.tokens_for`).
+* **Calls made inside a call**: a call dispatched from a host callback of
+  the thread's own call in flight stores its token first; the outer call
+  then *joins* it (:meth:`update`) instead of overwriting it, so the next
+  dispatch follows both.
 * A runtime token is kept *uncommitted*: ``jax.jit``'s C++ dispatch copies it
   to the devices of the next computation when (and only when) they differ,
   and it never pins a computation to a device. A token returned per device
-  (a ``shard_map`` program) stays on its devices (``per_device``).
-* A thread's state goes with the thread; its pending tokens become
-  *orphans* that an all-threads barrier and interpreter exit still wait for.
+  (a ``shard_map`` program) stays on its devices (``device_tokens``).
+* **Slots**: a thread's number, the slot of every token it dispatches
+  (``token_value``), is taken from a bounded pool and given back once the
+  thread has ended, its computations have completed and its errors have
+  been reported; whatever the runtime kept under it is then dropped
+  (``executions.slot_freed``). A thread's state goes with the thread; its
+  pending tokens are waited for by an all-threads barrier and at exit.
 
-The call path that reads and writes this state is ``_dispatch.call_path``;
-the barrier ``barrier``; errors raised to a thread ``raising``. The
-contract: ``design/tokens.md``, ``design/errors.md``.
+The call path that reads and writes this state through these methods is
+``_dispatch.call_path``; the contract: ``design/tokens.md``,
+``design/errors.md``.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Any, Callable, Iterable
 import weakref
@@ -39,54 +54,73 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
+from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
-from jax_effects._runtime import per_device as _per_device
+from jax_effects._runtime import token_value as _token_value
 
-TOKEN_DTYPE = np.int32
-_slots = itertools.count(1)
+
+def settled(token) -> bool:
+  """Whether the computation that returned ``token`` ended without failing
+  (waits for it). A NumPy initial token was returned by none."""
+  if type(token) is not _token_value.TOKEN_DTYPE:
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - an XLA failure: the call's, see above
+      return False
+  return True
 
 
 class ThreadTokens:
-  """The token state of one Python thread."""
-  __slots__ = ("runtime", "output", "last_sharding", "last_token",
-               "per_device", "fast_mode", "dispatching", "slot",
-               "initial", "thread", "mode", "own_errors", "__weakref__")
+  """The token state of one Python thread (see the module docstring)."""
+  __slots__ = ("runtime", "seqs", "at_risk", "joined", "output", "last_sharding",
+               "last_token", "device_tokens", "fast_mode", "dispatching",
+               "slot", "initial", "thread", "mode", "__weakref__")
 
-  def __init__(self, thread: threading.Thread):
-    # chain key (Effect) -> uncommitted single-device runtime token
+  def __init__(self, thread: threading.Thread, slot: int):
+    # chain key (Effect) -> uncommitted single-device runtime token, or a
+    # token kept on its devices (device_tokens)
     self.runtime: dict[Any, jax.Array] = {}
+    # chain key -> the sequence number of its latest token (token_value):
+    # the host's copy of what the device computes, so the host names every
+    # execution it dispatches without reading a token (the next execution
+    # of the chain is seqs[key] + 1).
+    self.seqs: dict[Any, int] = {}
+    # Chain keys whose token is returned by a computation that may fail as
+    # a whole (see tokens_for): handed on only once it has ended.
+    self.at_risk: set = set()
+    # Tokens of calls made inside this thread's call in flight (from its
+    # host callbacks), joined when it stored its own (see update): the next
+    # dispatch waits for them.
+    self.joined: list = []
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
     # The sharding of the most recent dispatch's output token, and that token
-    # when it is not in ``output`` yet: the fast hook (fast_dispatch) replaces
-    # it without hashing a sharding; it is filed into ``output`` when a
-    # dispatch on other devices follows (file_last). Its computation is also
-    # that of a runtime token, so the thread-exit finalizer need not see it.
+    # when it is not in ``output`` yet: the fast hook stores it without
+    # hashing a sharding (store_last); it is filed into ``output`` when a
+    # dispatch on other devices follows.
     self.last_sharding: Any = None
     self.last_token: jax.Array | None = None
-    # True while some runtime token is a per-device vector (see update)
-    self.per_device = False
-    # The mode in which the fast dispatch hooks (fast_dispatch) may run on
-    # this thread: its mode at its last dispatch, while it has no per-device
-    # token; None after a mode change (mode_changed) until the next general
-    # dispatch (update). One comparison stands for all those checks.
+    # True while some runtime token is kept on its devices (device_tokens)
+    self.device_tokens = False
+    # The mode in which the fast dispatch hooks may run on this thread: its
+    # mode at its last dispatch, while it holds no token kept on devices and
+    # nothing joined; None after a mode change (clear_fast) until the next
+    # general dispatch (update). One comparison stands for all those checks.
     self.fast_mode: str | None = None
-    # True from a dispatch to the storing of its token (see _on_sigint).
-    self.dispatching = False
-    # This thread's number (>= 1), the value of every runtime token it
-    # dispatches: the carriers of its computations hold it, so a host callback
-    # knows which thread dispatched it (for errors that cannot fail the
-    # computation, see defer_error). 0 stands for "unknown".
-    self.slot = next(_slots)
-    self.initial: jax.Array | None = None
+    # Dispatches in progress on this thread (more than one: a call made from
+    # a host callback of the thread's own call). While nonzero a SIGINT is
+    # handled by ``interrupts``.
+    self.dispatching = 0
+    self.slot = slot
+    self.initial: Any = None
     # The ordering mode of this thread's last dispatch (see switch_mode).
     self.mode: str | None = None
-    # Errors of callbacks that ran inline on this thread, during the dispatch
-    # in progress: that call raises them when it returns (see defer_error).
-    self.own_errors: list[BaseException] = []
     self.thread = weakref.ref(thread)
+
+  # --- reads -------------------------------------------------------------------
 
   def devices(self) -> dict[Any, jax.Array]:
     """Device -> the latest output token covering that device.
@@ -106,22 +140,12 @@ class ThreadTokens:
 
   def pending(self) -> list[jax.Array]:
     last = [] if self.last_token is None else [self.last_token]
-    return [*self.output.values(), *last, *self.runtime.values()]
+    return [*self.output.values(), *last, *self.runtime.values(),
+            *self.joined]
 
   def alive(self) -> bool:
     thread = self.thread()
     return thread is not None and thread.is_alive()
-
-  def reset(self) -> None:
-    self.runtime.clear()
-    self.output.clear()
-    self.last_sharding = None
-    self.last_token = None
-    self.fast_mode = None
-    self.per_device = False
-
-  # --- the call path's state changes (``_dispatch.call_path``; its fast
-  # hook inlines a scalar variant of update) --------------------------------
 
   def initial_token(self) -> np.ndarray | jax.Array:
     """The token of a stream that has had no effect yet in ``self``'s thread.
@@ -141,22 +165,112 @@ class ThreadTokens:
     """
     token = self.initial
     if token is None:
-      token = self.initial = _errors.TOKEN_DTYPE(self.slot)
-    if type(token) is _errors.TOKEN_DTYPE and _compat.host_transfers_guarded():
+      token = self.initial = _token_value.initial(self.slot)
+    if type(token) is _token_value.TOKEN_DTYPE and _compat.host_transfers_guarded():
       token = self.initial = _placed_initial_token(self.slot)
     return token
 
-  def update(self, keys, token: jax.Array) -> None:
-    """Records ``token`` (returned by one executable) for ``keys`` and devices.
+  # --- the call path's state changes (``_dispatch.call_path``) -------------
 
-    Raises nothing: an error a callback deferred is raised by the thread's next
-    call before it dispatches, or its barrier (the result of this call is
-    returned either way).
+  def tokens_for(self, keys, device_sharding) -> tuple:
+    """``(tokens, read)``: the runtime tokens of ``keys`` to pass to the
+    next computation, and the tokens read for them (for :meth:`update`).
+
+    A failed token is never handed on (its chain starts afresh:
+    :meth:`chains_failed`). A token whose computation has ended is checked
+    (done, or failed). One still running is handed on as it is (the device
+    orders the next computation after it, so a dispatch never waits for the
+    device), unless that computation may fail as a whole
+    (:attr:`at_risk`: it runs one of JAX's own callbacks, which fail an
+    execution when they raise): then the dispatch waits for it first, so a
+    failure ends there and never fails the computations after it.
+    ``device_sharding``: sharding of the token kept on devices the callee
+    returned last time (None: the callee takes scalar tokens only); see
+    ``device_tokens.for_sharding``.
+    """
+    if self.joined:
+      self._wait_joined()
+    runtime = self.runtime
+    tokens = []
+    failed = ()
+    read = tuple(runtime.get(key) for key in keys)
+    for key, token in zip(keys, read):
+      if token is None:
+        token = self._fresh(key)
+      elif ((key in self.at_risk or _is_done(token))
+            and not settled(token)):
+        failed += (key,)
+        token = self._fresh(key)
+      tokens.append(token)
+    if failed:
+      self.chains_failed(failed)
+    if self.device_tokens:
+      tokens = self._for_sharding(keys, tokens, device_sharding)
+    return tuple(tokens), read
+
+  def wait_for(self, keys) -> None:
+    """Waits until the computations holding ``keys``' tokens have ended
+    (an eager effect runs after them); a failed one's chain starts afresh."""
+    if self.joined:
+      self._wait_joined()
+    failed = tuple(k for k in keys if k in self.runtime
+                   and not settled(self.runtime[k]))
+    if failed:
+      self.chains_failed(failed)
+
+  def _fresh(self, key):
+    """A token of ``key``'s chain that no computation returned: the slot and
+    the chain's current sequence number (the initial token at 0)."""
+    seq = self.seqs.get(key, 0)
+    if not seq:
+      return self.initial_token()
+    value = _token_value.initial(self.slot) | _token_value.TOKEN_DTYPE(
+        seq << _token_value.SEQ_SHIFT)
+    if _compat.host_transfers_guarded():
+      return _placed(value)
+    return value
+
+  def _for_sharding(self, keys, tokens, sharding) -> list:
+    """``tokens`` with each token kept on other devices than ``sharding``'s
+    made one scalar (``device_tokens.for_sharding``), stored back."""
+    out = []
+    for key, token in zip(keys, tokens):
+      moved = _device_tokens.for_sharding(token, sharding)
+      if moved is not token:
+        self.runtime[key] = moved
+      out.append(moved)
+    self.device_tokens = any(_device_tokens.kept_on_devices(t)
+                             for t in self.runtime.values())
+    return out
+
+  def _wait_joined(self) -> None:
+    joined, self.joined = self.joined, []
+    for token in joined:
+      settled(token)   # (a failure is the joined call's own, see update)
+
+  def begin_dispatch(self) -> None:
+    self.dispatching += 1
+
+  def end_dispatch(self) -> None:
+    self.dispatching -= 1
+
+  def update(self, keys, token: jax.Array, read: tuple = (),
+             at_risk: bool = False) -> None:
+    """Records ``token`` (returned by one executable given the tokens of
+    ``keys``: ``read`` is what :meth:`tokens_for` returned with them) for
+    ``keys`` and its devices. ``at_risk``: the computation runs one of JAX's
+    own callbacks (see :meth:`tokens_for`).
+
+    A call made during that dispatch from one of its host callbacks (on this
+    thread) has stored a later token of a chain meanwhile: that token is
+    joined (:attr:`joined`), so the next dispatch follows both. Raises
+    nothing: an error a callback deferred is raised by the thread's next call
+    before it dispatches, or its barrier.
     """
     output = self.output
     sharding = token.sharding
     if self.last_token is not None:
-      self.file_last()
+      self._file_last()
     if self.last_sharding is sharding:  # already the most recent entry
       output[sharding] = token
     else:  # move to the end (recency)
@@ -164,36 +278,87 @@ class ThreadTokens:
       output[sharding] = token
       self.last_sharding = sharding
     if keys:
-      if _per_device.kept_on_devices(token):
-        # One element or copy per device: kept as it is, so the next call of a
-        # program over the same devices continues each device's chain from its
-        # own element, with no copy and no extra dispatch; it is combined only
-        # for a computation that runs elsewhere (per_device.tokens_for_sharding) or, in the
+      if _device_tokens.kept_on_devices(token):
+        # Kept as it is, so the next call of a program over the same devices
+        # continues each device's chain from its own element, with no copy
+        # and no extra dispatch; it is combined only for a computation that
+        # runs elsewhere (device_tokens.for_sharding) or, in the
         # deterministic view, right away (that releases the output).
         if _output.holding():
-          runtime = _per_device.combine(token)
+          runtime = _device_tokens.combine(token)
         else:
           runtime = token
-          self.per_device = True
+          self.device_tokens = True
       else:
         runtime = _compat.uncommitted(token) if _compat.committed(token) else token
-      for key in keys:
+      store, seqs, risky = self.runtime, self.seqs, self.at_risk
+      # The device's token is the maximum of the chains' carriers
+      # (token_value): so is the host's copy of its sequence number.
+      seq = max(((seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
+                 for k in keys if k is not _effects.UNORDERED), default=None)
+      for i, key in enumerate(keys):
         if key is not _effects.UNORDERED:
-          self.runtime[key] = runtime
-    if self.per_device or after_exit_handler:
+          if read:
+            self._join_if_stored_meanwhile(key, read[i])
+          store[key] = runtime
+          seqs[key] = seq
+          if at_risk:
+            risky.add(key)
+          elif risky:
+            risky.discard(key)
+    self._refresh_fast()
+
+  def execution_seqs(self, keys) -> dict:
+    """Chain -> the sequence number of the next execution of ``keys``."""
+    return {k: (self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
+            for k in keys if k is not _effects.UNORDERED}
+
+  def mark_at_risk(self, keys) -> None:
+    """The computation that returned ``keys``' tokens may fail as a whole
+    (learnt by its own trace, after its dispatch: see :meth:`tokens_for`)."""
+    self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
+
+  def _join_if_stored_meanwhile(self, key, passed) -> None:
+    current = self.runtime.get(key)
+    if current is not None and current is not passed:
+      self.joined.append(current)
+
+  def _refresh_fast(self) -> None:
+    if self.device_tokens or self.joined or after_exit_handler:
       self.fast_mode = None
     else:
       # Only if the thread's mode is still the one of this dispatch: a
       # set_ordering by another thread while it was in flight cleared
-      # fast_mode (mode_changed), which must not be undone here. (Read after
+      # fast_mode (clear_fast), which must not be undone here. (Read after
       # the store: a switch landing in between clears it, as set_ordering
       # sets the mode before clearing.)
       mode = self.fast_mode = self.mode
       if _effects.get_ordering() != mode:
         self.fast_mode = None
 
-  def file_last(self) -> None:
-    """Moves the fast path's last output token into ``self.output``."""
+  def store_last(self, key, token, passed) -> bool:
+    """:meth:`update` of one scalar-token chain, as the fast hook stores it:
+    returns False (stored nothing) when the token is kept on devices or was
+    returned for another device set than the last dispatch's, where the
+    fast hook takes the general path's :meth:`update` instead. (The fast
+    hook inlines this method; keep the two the same.)"""
+    sharding = token.sharding
+    if sharding is not self.last_sharding:
+      return False
+    self.last_token = token
+    runtime = self.runtime
+    current = runtime.get(key)
+    if current is not passed and current is not None:
+      self.joined.append(current)   # (a call made inside this one: joined)
+      self.fast_mode = None
+    runtime[key] = (_compat.uncommitted(token) if _compat.committed(token)
+                    else token)
+    seqs = self.seqs
+    seqs[key] = (seqs.get(key, 0) + 1) & _token_value.SEQ_MASK
+    return True
+
+  def _file_last(self) -> None:
+    """Moves the fast path's last output token into :attr:`output`."""
     token = self.last_token
     if token is not None:
       self.last_token = None
@@ -213,7 +378,12 @@ class ThreadTokens:
       wait_quietly(self.pending())
     self.mode = mode
 
-  def store_interrupted(self, keys, token) -> None:
+  def clear_fast(self) -> None:
+    """The thread's mode changed: its next dispatch takes the general path."""
+    self.fast_mode = None
+
+  def store_interrupted(self, keys, token, read=(),
+                        at_risk: bool = False) -> None:
     """Stores a dispatched computation's token when an interrupt
     (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
     between the dispatch and :meth:`update`: the computation runs anyway, so
@@ -221,27 +391,51 @@ class ThreadTokens:
     the same token twice is harmless; if storing fails, the token is waited for.
     """
     try:
-      self.update(keys, token)
+      self.update(keys, token, read, at_risk)
     except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
       wait_quietly((token,))
 
-  def tokens_for(self, keys, per_device_sharding) -> tuple:
-    """The runtime tokens of ``keys`` to pass to the next computation.
+  def chains_failed(self, keys) -> None:
+    """The computation holding ``keys``' tokens failed (an XLA failure,
+    learnt from its token or raised by its dispatch): those chains start
+    afresh, and what the execution held on the host is freed
+    (``executions.failed``)."""
+    for key in keys:
+      self.runtime.pop(key, None)
+    self.fast_mode = None
+    _executions.failed(self.slot, {k: self.seqs.get(k, 0) for k in keys})
 
-    ``per_device_sharding``: sharding of the per-device token the callee
-    returned last time (None: the callee takes scalar tokens only); see
-    ``per_device.tokens_for_sharding``.
-    """
-    runtime = self.runtime
-    initial = self.initial_token()
-    if len(keys) == 1:  # the common case, without a comprehension's frame
-      tokens = (runtime.get(keys[0], initial),)
-    else:
-      tokens = tuple([runtime.get(k, initial) for k in keys])
-    if self.per_device:
-      tokens = _per_device.tokens_for_sharding(self, keys, tokens,
-                                                per_device_sharding)
-    return tokens
+  def settle(self) -> list:
+    """Waits for every computation this thread dispatched; the chains of
+    failed ones start afresh (:meth:`chains_failed`). Returns the failed
+    tokens (a barrier: each failure is its call's, reported by it, see
+    ``design/errors.md``)."""
+    failed = []
+    for token in self.pending():
+      if not settled(token):
+        failed.append(token)
+    if failed:
+      ids = {id(t) for t in failed}
+      keys = tuple(k for k, t in self.runtime.items() if id(t) in ids)
+      for sharding, t in list(self.output.items()):
+        if id(t) in ids:
+          del self.output[sharding]
+      if self.last_token is not None and id(self.last_token) in ids:
+        self.last_token = None
+      self.joined = [t for t in self.joined if id(t) not in ids]
+      self.chains_failed(keys)
+    return failed
+
+  def reset(self) -> None:
+    self.runtime.clear()
+    self.seqs.clear()
+    self.at_risk.clear()
+    self.joined.clear()
+    self.output.clear()
+    self.last_sharding = None
+    self.last_token = None
+    self.fast_mode = None
+    self.device_tokens = False
 
 
 local = threading.local()
@@ -266,17 +460,26 @@ def thread_state() -> ThreadTokens:
   except AttributeError:
     if _fork.forked_after_backend:
       raise _fork.refused("a call that runs or waits for effects") from None
-    state = local.state = ThreadTokens(threading.current_thread())
+    state = local.state = ThreadTokens(threading.current_thread(),
+                                       _take_slot())
+    _errors.set_thread_slot(state.slot)
     _register(state)
     return state
+
+
+_errors.set_thread_state_maker(thread_state)
 
 
 def _placed_initial_token(slot: int) -> jax.Array:
   """An uncommitted ``int32`` scalar holding ``slot`` on the default device,
   put there by an explicit transfer that only it is allowed (the user's own
   transfers stay under the user's guard)."""
+  return _placed(_token_value.initial(slot))
+
+
+def _placed(value) -> jax.Array:
   with jax.transfer_guard_host_to_device("allow"), _compat.no_user_mesh():
-    return jax.device_put(_errors.TOKEN_DTYPE(slot))
+    return jax.device_put(value)
 
 
 def as_array(token) -> jax.Array:
@@ -299,35 +502,57 @@ def mode_changed(all_threads: bool) -> None:
     state = getattr(local, "state", None)
     states = [] if state is None else [state]
   for state in states:
-    state.fast_mode = None
-
-
-# --- thread lifetime -------------------------------------------------------------
-# A ThreadTokens is referenced strongly only by its thread's threading.local, so
-# it goes away with its thread: _thread_exited then keeps only the tokens of
-# that thread that are still pending (an all-threads barrier and interpreter
-# exit wait for them), and drops those that are already complete.
-
-_orphans: list[jax.Array] = []
-#: Called (no arguments) when a thread's state is created, before its first
-#: dispatch (``interrupts`` installs its SIGINT handler from the main thread's).
-on_new_thread: list[Callable[[], None]] = []
+    state.clear_fast()
 
 
 def wait_quietly(tokens: Iterable) -> None:
   """Blocks on each of ``tokens``, ignoring failures: each error stays for
   the call or barrier that reports it (``design/errors.md``)."""
   for token in tokens:
-    try:
-      token.block_until_ready()
-    except Exception:  # noqa: BLE001 - reported by a call or barrier
-      pass
+    settled(token)
+
+
+# --- slots and thread lifetime ---------------------------------------------------------
+# A ThreadTokens is referenced strongly only by its thread's threading.local, so
+# it goes away with its thread: _thread_exited then keeps only the tokens of
+# that thread that are still pending (an all-threads barrier and interpreter
+# exit wait for them) under its slot, which is freed once they have completed
+# and its errors have been reported (_sweep).
+
+#: Called (no arguments) when a thread's state is created, before its first
+#: dispatch (``interrupts`` installs its SIGINT handler from the main thread's).
+on_new_thread: list[Callable[[], None]] = []
+_next_slot = 1
+_free_slots: list[int] = []
+# Incremented in a forked child: a parent's thread state finalized there is
+# not the child's.
+_generation = 0
+# Slots of ended threads -> their tokens that were pending when they ended.
+_ended: dict[int, list] = {}
+
+
+def _take_slot() -> int:
+  global _next_slot
+  with _all_lock:
+    if not _free_slots and _next_slot > _token_value.MAX_SLOT:
+      _sweep_locked(force=True)
+    if _free_slots:
+      return _free_slots.pop()
+    if _next_slot > _token_value.MAX_SLOT:
+      raise RuntimeError(
+          f"jax_effects: more than {_token_value.MAX_SLOT} threads hold "
+          "effects that are not finished (pending computations or "
+          "unreported errors): call jax_effects.effects_barrier("
+          "all_threads=True) to let ended threads go")
+    slot = _next_slot
+    _next_slot += 1
+    return slot
 
 
 def orphans() -> list:
   """The pending tokens of exited threads (a copy)."""
   with _all_lock:
-    return list(_orphans)
+    return [t for tokens in _ended.values() for t in tokens]
 
 
 def all_states() -> list:
@@ -336,37 +561,66 @@ def all_states() -> list:
     return list(_all_states)
 
 
-def forget(states: list, done_orphans: list) -> None:
-  """Drops exited threads' ``states`` and the orphans in ``done_orphans``
-  (both waited for by an all-threads barrier)."""
-  done = {id(t) for t in done_orphans}
+def forget(states: list) -> None:
+  """Drops exited threads' ``states`` (waited for by an all-threads
+  barrier) and frees the slots of ended threads that have nothing left."""
   with _all_lock:
-    _orphans[:] = [t for t in _orphans if id(t) not in done]
     for state in states:
       _all_states.discard(state)
+  sweep()
 
 
 def _register(state: ThreadTokens) -> None:
-  _prune_orphans()   # (a thread's first use: an ordinary context)
+  sweep()   # (a thread's first use: an ordinary context)
   for hook in on_new_thread:   # (interrupts: the main thread's first use)
     hook()
   with _all_lock:
     _all_states.add(state)
-  weakref.finalize(state, _thread_exited, state.output, state.runtime)
+  weakref.finalize(state, _thread_exited, state.slot, state.output,
+                   state.runtime, state.joined, _generation)
 
 
-def _thread_exited(output: dict, runtime: dict) -> None:
+def _thread_exited(slot: int, output: dict, runtime: dict,
+                   joined: list, generation: int) -> None:
   # A finalizer: it may run inside garbage collection on any thread, so it
-  # calls nothing of jax here; completed tokens are dropped later, by the
-  # next thread's registration or a barrier (_prune_orphans).
-  tokens = [*output.values(), *runtime.values()]
+  # calls nothing of jax here; what completed is dropped, and the slot
+  # freed, later (sweep).
+  tokens = [*output.values(), *runtime.values(), *joined]
   output.clear()
   runtime.clear()
+  joined.clear()
   lock = _all_lock
-  if lock is None:   # the interpreter's teardown cleared this module
-    return
+  if lock is None or generation != _generation:
+    return   # (the interpreter's teardown cleared this module; a fork)
   with lock:
-    _orphans.extend(tokens)
+    _ended[slot] = tokens
+
+
+def sweep() -> None:
+  """Frees the slots of ended threads whose computations have completed and
+  whose errors have been reported (an ordinary context: a thread's first
+  use, a barrier)."""
+  if not _ended:
+    return
+  with _all_lock:
+    _sweep_locked(force=False)
+
+
+def _sweep_locked(force: bool) -> None:
+  for slot, tokens in list(_ended.items()):
+    tokens[:] = [t for t in tokens if not _is_done(t)]
+    if tokens or _errors.slot_busy(slot):
+      continue   # (pending computations, unreported errors: kept)
+    del _ended[slot]
+    _executions.slot_freed(slot)
+    _free_slots.append(slot)
+
+
+def _is_done(token) -> bool:
+  try:
+    return token.is_ready()
+  except Exception:  # noqa: BLE001 - a failed or deleted array is done
+    return True
 
 
 @_fork.reset_in_child
@@ -376,33 +630,17 @@ def _reset_after_fork() -> None:
   fast hooks hold ``local`` itself, so its entry is removed, not the object
   replaced), the other threads do not exist there, and JAX's own runtime
   tokens of the forking thread stand for the parent's computations too."""
-  global _all_lock, _all_states
+  global _all_lock, _all_states, _next_slot, _generation
+  _generation += 1
   for state in list(_all_states):
-    state.reset()   # (so no finalizer files the parent's tokens as orphans)
+    state.reset()   # (so no finalizer files the parent's tokens)
   local.__dict__.pop("state", None)
   _all_lock = threading.RLock()
   _all_states = weakref.WeakSet()
-  _orphans.clear()
+  _ended.clear()
+  _free_slots.clear()
+  _next_slot = 1
   _compat.clear_jax_runtime_tokens()
-
-
-def _prune_orphans() -> None:
-  """Drops the exited threads' tokens that have completed."""
-  if not _orphans:
-    return
-  with _all_lock:
-    snapshot = list(_orphans)
-  done = {id(t) for t in snapshot if _is_ready(t)}
-  if done:
-    with _all_lock:   # (tokens added meanwhile by exiting threads stay)
-      _orphans[:] = [t for t in _orphans if id(t) not in done]
-
-
-def _is_ready(token) -> bool:
-  try:
-    return token.is_ready()
-  except Exception:  # noqa: BLE001 - a failed or deleted array is done
-    return True
 
 
 def live_thread_states() -> int:
@@ -411,3 +649,7 @@ def live_thread_states() -> int:
     return len(_all_states)
 
 
+def held_slots() -> int:
+  """How many slots ended threads still hold (for tests: bounded)."""
+  with _all_lock:
+    return len(_ended)

@@ -243,14 +243,23 @@ def test_lower_chains_callbacks_through_the_carrier():
       r"(%[\w#:]+) = stablehlo\.custom_call @xla_ffi_python_cpu_callback"
       r"\(([^)]*)\)(.*)", text)
   assert len(calls) == 3
-  # The first callback takes the runtime-token argument as its carrier; the
-  # carrier operand of callback i+1 is the carrier result of callback i (the
-  # data dependency that orders them), and the last one's is the token the
-  # computation returns. No custom call takes or returns a !stablehlo.token
-  # (the carrier orders them; see threaded._threaded_lowering).
+  # The first callback takes the runtime-token argument, advanced to this
+  # execution (token_value.advance: its sequence number, an `or` of the
+  # argument's slot bits), as its carrier; the carrier operand of callback
+  # i+1 is the carrier result of callback i (the data dependency that
+  # orders them), and the last one's is the token the computation returns.
+  # No custom call takes or returns a !stablehlo.token (the carrier orders
+  # them; see threaded._threaded_lowering).
   signature = _main_signature(text)
   assert signature.startswith("%arg0: tensor<i32>")
-  prev = "%arg0"
+  first_carrier = calls[0][1].split(",")[0].strip()
+  (advanced,) = re.findall(rf"{re.escape(first_carrier)} = stablehlo\.or "
+                           r"(%\w+), (%\w+)", text)
+  (slot_bits,) = [v for v in advanced
+                  if re.search(rf"{re.escape(v)} = stablehlo\.and %arg0,",
+                               text)]
+  assert slot_bits
+  prev = first_carrier
   for result, operands, rest in calls:
     assert "!stablehlo.token" not in rest
     first = operands.split(",")[0].strip()

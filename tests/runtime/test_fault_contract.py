@@ -349,7 +349,10 @@ def test_plain_jit_error_is_the_original_type_and_nothing_accumulates():
     got += reports(lambda: g(jnp.int32(i)))
   assert [type(e) for e in got] == [UserError] * 100
   assert [str(e) for e in got] == [f"plain {i}" for i in range(100)]
-  assert after == []    # nothing after the failed callback ran
+  # Under plain jax.jit no carrier names the execution, so the effects
+  # after a failed one are not skipped (design/errors.md, "Plain jax.jit"),
+  # and one failure never stops another call's effects.
+  assert after == list(range(100))
   assert sum(map(len, _errors.deferred.values())) == before
   assert not _errors.deferred
 

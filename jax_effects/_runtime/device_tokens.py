@@ -1,4 +1,4 @@
-"""Per-device runtime tokens: kept on their devices, combined for elsewhere.
+"""Runtime tokens kept on their devices, and combined for elsewhere.
 
 After a per-device (``shard_map``) program the returned token is a vector,
 one element per device (each device's chain); after a program whose effects
@@ -20,11 +20,12 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
+from jax_effects._runtime import token_value as _token_value
 
 
 def kept_on_devices(token) -> bool:
   """Whether ``token`` (returned by a computation) stays on its devices for
-  the next call of a program over them (:func:`tokens_for_sharding`).
+  the next call of a program over them (:func:`for_sharding`).
 
   So does one element per device (a ``shard_map`` program: each device's
   chain) and a scalar over several devices (automatic partitioning: its
@@ -41,25 +42,21 @@ def kept_on_devices(token) -> bool:
 
 
 
-def tokens_for_sharding(state, keys, tokens: tuple, sharding) -> tuple:
-  """``tokens`` with each per-device token not on ``sharding`` combined.
+def for_sharding(token, sharding):
+  """``token`` as the next computation may take it.
 
-  A per-device runtime token (:func:`kept_on_devices`) can be handed as it is
-  only to a computation over the same devices (``sharding``: that of the
+  A token kept on its devices (:func:`kept_on_devices`) can be handed as it
+  is only to a computation over the same devices (``sharding``: that of the
   token the callee returned last time, or None). Any other computation gets
-  one scalar token on the first device, which is stored back: one element per
-  device combined (:func:`combine`), or of a scalar the first
-  device's copy (``_compat.uncommitted``).
+  one scalar token on the first device: one element per device combined
+  (:func:`combine`), or of a scalar the first device's copy
+  (``_compat.uncommitted``). Other tokens are returned as they are. (The
+  thread's state stores what this returns: ``threads.ThreadTokens``.)
   """
-  out = []
-  for key, token in zip(keys, tokens):
-    if kept_on_devices(token) and (sharding is None
-                                   or token.sharding != sharding):
-      token = state.runtime[key] = (combine(token) if token.ndim
-                                    else _compat.uncommitted(token))
-    out.append(token)
-  state.per_device = any(kept_on_devices(t) for t in state.runtime.values())
-  return tuple(out)
+  if kept_on_devices(token) and (sharding is None
+                                 or token.sharding != sharding):
+    return combine(token) if token.ndim else _compat.uncommitted(token)
+  return token
 
 
 def _release_and_pass(token):
@@ -68,7 +65,7 @@ def _release_and_pass(token):
   # thread whose slot the token holds, for its next call or barrier.
   failures = _output.release_held()
   if failures:
-    slot = int(token) & int(_errors.SLOT_MASK)
+    slot = _token_value.slot_of(int(token))
     for exc in failures:
       _errors.defer(exc, slot)
   return token
@@ -82,7 +79,7 @@ def _combine_and_release(*shards):
   # The callback's result is the token: the next dispatch's effects follow
   # the release.
   return _jax_api.io_callback(_release_and_pass,
-                     jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE),
+                     jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE),
                      _combine(*shards))
 
 

@@ -1,0 +1,170 @@
+"""When an execution fails: learnt from its own token, and what it held freed.
+
+An execution fails as a whole in XLA (a ``jax.pure_callback`` raising, a
+device's part failing, a failed input): that is its call's failure, raised
+by the call or carried by its results as under ``jax.jit``
+(``design/errors.md``). What the runtime kept on the host for it must go
+with it, or it would wait or mix forever: the jobs waiting for pieces a
+failed device never sent, the pieces the other devices did send
+(``host_jobs``), its open progress bars (``bars``). :func:`failed` frees
+them; it is called with the failed execution's slot and chains by whoever
+learns of the failure from the execution's own token or dispatch, never on
+a clock:
+
+* its dispatch, when it raised (``_dispatch.call_path``);
+* the thread's next dispatch on one of its chains, which waits for the
+  chain's last computation before handing its token on
+  (``threads.ThreadTokens.tokens_for``), and the thread's barrier
+  (``threads.ThreadTokens.settle``);
+* the watcher (:func:`watch`), a daemon thread that follows computations
+  in flight device by device: an execution whose successor on a chain was
+  dispatched before it ended (the successor's effects wait for it on the
+  host: ``host_jobs``, gated lanes), and a computation over several
+  devices whose first device may wait inside the computation for a job
+  (an effect with results behind a summarized print), which can only end
+  once that job does, so its failure elsewhere must be learnt while it
+  runs.
+
+Its part in the token calling convention: an execution is named by its
+slot and, per chain, its sequence number (``token_value``).
+"""
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from jax_effects._runtime import bars as _bars
+from jax_effects._runtime import fork as _fork
+from jax_effects._runtime import host_jobs as _host_jobs
+
+
+def failed(slot: int, chains: dict) -> None:
+  """The execution of ``slot`` on ``chains`` (chain -> its sequence
+  number there) failed: free what the host kept for it (idempotent:
+  several may learn of one failure)."""
+  if not chains:
+    return
+  _host_jobs.cancel(slot, chains)
+  _bars.close_for(slot, tuple(chains))
+
+
+def slot_freed(slot: int) -> None:
+  """``slot`` is freed (``threads``: its thread ended, its computations
+  completed, its errors reported): drop what is still kept under it."""
+  _host_jobs.forget(slot)
+  _bars.close_for(slot)
+
+
+# --- the watcher -----------------------------------------------------------------
+
+_lock = threading.Condition()
+_watched: list = []   # [_Watch]
+_thread: threading.Thread | None = None
+#: Seconds between two looks at the computations watched (a look is an
+#: ``is_ready`` per device); the first looks come sooner.
+_POLL_S = 0.01
+
+
+class _Watch:
+  __slots__ = ("shards", "on_end", "early")
+
+  def __init__(self, shards, on_end, early):
+    self.shards = shards
+    self.on_end = on_end
+    self.early = early
+
+
+def watch(token, on_end, early: bool = False) -> None:
+  """Calls ``on_end(failed)`` once the computation that returns ``token``
+  has ended (on every device: done, or failed), from the watcher thread;
+  with ``early``, as soon as one device's part has failed (its first
+  device may be waiting inside the computation for what the failure
+  cancels)."""
+  global _thread
+  if isinstance(token, jax.Array):
+    shards = [s.data for s in token.addressable_shards]
+  else:   # (a NumPy initial token: ended)
+    on_end(False)
+    return
+  with _lock:
+    _watched.append(_Watch(shards, on_end, early))
+    if _thread is None:
+      _thread = threading.Thread(target=_run, name="jax_effects-watcher",
+                                 daemon=True)
+      _thread.start()
+    _lock.notify()
+
+
+def _state(item: _Watch) -> bool | None:
+  """True if a device's part failed (and the item asks early, or all
+  ended), False if all ended, None if running."""
+  running = False
+  failed = False
+  for shard in item.shards:
+    try:
+      if not shard.is_ready():
+        running = True
+        continue
+      shard.block_until_ready()
+    except Exception:  # noqa: BLE001 - that device's part failed
+      failed = True
+      if item.early:
+        return True
+  if running:
+    return None
+  return failed
+
+
+def _run() -> None:
+  delay = 0.0005
+  while True:
+    with _lock:
+      while not _watched:
+        delay = 0.0005
+        _lock.wait()
+      items = list(_watched)
+    done = []
+    for item in items:
+      state = _state(item)
+      if state is not None:
+        done.append(item)
+        try:
+          item.on_end(state)
+        except Exception:  # noqa: BLE001 - a bug of ours: keep watching
+          import traceback
+          traceback.print_exc()
+    with _lock:
+      if done:
+        _watched[:] = [w for w in _watched
+                       if not any(w is d for d in done)]
+        delay = 0.0005
+      if _watched:
+        _lock.wait(delay)
+        delay = min(delay * 2, _POLL_S)
+
+
+def watch_failure(slot: int, chains: dict, token) -> None:
+  """Follows a computation over several devices on ``chains`` (chain ->
+  sequence number) of ``slot``, where a call site assembles operands on
+  the host: :func:`failed` as soon as one device's part has failed."""
+  def on_end(failed_: bool) -> None:
+    if failed_:
+      failed(slot, chains)
+  watch(token, on_end, early=True)
+
+
+def watched() -> int:
+  """Computations followed now (for tests)."""
+  with _lock:
+    return len(_watched)
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  """A forked child follows none of the parent's computations, and has no
+  watcher thread (it starts one when it needs one)."""
+  global _lock, _thread
+  _lock = threading.Condition()
+  _watched.clear()
+  _thread = None

@@ -1,0 +1,73 @@
+"""What a runtime token's ``int32`` holds: the execution it came from.
+
+Its part of the token calling convention: every runtime token, and every
+chain's carrier inside a computation, is an ``int32`` scalar (a vector of
+them, one per device, for a ``shard_map`` program) whose bits are
+
+==========  ==========================================================
+bits 0-13   the *slot*: the dispatching thread's number
+            (``threads.ThreadTokens.slot``; 0: unknown)
+bits 14-29  the *sequence number* of the execution on this chain
+bit 30      ``FAILED``: an earlier effect of this chain in this
+            execution failed (``errors``), so the later ones are skipped
+==========  ==========================================================
+
+(slot, sequence number) is the *identity* of one execution on one chain,
+the same on every device of that execution: each computation advances the
+sequence number of every runtime token it takes as the chain enters it
+(:func:`advance`, on every device alike, which also clears a ``FAILED``
+bit left by the execution that returned the token). So a host function
+knows from its carrier which thread dispatched it and which execution of
+that thread's chain it belongs to (``_primitives/host_assembly`` matches the
+pieces of one summarized print by it; ``_runtime/host_jobs`` and
+``_runtime/bars`` keep what an execution holds under it), and a failure is
+filed for the right thread (``errors``). Nothing here is state: the layout,
+and the functions that read and advance it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: The dtype of runtime tokens and carriers.
+TOKEN_DTYPE = np.int32
+SLOT_BITS = 14
+SEQ_BITS = 16
+#: Slots are 1..MAX_SLOT (0: the dispatching thread is unknown).
+MAX_SLOT = (1 << SLOT_BITS) - 1
+SLOT_MASK = np.int32(MAX_SLOT)
+SEQ_SHIFT = SLOT_BITS
+SEQ_MASK = (1 << SEQ_BITS) - 1
+#: Slot and sequence number: everything but ``FAILED``.
+ID_MASK = np.int32((1 << (SLOT_BITS + SEQ_BITS)) - 1)
+#: Carrier bit: an earlier effect of this chain in this execution failed.
+FAILED = np.int32(1 << (SLOT_BITS + SEQ_BITS))
+
+
+def initial(slot: int):
+  """A thread's first token of a chain: its slot, sequence number 0 (the
+  first execution advances it to 1)."""
+  return TOKEN_DTYPE(slot)
+
+
+def slot_of(value: int) -> int:
+  """The slot in a carrier's value (a Python ``int``)."""
+  return value & MAX_SLOT
+
+
+def seq_of(value: int) -> int:
+  """The sequence number in a carrier's value (a Python ``int``)."""
+  return (value >> SEQ_SHIFT) & SEQ_MASK
+
+
+def seq_after(a: int, b: int) -> bool:
+  """Whether sequence number ``a`` is later than ``b`` (modulo the wrap:
+  at most half the range apart, as serial numbers compare)."""
+  d = (a - b) & SEQ_MASK
+  return 0 < d < (1 << (SEQ_BITS - 1))
+
+
+def advance(token):
+  """The carrier a chain enters a computation with, from its runtime token
+  (traced): the same slot, the next sequence number, no ``FAILED``."""
+  seq = ((token >> SEQ_SHIFT) + 1) & SEQ_MASK
+  return (token & SLOT_MASK) | (seq << SEQ_SHIFT)
