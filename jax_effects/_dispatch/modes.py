@@ -55,7 +55,7 @@ def set_ordering(mode: str) -> None:
   switching = mode != _effects.process_mode()
   _check_switch_allowed(f"set_ordering({mode!r})", switching)
   if switching:
-    _barrier.wait_quietly(all_threads=True)
+    _barrier.quiet_barrier(all_threads=True)
   _effects.set_process_mode(mode)
   _threads.mode_changed(all_threads=True)
 
@@ -75,7 +75,7 @@ def ordering(mode: str) -> Iterator[None]:
   outer = _effects.get_ordering()
   _check_switch_allowed(f"ordering({mode!r})", mode != outer)
   if mode != outer:
-    _barrier.wait_quietly(all_threads=False)
+    _barrier.quiet_barrier(all_threads=False)
   _effects.push_mode(mode)
   _threads.mode_changed(all_threads=False)
   try:
@@ -84,7 +84,7 @@ def ordering(mode: str) -> Iterator[None]:
     _effects.pop_mode()
     _threads.mode_changed(all_threads=False)
   if mode != outer:  # not reached with an exception in flight
-    _barrier.wait_quietly(all_threads=False)
+    _barrier.quiet_barrier(all_threads=False)
 
 
 @contextlib.contextmanager

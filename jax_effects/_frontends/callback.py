@@ -24,7 +24,7 @@ import numpy as np
 from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 
 
 def _result_avals(what: str, result_shape_dtypes):
@@ -68,7 +68,7 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
 
   if result_shape_dtypes is None:
     # What ``host`` returns is ignored: no frame of ours around it.
-    _primitives.bind_effect(host, what, operands, effect=effect,
+    _effect.bind_effect(host, what, operands, effect=effect,
                             ordered=ordered)
     return None
 
@@ -90,6 +90,6 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
           f"{what} returned {count}a value of structure {tree}; expected "
           f"{out_tree} (from result_shape_dtypes)") from None
 
-  results = _primitives.bind_effect(call, what, operands, effect=effect,
+  results = _effect.bind_effect(call, what, operands, effect=effect,
                                    ordered=ordered, result_avals=avals)
   return tree_util.tree_unflatten(out_tree, results)

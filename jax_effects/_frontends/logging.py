@@ -44,7 +44,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._frontends import printing as _printing
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 
@@ -249,7 +249,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
     emit_record(eager(*all_operands[:n]),
                 [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
 
-  _primitives.bind_effect(emit, what, [*operands, *extra_operands],
+  _effect.bind_effect(emit, what, [*operands, *extra_operands],
                           effect=effect, ordered=ordered, eager=emit_eager,
                           reads_placement=True,
                           edges=(*edges, *(None,) * len(extra_operands)))

@@ -24,7 +24,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import edges as _edges
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._runtime import output as _output
 
 # --- trace-time checks --------------------------------------------------------
@@ -276,5 +276,5 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   def emit_eager(*operands):
     _output.deliver_line(eager(*operands), ordered)
 
-  _primitives.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
+  _effect.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
                           eager=emit_eager, reads_placement=True, edges=edges)

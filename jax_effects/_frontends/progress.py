@@ -52,7 +52,7 @@ from jax_effects._core import effects as _effects
 # (imported for the pass's rule of counter_p)
 from jax_effects._pass import token_pass as _token_pass  # noqa: F401
 from jax_effects._primitives import counter as _counters
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._runtime import bars as _bars
 
 __all__ = ["progress", "Progress"]
@@ -160,7 +160,7 @@ class Progress:
             cleanup: bool = False) -> list:
     # (batch_once: one run for a whole vmap batch, unless a bar per element
     # was asked for: then the element index makes every effect per element)
-    return _primitives.bind_effect(
+    return _effect.bind_effect(
         fn, what, operands, effect=_effects.DEFAULT, ordered=True,
         result_avals=result_avals, reads_placement=True,
         batch_once=self._per_element is None,

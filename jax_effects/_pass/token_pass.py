@@ -50,7 +50,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import adopted as _adopted
 from jax_effects._primitives import counter as _counters
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
@@ -124,7 +124,7 @@ class _Context(threading.local):
     self.masks: tuple = ()
     # The chain keys with per-device (shard_map) effects in the program being
     # threaded (None: not known, taken as every key); see _bind_threaded.
-    self.per_device: set | None = None
+    self.shard_map_chains: set | None = None
 
 
 _context = _Context()
@@ -160,7 +160,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any], chains: Chains, mode: str) -> list:
   """Evaluates ``jaxpr`` in the current trace, threading ``chains``."""
   def handle(eqn, invals):
-    if eqn.primitive is _primitives.effect_p:
+    if eqn.primitive is _effect.effect_p:
       return _thread_effect(eqn, invals, chains, mode)
     if eqn.primitive in _adopted.PRIMITIVES:
       host_callback = _adopted.adopt(eqn)
@@ -183,7 +183,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   (key,) = _effects.chain_keys(eqn.effects, mode)
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
-    raise _primitives.branch_vmapped_error(host_callback)
+    raise _effect.branch_vmapped_error(host_callback)
   if _context.masks and not host_callback.batch_once:
     host_callback, masks = _host_callback.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
@@ -221,7 +221,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     # in device 0's element (the others are stale, never read: its next once
     # effect takes the max of the elements), with no collective in which
     # every device would wait for this callback.
-    if _context.per_device is None or key in _context.per_device:
+    if _context.shard_map_chains is None or key in _context.shard_map_chains:
       carrier = _first_device.from_first_device_p.bind(carrier)
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
@@ -327,7 +327,7 @@ def may_fail(jaxpr) -> bool:
   return False
 
 
-def _per_device_keys(jaxpr, mode: str) -> set:
+def _shard_map_chain_keys(jaxpr, mode: str) -> set:
   """The chain keys with an effect inside a ``shard_map`` (per device)
   anywhere in ``jaxpr``."""
   keys = set()
@@ -337,7 +337,7 @@ def _per_device_keys(jaxpr, mode: str) -> set:
     elif ((eqn.effects and _effects.has_chain(eqn.effects))
           or eqn.primitive.name in HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
-        keys |= _per_device_keys(sub, mode)
+        keys |= _shard_map_chain_keys(sub, mode)
   return keys
 
 
@@ -350,7 +350,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   every runtime-token argument): it is ready only once every side effect of
   this computation has run. It is None when there is nothing to combine.
   """
-  per_device = _per_device_keys(closed.jaxpr, mode)
+  shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
   # A chain with no per-device effect here whose runtime token comes per
   # device (another chain's shard_map made it so) takes it as one scalar
   # first: one all-reduce as the execution starts, before any of its
@@ -360,15 +360,15 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   # Each chain enters with its token advanced to this execution's identity
   # (_runtime.token_value: the same on every device).
   runtime_tokens = {
-      k: _token_value.advance(t if jnp.ndim(t) == 0 or k in per_device
+      k: _token_value.advance(t if jnp.ndim(t) == 0 or k in shard_map_chains
                               else jnp.max(t))
       for k, t in runtime_tokens.items()}
   chains = Chains(runtime_tokens, entered=True)
-  saved, _context.per_device = _context.per_device, per_device
+  saved, _context.shard_map_chains = _context.shard_map_chains, shard_map_chains
   try:
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
-    _context.per_device = saved
+    _context.shard_map_chains = saved
   # (Chains that stay in the computation, counters, end here: their last
   # values are dropped.)
   carriers = {k: c for k, c in chains.carriers.items()
@@ -391,7 +391,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # elements) and the combination for any other computation read; a
     # broadcast would make every device wait for that chain's callbacks at
     # the end of the execution, for no effect of theirs.
-    finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in per_device
+    finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in shard_map_chains
               else _first_device.from_first_device_p.bind(c)
               for k, c in carriers.items()]
   token = functools.reduce(jnp.maximum, finals) if finals else None

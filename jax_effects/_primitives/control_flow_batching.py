@@ -14,7 +14,7 @@ bit for bit, ``tests/primitives/test_vmap_cond.py``).
 * **while** (:func:`_while_batcher`): JAX's rule, unchanged; while it batches
   the body and ``cond_fun`` of a loop whose predicate is batched, every
   effect there is batched per element even with no batched operand
-  (``_primitives.control_dependent``), so the pass can run it only for the
+  (``effect.control_dependent``), so the pass can run it only for the
   elements still iterating (``_host_callback.masked``).
 
 Part of the token calling convention: none directly. These rules act when
@@ -37,11 +37,11 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import markers as _markers
 
-effect_p = _primitives.effect_p
+effect_p = _effect.effect_p
 
 
 def _has_marker(jaxprs) -> bool:
@@ -58,7 +58,7 @@ def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
   when the predicate is batched (found as JAX's rule finds it)."""
   kw = dict(cond_nconsts=cond_nconsts, cond_jaxpr=cond_jaxpr,
             body_nconsts=body_nconsts, body_jaxpr=body_jaxpr, **params)
-  if (_primitives.control_dependence.depth or all(d is None for d in dims)
+  if (_effect.control_dependence.depth or all(d is None for d in dims)
       or not _has_marker([cond_jaxpr, body_jaxpr])):
     return _jax_while_batcher(axis_data, args, dims, **kw)
   batched = [d is not None for d in dims]
@@ -78,7 +78,7 @@ def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
   _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
   if not pred:
     return _jax_while_batcher(axis_data, args, dims, **kw)
-  with _primitives.control_dependent():
+  with _effect.control_dependent():
     return _jax_while_batcher(axis_data, args, dims, **kw)
 
 

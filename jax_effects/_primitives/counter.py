@@ -56,7 +56,7 @@ from jax.interpreters import mlir
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._primitives import effect as _primitives
+from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import placement as _placement
 
@@ -147,8 +147,8 @@ ad.primitive_jvps[counter_p] = _jvp
 
 def _batcher(axis_data, args, dims, *, counter, op):
   del axis_data
-  if op == "add_elements" and _primitives.control_dependence.depth:
-    raise _primitives.elements_in_batched_loop_error(counter.description)
+  if op == "add_elements" and _effect.control_dependence.depth:
+    raise _effect.elements_in_batched_loop_error(counter.description)
   if dims[0] is not None:
     raise NotImplementedError(
         f"{counter.description}: the count given to it is batched by "
@@ -182,7 +182,7 @@ def _fallback_lowering(ctx, x, *, counter, op):
       functools.partial(_host_count, counter, op),
       f"{counter.description} (its count, kept on the host under plain "
       f"jax.jit)", (jax.core.ShapedArray((), COUNT_DTYPE),))
-  return _primitives.fallback_lowering(
+  return _effect.fallback_lowering(
       ctx, x, host_callback=host, effect=_effects.DEFAULT, ordered=True)
 
 

@@ -32,7 +32,7 @@ The lowering (:func:`lower`), one custom call per device::
   ``FAILED``, deferred errors as for any effect that runs once) with each
   operand assembled from every device's part (its own last, so a value only
   it holds wins) if they are all there; else it leaves the effect as a job
-  of its thread (``_runtime.sequence``), which the call bringing the last
+  of its thread (``_runtime.host_jobs``), which the call bringing the last
   part runs, and returns. It never waits for the others inside the
   computation: XLA's CPU runtime runs each device's program in its own
   order, and another device may first enter one of the program's

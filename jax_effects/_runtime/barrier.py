@@ -10,7 +10,7 @@ on work that is still running. Then it raises the callback errors not
 reported yet, once (``design/errors.md``). A computation that failed as a
 whole (an XLA failure) is not reported here: it is its call's, raised by
 the call or carried by its results, as under ``jax.jit``; the barrier only
-frees what the host kept for it. :func:`wait_quietly` waits the same way
+frees what the host kept for it. :func:`quiet_barrier` waits the same way
 and reports nothing (a mode switch: each error stays for the thread that
 dispatched it). Both are refused inside a host callback, which they would
 wait for.
@@ -65,7 +65,7 @@ def check_not_in_callback(call: str) -> None:
         "after the jitted call returns, outside the callback.")
 
 
-def wait_quietly(all_threads: bool) -> None:
+def quiet_barrier(all_threads: bool) -> None:
   """Blocks on this thread's tokens (every thread's, exited ones included, with
   ``all_threads``) and reports nothing: each error stays for the thread that
   dispatched it (a mode switch waits like this)."""

@@ -1,0 +1,211 @@
+"""A thread's token state and its one owner (``design/tokens.md``, "Between
+computations"; ``design/errors.md``, "Executions that fail as a whole"):
+what ``_runtime/threads.ThreadTokens`` promises about the tokens it hands
+on. A failed token is never handed on: neither after the failure is known,
+nor to calls dispatched while the failing computation was still running;
+tokens of computations that cannot fail as a whole are handed on without
+waiting; a call made inside a call is joined; each execution's identity
+(``_runtime/token_value``) is what the device computes.
+"""
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_effects as je
+from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_value as _token_value
+
+
+def _not_ready_input(devices, value=0):
+  return helpers.NotReadyYet(devices[:2], value)
+
+
+def test_failed_token_is_not_handed_on_to_calls_dispatched_in_flight(
+    devices, effects_capture):
+  # A pure_callback raising once, on an input not ready at dispatch: the
+  # failure is the first call's (its result raises); the four calls
+  # dispatched while it was still in flight run and print as under
+  # jax.jit.
+  fail = []
+
+  def host(x):
+    if fail:
+      fail.pop()
+      raise helpers.Boom("transient")
+    return x
+
+  @je.jit
+  def f(x):
+    y = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    je.print("f {}", y[0])
+    return y + 1
+
+  f(jnp.zeros(1, jnp.int32)).block_until_ready()   # traced: at risk
+  je.effects_barrier()
+  effects_capture.clear()
+  fail.append(True)
+  with _not_ready_input(devices) as gate:
+    first = f(gate.array)
+    # (the next dispatch waits for the first call, which may fail as a
+    # whole: released from another thread)
+    threading.Timer(0.5, gate.release).start()
+    later = [f(jnp.full((1,), i, jnp.int32)) for i in range(1, 5)]
+    with pytest.raises(jax.errors.JaxRuntimeError):
+      np.asarray(first)
+  assert [int(np.asarray(r)[0]) for r in later] == [2, 3, 4, 5]
+  je.effects_barrier()   # the failure is the first call's: not reported
+  assert effects_capture.printed == ["f 1", "f 2", "f 3", "f 4"]
+
+
+def test_failed_token_learnt_at_the_next_dispatch_restarts_the_chain(
+    devices, effects_capture):
+  # A computation that cannot be known to fail (no host call of JAX's own)
+  # fails because its input did: the next call, dispatched after that is
+  # known, does not get the failed token.
+  def boom(x):
+    raise helpers.Boom("upstream")
+
+  upstream = jax.jit(lambda x: jax.pure_callback(
+      boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+
+  @je.jit
+  def f(x):
+    je.print("f {}", x[0])
+    return x + 1
+
+  f(jnp.zeros(1, jnp.int32))
+  je.effects_barrier()
+  effects_capture.clear()
+  with _not_ready_input(devices) as gate:
+    bad = upstream(gate.array)
+    failed = f(bad)
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    np.asarray(failed)
+  assert int(np.asarray(f(jnp.full((1,), 7, jnp.int32)))[0]) == 8
+  je.effects_barrier()
+  assert effects_capture.printed == ["f 7"]
+
+
+def test_tokens_of_computations_that_cannot_fail_are_handed_on_in_flight(
+    devices):
+  # No waiting at dispatch: three calls on an input that is not ready all
+  # return before any of their effects ran (the device orders them).
+  ran = []
+
+  @je.jit
+  def f(x):
+    je.callback(lambda v: ran.append(int(v[0])), None, x)
+    return x
+
+  with _not_ready_input(devices) as gate:
+    for i in range(3):
+      f(gate.array + i)
+    assert ran == []
+    gate.release()
+    je.effects_barrier()
+  assert ran == [0, 1, 2]
+
+
+def test_execution_identity_is_the_one_the_device_computes():
+  # The host's copy of each chain's sequence number (ThreadTokens.seqs)
+  # is what the device puts in the token it returns: read it back.
+  a, b = je.Effect("id-a"), je.Effect("id-b")
+
+  @je.jit
+  def f(x):
+    je.print("{}", x, effect=a)
+    return x
+
+  @je.jit
+  def g(x):
+    je.print("{}", x, effect=a)
+    je.print("{}", x, effect=b)
+    return x
+
+  def go():
+    for fn in (f, f, g, f, g, g, f):
+      fn(jnp.int32(0))
+    state = _threads.thread_state()
+    out = {}
+    for key in (a, b):
+      value = int(np.asarray(state.runtime[key]))
+      out[key] = (_token_value.slot_of(value), _token_value.seq_of(value),
+                  state.seqs[key], state.slot)
+    je.effects_barrier()
+    return out
+
+  got = helpers.in_thread(go)
+  for key, (slot, seq, mirrored, own_slot) in got.items():
+    assert slot == own_slot
+    assert seq == mirrored
+  # a: 7 executions; b takes the maximum of both chains at each g
+  # (f f g: a=3, b=3; f: a=4; g g: a=b=6; f: a=7)
+  assert got[a][1] == 7
+  assert got[b][1] == 6
+
+
+def test_a_call_made_inside_a_call_is_joined(effects_capture):
+  # The inner call stores its token while the outer one is in flight; the
+  # outer one joins it instead of overwriting it, so the thread's next call
+  # follows both.
+  @je.jit
+  def inner(x):
+    je.print("inner {}", x)
+    return x
+
+  def host(x):
+    inner(x + 100)
+
+  @je.jit
+  def outer(x):
+    je.print("outer before {}", x)
+    je.callback(host, None, x)
+    je.print("outer after {}", x)
+    return x
+
+  @je.jit
+  def later(x):
+    je.print("later {}", x)
+    return x
+
+  def go():
+    outer(jnp.int32(1))
+    state = _threads.thread_state()
+    joined = len(state.joined)
+    later(jnp.int32(2))
+    je.effects_barrier()
+    return joined
+
+  assert helpers.in_thread(go) == 1
+  assert effects_capture.printed == [
+      "outer before 1", "inner 101", "outer after 1", "later 2"]
+
+
+def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
+  # After any failure the thread's stored tokens are good once it
+  # dispatches again: nothing failed stays in its state.
+  def boom(x):
+    raise helpers.Boom("x")
+
+  g = jax.jit(lambda x: jax.pure_callback(
+      boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+
+  @je.jit
+  def f(x):
+    je.print("{}", x[0])
+    return x
+
+  def go():
+    with _not_ready_input(devices) as gate:
+      f(g(gate.array))
+    f(jnp.ones(1, jnp.int32))
+    state = _threads.thread_state()
+    je.effects_barrier()
+    return [_threads.settled(t) for t in state.runtime.values()]
+
+  assert helpers.in_thread(go) == [True]
