@@ -263,8 +263,8 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
         passed.block_until_ready()
       except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
         return general(*args, **kwargs)
-    state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
-    try:                    # handled by interrupts)
+    state.begin_dispatch()   # (SIGINT now handled by interrupts)
+    try:
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
         if site.serialize is not True or not _launch_lock.serialize_launch(site):
@@ -292,7 +292,7 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
           state.store_interrupted(keys, token, (passed,))
           raise
     finally:
-      state.dispatching = 0   # (ThreadTokens.end_dispatch)
+      state.end_dispatch()
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
     if interrupted and _interrupts.take(state):

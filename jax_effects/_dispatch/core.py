@@ -71,12 +71,12 @@ class _Threaded:
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
   ``len(keys)`` tokens, by ``convention.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
-  whether launches take the launch lock (``_launch_lock``). ``at_risk``: a
+  whether launches take the launch lock (``_launch_lock``). ``may_fail``: a
   trace runs one of JAX's own host calls, which fail their execution when
   they raise (``ThreadTokens.tokens_for``; no fast hook).
   """
   __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch",
-               "at_risk")
+               "may_fail")
 
   def __init__(self):
     self.keys: tuple = ()
@@ -84,7 +84,7 @@ class _Threaded:
     self.jitted: dict[int | None, Any] = {}
     self.fast: Callable | None = None
     self.launch = _launch_lock.LaunchSite()
-    self.at_risk = False
+    self.may_fail = False
 
 
 class Core:
@@ -186,7 +186,7 @@ class Core:
       keys = threaded.keys
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and threaded.per_device_sharding is None and jitted is not None
-          and self.state is not FALLBACK and not threaded.at_risk):
+          and self.state is not FALLBACK and not threaded.may_fail):
         threaded.fast = _call_path.fast_dispatch(
             self, mode, keys[0], jitted, site=threaded.launch)
       else:
@@ -208,11 +208,11 @@ class Core:
 
   def at_risk(self, mode: str) -> None:
     """A trace in ``mode`` runs one of JAX's own host calls that fail their
-    execution (``_Threaded.at_risk``)."""
+    execution (``_Threaded.may_fail``)."""
     threaded = self.threaded(mode)
-    if not threaded.at_risk:
+    if not threaded.may_fail:
       with self.lock:
-        threaded.at_risk = True
+        threaded.may_fail = True
         self.refresh(mode)
         if self.state is FAST:
           self.enter(THREADED)
@@ -274,14 +274,14 @@ class Core:
     while True:
       keys, jitted = self.keys_and_jit(mode, args)
       try:
-        at_risk = threaded.at_risk
+        may_fail = threaded.may_fail
         out, token = _call_path.dispatch(
             state, mode, keys, threaded.per_device_sharding, jitted, args,
-            kwargs, threaded.launch, at_risk)
+            kwargs, threaded.launch, may_fail)
       except NeedsTokens as err:
         self.learn(mode, err)
         continue
-      if threaded.at_risk and not at_risk:   # (learnt by this call's trace)
+      if threaded.may_fail and not may_fail:   # (learnt by this call's trace)
         state.mark_at_risk(keys)
       if (token.sharding is not threaded.per_device_sharding
           and _device_tokens.kept_on_devices(token)):

@@ -289,7 +289,7 @@ class BarSpec:
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
-      bar.slot = slot
+      bar.opened_by = slot
       _by_slot.setdefault(slot, set()).add(bar_id)
     _output.deliver(bar.open, True)
     return (np.asarray(bar_id, np.int32),)
@@ -316,11 +316,11 @@ def _pop(bar_id: int):
   with _bars_lock:
     bar = _bars.pop(bar_id, None)
     if bar is not None:
-      ids = _by_slot.get(bar.slot)
+      ids = _by_slot.get(bar.opened_by)
       if ids is not None:
         ids.discard(bar_id)
         if not ids:
-          del _by_slot[bar.slot]
+          del _by_slot[bar.opened_by]
   return bar
 
 

@@ -57,12 +57,17 @@ STATES = {
                        ("deferred", "_dropped", "_lock"), None),
     "held output": ("jax_effects._runtime.output",
                     ("_held", "_hold_depth", "_releasing"), None),
-    "host jobs (sequence queues)": ("jax_effects._runtime.sequence",
-                                    ("queues", "_draining", "_failed",
-                                     "holders", "lock"), None),
-    "host_assembly meetings": ("jax_effects._primitives.host_assembly", (),
-                               ("Meeting", None)),
-    "bars": ("jax_effects._runtime.bars", ("_bars", "_last_writer"), None),
+    "host jobs (lanes)": ("jax_effects._runtime.host_jobs",
+                          ("queues", "_draining", "_sites", "lock"),
+                          ("Lane", None)),
+    "pieces (sites)": ("jax_effects._runtime.host_jobs", (),
+                       ("Site", None)),
+    "bars": ("jax_effects._runtime.bars", ("_bars", "_by_slot",
+                                           "_last_writer"), None),
+    "executions watched": ("jax_effects._runtime.executions",
+                           ("_watched", "_thread"), None),
+    "interrupted slots": ("jax_effects._runtime.interrupts", ("slots",),
+                          None),
 }
 
 MUTATORS = frozenset({
