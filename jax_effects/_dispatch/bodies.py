@@ -127,7 +127,7 @@ def threaded(core, mode: str, k: int, args, kwargs):
   outs, token = _token_pass.thread_program(
       closed, dyn, dict(zip(known, runtime)), mode)
   if _token_pass.may_fail(closed.jaxpr):
-    core.at_risk(mode)   # (its dispatches then wait: ThreadTokens.tokens_for)
+    core.may_fail(mode)   # (its dispatches then wait: ThreadTokens.tokens_for)
   if token is None:
     token = jnp.zeros((), _token_value.TOKEN_DTYPE)
   return tree_util.tree_unflatten(out_tree, outs), token

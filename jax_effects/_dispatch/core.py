@@ -206,7 +206,7 @@ class Core:
       if self.state is not FALLBACK:
         self.enter(THREADED)
 
-  def at_risk(self, mode: str) -> None:
+  def may_fail(self, mode: str) -> None:
     """A trace in ``mode`` runs one of JAX's own host calls that fail their
     execution (``_Threaded.may_fail``)."""
     threaded = self.threaded(mode)
