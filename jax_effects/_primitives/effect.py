@@ -55,7 +55,6 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
@@ -137,14 +136,11 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
       ctx, list(args), avals_in)
-  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
-  host = _host_functions.host_function(host_callback, where, passthrough=0,
-                             threaded=False, avals_out=ctx.avals_out)
-  results, token, _ = mlir.emit_python_callback(
-      sub_ctx, host, token,
-      operands, avals_in, ctx.avals_out, has_side_effect=True,
-      returns_token=ordered,
-      sharding=_compat.callback_op_sharding(
+  side = _host_call.HostSide(host_callback, where, passthrough=0,
+                             threaded=False)
+  results, token = _host_call.emit_ordered(
+      ctx, side, token, operands, avals_in, ctx.avals_out,
+      _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
     # Uncacheable lowering: tokens_in holds every ordered effect of the

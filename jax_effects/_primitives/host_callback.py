@@ -40,8 +40,10 @@ class HostCallback:
   ``edges.Edges`` or None for each of the last ``len(edges)`` operands
   (those the front end bound): under ``jit`` ``fn`` receives that operand
   cut to its edges (the lowering cuts it; eagerly it arrives whole, which
-  ``edges.Summarized`` formats the same). Compared and hashed by
-  identity.
+  ``edges.Summarized`` formats the same). ``spec``: the host side as data
+  (``host_specs``: a JSON-able dict from which ``fn`` was built and any
+  process rebuilds it), or a str saying why it is not data, or None (not
+  data, no reason given). Compared and hashed by identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -52,6 +54,7 @@ class HostCallback:
   reads_placement: bool = False
   batch_once: bool = False
   edges: tuple = ()
+  spec: dict | str | None = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"

@@ -240,7 +240,7 @@ def test_lower_chains_callbacks_through_the_carrier():
 
   text = f.lower(jnp.float32(1)).as_text()
   calls = re.findall(
-      r"(%[\w#:]+) = stablehlo\.custom_call @xla_ffi_python_cpu_callback"
+      r"(%[\w#:]+) = stablehlo\.custom_call @" + helpers.HOST_CALL +
       r"\(([^)]*)\)(.*)", text)
   assert len(calls) == 3
   # The first callback takes the runtime-token argument as its carrier; the
@@ -280,7 +280,7 @@ def test_lower_with_shape_dtype_structs_and_compile(effects_capture):
     return x + 1
 
   lowered = f.lower(jax.ShapeDtypeStruct((), jnp.int32))
-  assert "xla_ffi_python_cpu_callback" in lowered.as_text()
+  assert helpers.HOST_CALL in lowered.as_text()
   compiled = lowered.compile()
   assert compiled(jnp.int32(4)) == 5
   assert compiled(jnp.int32(5)) == 6
@@ -495,7 +495,7 @@ def test_stages_show_the_users_arguments_and_outputs(fun, effects_capture):
   assert l_ours.donate_argnums == (1,)
   assert l_ours.cost_analysis()["flops"] > 0
   assert "func.func public @main" in str(l_ours.compiler_ir())
-  assert ("xla_ffi_python_cpu_callback" in l_ours.as_text()) == (
+  assert (helpers.HOST_CALL in l_ours.as_text()) == (
       fun is effectful)
 
   c_ours, c_theirs = l_ours.compile(), l_theirs.compile()

@@ -1,0 +1,565 @@
+"""jax_effects' FFI target: one process-global custom call for every host call.
+
+Every effect lowered for CPU is one custom call to :data:`TARGET`, an XLA
+FFI handler registered once per process (``ffi_abi.handler_capsule``,
+written in Python: no C compiler), with two string attributes:
+
+* ``jax_effects_key``: names the call site's host side. A :class:`Site`
+  (the host function and how to read its operands and write its results) is
+  bound to each key in this process (:data:`_sites`); the handler looks the
+  key up on every call.
+* ``jax_effects_spec``: the site spec (``host_specs``) the key was made
+  from. A key not bound here (a module from another process: an exported
+  one, or an executable whose host side is gone) is bound on its first call
+  by rebuilding the site from its spec, when the spec is data
+  (``host_specs``); otherwise the call's effect fails with a clear error,
+  deferred like a callback's (``design/errors.md``), never an XLA error.
+
+Keys (``design/host_target.md``): a site whose effect spec is data gets
+``jfx1.D<hash of the site spec>`` (equal specs, equal host sides, in every
+process); any other (*local*) ``jfx1.L<hash of its description and
+layout>.<n>``, where ``n`` counts the local sites of that hash lowered in
+this process (never reused; the same ``HostCallback`` lowered the same way
+again gets its key again), so one program traced in the same order gets the
+same keys in every process, and JAX's persistent cache hits; two different
+functions never share a key in one process. A local site cannot be
+exported (:func:`emit` refuses it, naming the effect and the fix).
+
+Lifetime: the registry holds sites weakly; a site lives as long as one of
+the executables it was lowered into (a keepalive of the lowering, which JAX
+hands to the executable; never in an exported module) or the effect's
+``HostCallback`` (its jaxpr) does; sites rebuilt from a spec are kept in a
+bounded LRU (:data:`REBUILT_KEPT`) and rebuilt again if dropped.
+
+The handler runs on the thread XLA calls it on: the dispatching thread when
+the CPU client runs the computation inline, else one of XLA's threads, whose
+Python thread state it keeps (:func:`_pin`: created once per thread, not on
+every call).
+
+Part in the token calling convention: none of its own; it carries the
+carrier operand and result like any other (``host_call``).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+import weakref
+from typing import Callable
+
+import numpy as np
+
+from jax_effects import _compat
+from jax_effects._primitives import ffi_abi as _abi
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_specs as _specs
+from jax_effects._runtime import fork as _fork
+from jax_effects._runtime import placement as _placement
+
+#: The custom-call target name (CPU).
+TARGET = "jax_effects_host"
+KEY_ATTR = "jax_effects_key"
+SPEC_ATTR = "jax_effects_spec"
+#: How many sites rebuilt from a spec are kept alive (LRU).
+REBUILT_KEPT = 4096
+
+mem32, mem64 = _abi.mem32, _abi.mem64
+F_ARGV, F_RETV = _abi.F_ARGV, _abi.F_RETV
+B_DATA = _abi.B_DATA
+
+
+class UnboundHostFunction(LookupError):
+  """A host call whose host side this process does not have: a named
+  callback nobody registered, or a local host side that is gone."""
+
+
+class SiteMismatch(Exception):
+  """A call frame whose buffers are not what its spec says (never a user's
+  error: the computation fails with it)."""
+
+
+# --- registration ------------------------------------------------------------------
+
+_registered = False
+_unavailable: str | None = None
+
+
+def unavailable() -> str | None:
+  """Why this process lowers host calls to JAX's Python-callback target
+  instead of :data:`TARGET` (None: the target is registered)."""
+  _register()
+  return _unavailable
+
+
+def _register() -> None:
+  global _registered, _unavailable
+  if _registered:
+    return
+  with _lock:
+    if _registered:
+      return
+    _unavailable = _abi.UNAVAILABLE
+    if _unavailable is None:
+      import jax
+      try:
+        jax.ffi.register_ffi_target(TARGET, _abi.handler_capsule(_handle),
+                                    platform="cpu", api_version=1)
+      except Exception as err:  # noqa: BLE001 - XLA refused the handler
+        _unavailable = _abi.UNAVAILABLE or (
+            f"XLA refused jax_effects' FFI host target: {err}")
+    _registered = True
+
+
+# --- sites --------------------------------------------------------------------------
+
+_lock = threading.RLock()
+#: key (bytes) -> weak reference to its Site.
+_sites: dict[bytes, weakref.ref] = {}
+#: HostCallback -> {site spec text: Site}: a site lives while its effect does.
+_holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Sites rebuilt from a spec, most recently bound last.
+_rebuilt: "collections.OrderedDict[bytes, Site]" = collections.OrderedDict()
+#: Local sites given a key, per hash of their description.
+_local_counts: dict[str, int] = {}
+
+
+class Site:
+  """One call site's host side, as the handler runs it: ``host`` (the host
+  function) called with the operands read from the frame, its results
+  written back (:meth:`run`, specialised when first run)."""
+  __slots__ = ("key", "spec", "what", "host", "avals_in", "avals_out",
+               "scalars", "run", "__weakref__")
+
+  def __init__(self, key: bytes, spec: str, what: str, host: Callable,
+               avals_in: list, avals_out: list, scalars: frozenset):
+    self.key = key
+    self.spec = spec
+    self.what = what
+    self.host = host
+    self.avals_in = avals_in     # (dtype, shape) or None (a token)
+    self.avals_out = avals_out
+    self.scalars = scalars       # operand positions passed as NumPy scalars
+    self.run = self._first_run
+
+  def _first_run(self, frame: int) -> int:
+    problem = _abi.check_frame(frame) or self._check(frame)
+    if problem:
+      raise SiteMismatch(problem)
+    self.run = _runner(self)
+    return self.run(frame)
+
+  def _check(self, frame: int) -> str | None:
+    """What differs between the frame's buffers and this site's spec."""
+    f = frame >> 3
+    for what, n_at, v_at, avals in (("operand", _abi.F_NARGS, F_ARGV,
+                                     self.avals_in),
+                                    ("result", _abi.F_NRETS, F_RETV,
+                                     self.avals_out)):
+      n = mem64[f + n_at]
+      if n != len(avals):
+        return f"{self.what}: {n} {what}s in the call, {len(avals)} in its spec"
+      vec = mem64[f + v_at] >> 3
+      for i, aval in enumerate(avals):
+        code, _, dims = _abi.buffer(mem64[vec + i])
+        if aval is None:
+          if code != _abi.DTYPE_TOKEN:
+            return f"{self.what}: {what} {i} is not a token"
+          continue
+        dtype, shape = aval
+        if _abi.DTYPES.get(dtype) != code or dims != shape:
+          return (f"{self.what}: {what} {i} has XLA dtype {code} and shape "
+                  f"{dims}; its spec says {dtype}{list(shape)}")
+    return None
+
+
+# NumPy scalars of the carrier and partition-id values seen (immutable).
+_int32s: dict[int, np.int32] = {}
+_uint32s: dict[int, np.uint32] = {}
+
+
+def _reader(aval, scalar: bool):
+  dtype, shape = aval
+  if scalar and dtype == np.int32 and shape == ():
+    cache = _int32s
+
+    def read(address):
+      v = mem32[address >> 2]
+      s = cache.get(v)
+      if s is None:
+        s = cache[v] = np.int32(v)
+      return s
+    return read
+  if scalar and dtype == np.uint32 and shape == ():
+    cache = _uint32s
+
+    def read(address):
+      v = mem32[address >> 2] & 0xFFFFFFFF
+      s = cache.get(v)
+      if s is None:
+        s = cache[v] = np.uint32(v)
+      return s
+    return read
+  if dtype in _abi.SUB_BYTE:
+    return lambda address: _abi.read_array(address, shape, dtype)
+  if not int(np.prod(shape, dtype=np.int64)):
+    return lambda address: np.zeros(shape, dtype)
+  # A copy of the buffer's data (the host function may keep its operands).
+  mem8 = _abi.mem8
+  frombuffer = np.frombuffer
+  count = int(np.prod(shape, dtype=np.int64))
+  if len(shape) == 1:
+    return lambda address: frombuffer(mem8, dtype, count, address).copy()
+  return lambda address: frombuffer(mem8, dtype, count, address).reshape(
+      shape).copy()
+
+
+def _writer(aval):
+  dtype, shape = aval
+  if dtype == np.int32 and shape == ():
+    def write(address, value):
+      mem32[address >> 2] = value
+    return write
+  asarray = np.asarray
+
+  def write(address, value):
+    value = asarray(value, dtype)
+    if value.shape != shape:
+      raise SiteMismatch(f"a host function returned shape {value.shape}, "
+                         f"expected {shape}")
+    _abi.write_array(address, value)
+  return write
+
+
+def _runner(site: Site) -> Callable[[int], int]:
+  """``run(frame)`` of a checked site: reads the operands, calls the host
+  function, writes its results; specialised for the common shapes."""
+  host = site.host
+  ins = [(i, _reader(a, i in site.scalars)) for i, a in
+         enumerate(site.avals_in) if a is not None]
+  outs = [(i, _writer(a)) for i, a in enumerate(site.avals_out)
+          if a is not None]
+  if (len(ins) == 2 and len(outs) == 1 and ins[0][0] == 0
+      and ins[1][0] == 1 and outs[0][0] == 0 and 0 in site.scalars
+      and site.avals_in[0] == (np.dtype(np.int32), ())
+      and site.avals_out[0] == (np.dtype(np.int32), ())):
+    # carrier, one operand -> carrier: most effects (print, log, callback
+    # without results).
+    read_c, read_x = ins[0][1], ins[1][1]
+
+    def run(frame):
+      f = frame >> 3
+      argv = mem64[f + F_ARGV] >> 3
+      out = host(read_c(mem64[(mem64[argv] >> 3) + B_DATA]),
+                 read_x(mem64[(mem64[argv + 1] >> 3) + B_DATA]))
+      mem32[mem64[(mem64[mem64[f + F_RETV] >> 3] >> 3) + B_DATA] >> 2] = out[0]
+      return 0
+    return run
+
+  def run(frame):
+    f = frame >> 3
+    argv = mem64[f + F_ARGV] >> 3
+    out = host(*[read(mem64[(mem64[argv + i] >> 3) + B_DATA])
+                 for i, read in ins])
+    retv = mem64[f + F_RETV] >> 3
+    for (i, write), value in zip(outs, out):
+      write(mem64[(mem64[retv + i] >> 3) + B_DATA], value)
+    return 0
+  return run
+
+
+def _bind(key: bytes, site: Site) -> None:
+  """Binds ``key`` to ``site`` (weakly; under the lock)."""
+  def dropped(ref, key=key):
+    with _lock:
+      if _sites.get(key) is ref:
+        del _sites[key]
+  _sites[key] = weakref.ref(site, dropped)
+
+
+def _bound(key: bytes) -> Site | None:
+  ref = _sites.get(key)
+  return None if ref is None else ref()
+
+
+# --- the handler --------------------------------------------------------------------
+
+_pinned: set = set()
+_ensure = None
+
+
+def _pin(ident: int) -> None:
+  """Keeps the Python thread state of an XLA thread calling the handler:
+  ctypes creates one for a thread without one on every call and deletes it
+  after (a dozen microseconds a call); one more ``PyGILState_Ensure``,
+  never released, keeps it (one per XLA thread, for the process's life).
+  Threads Python started have theirs already."""
+  global _ensure
+  _pinned.add(ident)
+  thread = threading._active.get(ident)   # (a Python thread: nothing to keep)
+  if thread is not None and not isinstance(thread, threading._DummyThread):
+    return
+  if _ensure is None:
+    import ctypes
+    _ensure = ctypes.pythonapi.PyGILState_Ensure
+  _ensure()
+
+
+@_fork.reset_in_child
+def _reset_after_fork() -> None:
+  _pinned.clear()
+
+
+_get_ident = threading.get_ident
+ATTR_STRING = _abi.ATTR_STRING
+F_NATTRS, F_ATTR_TYPES = _abi.F_NATTRS, _abi.F_ATTR_TYPES
+_key_span = _abi.key_span
+
+
+def _handle(frame: int) -> int:
+  """The FFI handler (see the module docstring): the address of an
+  ``XLA_FFI_Error``, or 0."""
+  if _get_ident() not in _pinned:
+    _pin(_get_ident())
+  try:
+    f = frame >> 3
+    if (mem64[f + F_NATTRS] != 2
+        or mem32[mem64[f + F_ATTR_TYPES] >> 2] != ATTR_STRING):
+      raise SiteMismatch("a call of jax_effects' host target with "
+                         "attributes it does not know")
+    key = _key_span(frame, 0)
+    ref = _sites.get(key)
+    site = None if ref is None else ref()
+    if site is None:
+      site = _cold(frame, key)
+    return site.run(frame)
+  except BaseException as exc:  # noqa: BLE001 - never out of a C callback
+    return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
+                      f"{exc}")
+
+
+def _cold(frame: int, key: bytes) -> Site:
+  """The site of a key not bound in this process, rebuilt from the call's
+  spec (and bound), or one whose effect fails with the reason it cannot be."""
+  problem = _abi.check_frame(frame)
+  if problem:
+    raise SiteMismatch(problem)
+  attrs = _abi.attr_strings(frame)
+  if attrs is None or set(attrs) != {KEY_ATTR, SPEC_ATTR} or (
+      attrs[KEY_ATTR].encode() != key):
+    raise SiteMismatch("a call of jax_effects' host target with attributes "
+                       "it does not know")
+  text = attrs[SPEC_ATTR]
+  with _lock:
+    site = _bound(key)
+    if site is not None:
+      return site
+    site, failing = _rebuild(key, text)
+    if not failing:   # (a failing one is made again: a later registration
+      _bind(key, site)   # of a named callback makes it run)
+      _rebuilt[key] = site
+      while len(_rebuilt) > REBUILT_KEPT:
+        _rebuilt.popitem(last=False)
+  return site
+
+
+def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
+  """``(site, failing)`` rebuilt from the spec ``text``; a failing site's
+  effect reports why it cannot run (``UnboundHostFunction``, deferred as a
+  callback's error)."""
+  from jax_effects._primitives import host_call as _host_call
+  try:
+    spec = json.loads(text)
+    if spec.get("v") != _specs.VERSION:
+      raise ValueError(f"spec version {spec.get('v')!r}, this jax_effects "
+                       f"writes {_specs.VERSION}")
+    site_spec = spec["site"]
+    avals_in = [_specs.decode_aval(a) for a in site_spec["in"]]
+    avals_out = [_specs.decode_aval(a) for a in site_spec["out"]]
+    where = _decode_where(site_spec["where"])
+    passthrough = int(site_spec["passthrough"])
+    results = [_aval_of(a) for a in avals_out if a is not None]
+  except Exception as err:  # noqa: BLE001 - a spec this version cannot read
+    raise SiteMismatch(f"a call site spec jax_effects cannot read ({err})")
+  effect = spec.get("effect") or {}
+  failing = False
+  try:
+    if "local" in effect:
+      raise UnboundHostFunction(
+          f"{effect['local']}: its host function is a Python object of the "
+          f"process that lowered it and is not bound in this one (its "
+          f"executable outlived it, or the module came from another "
+          f"process)")
+    host_callback = _specs.rebuild_effect(effect)
+  except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
+    what = effect.get("what") or effect.get("local") or "a jax_effects effect"
+    exc = err if isinstance(err, UnboundHostFunction) else (
+        UnboundHostFunction(f"{what} cannot run in this process: {err}"))
+
+    def fail(*args):
+      raise exc
+    host_callback = _host_callback.HostCallback(
+        fail, what, tuple(results[passthrough:]))
+    failing = True
+  side = _host_call.HostSide(host_callback, where, passthrough,
+                             bool(site_spec["threaded"]),
+                             bool(site_spec["entry"]),
+                             site_spec.get("operands"))
+  site = Site(key, text, host_callback.description, side.function(results),
+              avals_in, avals_out, _scalars(site_spec, avals_in, where))
+  return site, failing
+
+
+def _results_avals(avals_out):
+  return [_aval_of(a) for a in avals_out if a is not None]
+
+
+def _aval_of(decoded):
+  import jax
+  dtype, shape = decoded
+  return jax.core.ShapedArray(shape, dtype)
+
+
+def _n_tokens(avals) -> int:
+  return sum(1 for a in avals if a is None)
+
+
+def _scalars(site_spec, avals_in, where) -> frozenset:
+  """Operand positions passed as NumPy scalars: the 0-d passthrough ones
+  (the carrier) and a per-device call's partition id (the last)."""
+  tokens = _n_tokens(avals_in)
+  out = {tokens + i for i in range(site_spec["passthrough"])
+         if avals_in[tokens + i][1] == ()}
+  if where.table is not None:
+    out.add(len(avals_in) - 1)
+  return frozenset(out)
+
+
+# --- lowering -----------------------------------------------------------------------
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _encode_where(where: _placement.Where) -> dict:
+  def one(p):
+    shard = p.shard_index
+    return [p.device_id, list(shard) if isinstance(shard, tuple) else shard,
+            p.process_index]
+  if where.table is not None:
+    return {"table": [one(p) for p in where.table]}
+  return {"fixed": None if where.fixed is None else one(where.fixed)}
+
+
+def _decode_where(data) -> _placement.Where:
+  def one(p):
+    device, shard, process = p
+    return _placement.Placement(
+        device, tuple(shard) if isinstance(shard, list) else shard, process)
+  if "table" in data:
+    return _placement.Where(None, tuple(one(p) for p in data["table"]))
+  fixed = data["fixed"]
+  return _placement.Where(None if fixed is None else one(fixed), None)
+
+
+def _physical(aval):
+  """What the custom call passes for ``aval`` (a token stays a token)."""
+  if getattr(aval, "dtype", None) is None:
+    return aval
+  return _compat.physical_aval(aval)
+
+
+def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
+  """``(spec, why_local)``: the site spec of ``side`` lowered with these
+  custom-call avals; ``why_local`` says why its host side is not data
+  (None: it is)."""
+  host_callback = side.host_callback
+  effect = host_callback.spec
+  why = None
+  if not isinstance(effect, dict):
+    why = effect if isinstance(effect, str) else (
+        "its host side is a Python function of this process")
+    effect = {"local": _ADDRESS.sub("", host_callback.description)}
+  site = {"in": [_specs.encode_aval(_physical(a)) for a in avals_in],
+          "out": [_specs.encode_aval(_physical(a)) for a in avals_out],
+          "where": _encode_where(side.where), "passthrough": side.passthrough,
+          "threaded": side.threaded, "entry": side.entry,
+          "operands": side.operands}
+  return {"v": _specs.VERSION, "effect": effect, "site": site}, why
+
+
+def _site_for(side, avals_in, avals_out, for_export: bool) -> Site:
+  """The site of ``side`` (bound to its key, made if new)."""
+  try:
+    spec, why = site_spec(side, avals_in, avals_out)
+  except _specs.NotData as err:
+    spec, why = None, f"it has {err}"
+  description = side.host_callback.description
+  if for_export and why is not None:
+    raise NotExportable(description, why)
+  if spec is None:   # (symbolic shapes: never lowered for execution)
+    raise NotExportable(description, why)
+  text = _specs.dumps(spec)
+  with _lock:
+    held = _holders.setdefault(side.host_callback, {})
+    site = held.get(text)
+    if site is not None and _bound(site.key) is site:
+      return site
+    if why is None:
+      key = ("jfx1.D" + _specs.digest(text)).encode()
+      site = _bound(key)
+    else:
+      h = _specs.digest(text, 20)
+      n = _local_counts.get(h, 0)
+      _local_counts[h] = n + 1
+      key = f"jfx1.L{h}.{n}".encode()
+      site = None
+    if site is None:
+      decoded_in = [_specs.decode_aval(a) for a in spec["site"]["in"]]
+      decoded_out = [_specs.decode_aval(a) for a in spec["site"]["out"]]
+      host = side.function([a for a in avals_out
+                            if getattr(a, "dtype", None) is not None])
+      site = Site(key, text, description, host, decoded_in, decoded_out,
+                  _scalars(spec["site"], decoded_in, side.where))
+      _bind(key, site)
+    held[text] = site
+  return site
+
+
+class NotExportable(ValueError):
+  """An effect whose host side only its own process has, lowered for
+  ``jax.export``."""
+
+  def __init__(self, what: str, why: str):
+    fix = ("give it a stable name, jax_effects.callback(fn, ..., "
+           "name='my_callback'), and register the function under that name "
+           "in the process that calls the exported function: "
+           "jax_effects.register_callback('my_callback', fn)"
+           if what.startswith("jax_effects.callback") else
+           "export the function without it, or run it around the exported "
+           "call")
+    super().__init__(
+        f"jax.export cannot export {what}: {why}, which another process "
+        f"cannot rebuild. Fix: {fix}.")
+
+
+_lowerings: dict = {}
+
+
+def emit(ctx, side, operands, sharding) -> list:
+  """Emits the custom call of ``side`` (a ``host_call.HostSide``) to
+  :data:`TARGET` in ``ctx`` (whose avals are the call's: tokens included);
+  returns its results."""
+  import jax
+  for_export = _compat.lowering_for_export(ctx)
+  site = _site_for(side, ctx.avals_in, ctx.avals_out, for_export)
+  if not for_export:   # (jax.export refuses keepalives: rebuilt there)
+    _compat.keep_alive_with_executable(ctx, site)
+  lower = _lowerings.get(TARGET)
+  if lower is None:
+    lower = _lowerings[TARGET] = jax.ffi.build_ffi_lowering_function(
+        TARGET, has_side_effect=True)
+  op = lower(ctx, *operands, **{KEY_ATTR: site.key.decode(),
+                                SPEC_ATTR: site.spec})
+  if sharding is not None:
+    _compat.set_sharding(ctx.module_context, op, sharding)
+  return op.results
