@@ -784,3 +784,13 @@ def require(feature: str, call: str = "jax_effects") -> None:
   reason = unsupported_reason(feature)
   if reason is not None:
     raise UnsupportedFeature(f"{call}: {reason}")
+
+
+# ``jax.export``: ``Exported.call`` binds ``call_exported_p`` (no public
+# handle on the primitive or its lowering). The token-threading pass threads
+# an exported jax_effects function's call on the chain of DEFAULT
+# (``_pass.exported_rule``), lowering it with JAX's own rule given the
+# chain's compiler token as the exported module's. JAX 0.8-0.10.
+from jax._src.export._export import call_exported_p  # noqa: E402
+from jax._src.export._export import (  # noqa: E402
+    _call_exported_lowering as call_exported_lowering)

@@ -149,14 +149,18 @@ def chain_keys(effects, mode: str) -> tuple:
   """Chain keys of the markers in a set of JAX effects, in a stable order:
   the chains a sub-computation with these effects threads.
 
-  JAX's own callback effects the pass adopts (``_pass.adopted``) count too, and
-  device-side counters (``_primitives.counter``: chains with no runtime token).
+  JAX's own callback effects the pass adopts (``_pass.adopted``) count too,
+  device-side counters (``_primitives.counter``: chains with no runtime
+  token), and the calls of exported jax_effects functions (on the chain of
+  DEFAULT, GLOBAL in global mode: ``_pass.exported_rule``).
   """
   keys = {_effects.chain_key(e, mode) for e in effects
           if isinstance(e, _effects.TraceEffect)}
   keys.update(_adopted.chain_key(e, mode) for e in effects
               if _adopted.is_adoptable_effect(e))
   keys.update(e.counter for e in effects if _counters.is_counter_effect(e))
+  if _effects.EXPORTED_ORDER in effects:   # an exported function's call
+    keys.add(_effects.GLOBAL if mode == "global" else _effects.DEFAULT)
   return tuple(sorted(keys, key=_sort_key))
 
 
@@ -176,7 +180,8 @@ def has_marker(effects) -> bool:
   or a JAX callback effect it adopts)."""
   return any(isinstance(e, _effects.TraceEffect)
              or _adopted.is_adoptable_effect(e)
-             or _counters.is_counter_effect(e) for e in effects)
+             or _counters.is_counter_effect(e)
+             or isinstance(e, _effects.ExportedOrder) for e in effects)
 
 
 # --- the interpreter -----------------------------------------------------------

@@ -95,10 +95,12 @@ def _effect_impl(*args, host_callback, effect, ordered):
     token = state.runtime.get(key)
     if token is not None:
       token.block_until_ready()
-    # ... and for effects under plain jax.jit (incl. eager cond/while).
-    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
-    if token is not None:
-      token.block_until_ready()
+    # ... for effects under plain jax.jit (incl. eager cond/while), and
+    # for exported jax_effects functions called outside jax_effects.jit.
+    for jax_effect in (_effects.PLAIN_JIT_ORDER, _effects.EXPORTED_ORDER):
+      token = _compat.jax_runtime_token(jax_effect)
+      if token is not None:
+        token.block_until_ready()
   if host_callback.eager is not None:
     host_callback.eager(*args)
     return []
@@ -288,7 +290,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 ordered: bool, result_avals: tuple = (),
                 eager: Callable[..., None] | None = None,
                 reads_placement: bool = False,
-                batch_once: bool = False, edges: tuple = ()) -> list:
+                batch_once: bool = False, edges: tuple = (),
+                spec: dict | str | None = None) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -298,6 +301,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   ``vmap`` batch (see :class:`~jax_effects._host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
   under ``jit`` ``fn`` receives the operands with edges cut to them.
+  ``spec``: the host side as data, ``fn`` built from it (or why not,
+  ``HostCallback.spec``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -309,6 +314,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_branch=staging in ("cond", "switch"),
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges))
+      edges=tuple(edges), spec=spec)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

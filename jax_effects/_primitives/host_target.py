@@ -53,6 +53,7 @@ import numpy as np
 from jax_effects import _compat
 from jax_effects._primitives import ffi_abi as _abi
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _specs
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -367,7 +368,6 @@ def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
   """``(site, failing)`` rebuilt from the spec ``text``; a failing site's
   effect reports why it cannot run (``UnboundHostFunction``, deferred as a
   callback's error)."""
-  from jax_effects._primitives import host_call as _host_call
   try:
     spec = json.loads(text)
     if spec.get("v") != _specs.VERSION:
@@ -401,12 +401,12 @@ def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
     host_callback = _host_callback.HostCallback(
         fail, what, tuple(results[passthrough:]))
     failing = True
-  side = _host_call.HostSide(host_callback, where, passthrough,
-                             bool(site_spec["threaded"]),
-                             bool(site_spec["entry"]),
-                             site_spec.get("operands"))
-  site = Site(key, text, host_callback.description, side.function(results),
-              avals_in, avals_out, _scalars(site_spec, avals_in, where))
+  host = _host_functions.host_function(
+      host_callback, where, passthrough=passthrough,
+      threaded=bool(site_spec["threaded"]), avals_out=results,
+      entry=bool(site_spec["entry"]), operands=site_spec.get("operands"))
+  site = Site(key, text, host_callback.description, host, avals_in, avals_out,
+              _scalars(site_spec, avals_in, where))
   return site, failing
 
 
@@ -563,3 +563,8 @@ def emit(ctx, side, operands, sharding) -> list:
   if sharding is not None:
     _compat.set_sharding(ctx.module_context, op, sharding)
   return op.results
+
+
+# Registered when jax_effects is imported: a process that only runs modules
+# exported or cached by another one has lowered nothing of ours.
+_register()
