@@ -5,7 +5,9 @@ Public API (everything else is private):
 * :func:`jit` - drop-in for ``jax.jit`` that threads tokens through effects.
 * :func:`print`, :func:`callback` - ordered side effects;
   :func:`register_callback` - a host function under a stable name
-  (:class:`NamedCallback`), for exported and cached computations.
+  (:class:`NamedCallback`), for exported and cached computations;
+  :data:`HOST_TARGET` - the custom call of every host call on CPU
+  (``jax.export`` needs it allowed).
 * :func:`log` - ``logging`` records from compiled code (with device, shard
   and process attribution); :class:`Placement`, :func:`placement` - where the
   running host callback is; :func:`deterministic` - per-device output of
@@ -43,6 +45,7 @@ from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
 from jax_effects._pass import exported_rule as _er  # noqa: F401  (its rule)
 from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (its rule)
 from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
+from jax_effects._primitives.host_target import TARGET as HOST_TARGET
 from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
 from jax_effects._runtime.barrier import effects_barrier
@@ -58,5 +61,5 @@ __all__ = [
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
     "Placement", "deterministic", "log", "placement", "progress",
-    "NamedCallback", "register_callback",
+    "NamedCallback", "register_callback", "HOST_TARGET",
 ]

@@ -22,13 +22,16 @@ def defer_error(exc: BaseException, slot: int = 0, inline: bool = False) -> None
   """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
 
   ``inline``: the callback may be running on the dispatching thread itself,
-  inside its jax_effects call (the CPU client runs a computation inline when
-  its inputs are ready): then that call raises it when it returns
-  (:func:`raise_own`), as a failing Python call would.
+  inside its jax_effects call (the CPU client runs a computation it finds
+  cheap inline when its inputs are ready): then that call raises it when it
+  returns (:func:`raise_own`), as a failing Python call would. Only inside
+  such a call: a computation the thread dispatched otherwise (an exported
+  jax_effects function called outside ``jax_effects.jit``) leaves it for
+  the thread's next call or barrier.
   """
   if inline:
     state = getattr(_threads.local, "state", None)
-    if state is not None and state.slot == slot:
+    if state is not None and state.slot == slot and state.dispatching:
       state.own_errors.append(exc)
       return
   _errors.defer(exc, slot)

@@ -597,19 +597,7 @@ def test_clear_cache_retraces(effects_capture):
   assert effects_capture.printed == ["f 1", "f 2", "f 3"]
 
 
-# --- jax.export --------------------------------------------------------------
-
-def test_export_of_an_effectful_function_names_jax_effects_and_the_fix():
-  jf = je.jit(effectful)
-  with pytest.raises(ValueError) as info:
-    jax.export.export(jf)(jax.ShapeDtypeStruct((4,), jnp.float32),
-                          jax.ShapeDtypeStruct((), jnp.int32))
-  msg = str(info.value)
-  assert "jax_effects.jit function 'effectful'" in msg
-  assert "host callbacks cannot be serialized" in msg
-  assert "Export the pure part" in msg
-  assert "must be the result of" not in msg
-
+# --- jax.export (effects: tests/api/test_export.py) ----------------------------
 
 def test_export_of_a_pure_function_works_like_jax_jit():
   def pure(x):
