@@ -56,8 +56,9 @@ class NamedCallback:
   function registered under ``name`` *there* at that time. Calling the
   object itself does the same."""
   __slots__ = ("name",)
+  name: str
 
-  def __init__(self, name: str):
+  def __init__(self, name: str) -> None:
     self.name = name
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
