@@ -209,14 +209,12 @@ def answer_metadata(frame: int) -> bool:
 
 def handler_capsule(handler: Callable[[int], int]):
   """``handler`` (called with the frame's address, returning an error's
-  address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``."""
-  def entry(frame):
-    if mem64[(frame >> 3) + F_EXTENSION]:
-      answer_metadata(frame)
-      return None
-    return handler(frame)
-  cfunc = _HANDLER(entry)
-  _kept.append((entry, cfunc))
+  address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``. The
+  handler answers XLA's metadata query itself (a frame whose
+  ``extension_start`` is set: :func:`answer_metadata`): no frame of ours
+  between XLA and it on every call."""
+  cfunc = _HANDLER(handler)
+  _kept.append((handler, cfunc))
   return jax.ffi.pycapsule(ctypes.cast(cfunc, ctypes.c_void_p).value)
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import struct
 import threading
 import weakref
 from typing import Callable
@@ -55,7 +56,6 @@ from jax_effects._primitives import ffi_abi as _abi
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _specs
-from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 
 #: The custom-call target name (CPU).
@@ -130,7 +130,7 @@ class Site:
   function) called with the operands read from the frame, its results
   written back (:meth:`run`, specialised when first run)."""
   __slots__ = ("key", "spec", "what", "host", "avals_in", "avals_out",
-               "scalars", "run", "__weakref__")
+               "scalars", "run", "inline", "__weakref__")
 
   def __init__(self, key: bytes, spec: str, what: str, host: Callable,
                avals_in: list, avals_out: list, scalars: frozenset):
@@ -142,12 +142,16 @@ class Site:
     self.avals_out = avals_out
     self.scalars = scalars       # operand positions passed as NumPy scalars
     self.run = self._first_run
+    # (host, view, shift, dtype, count, shape) of the common site, which the
+    # handler runs itself once checked (:func:`_inline`); else None.
+    self.inline = None
 
   def _first_run(self, frame: int) -> int:
     problem = _abi.check_frame(frame) or self._check(frame)
     if problem:
       raise SiteMismatch(problem)
     self.run = _runner(self)
+    self.inline = _inline(self)
     return self.run(frame)
 
   def _check(self, frame: int) -> str | None:
@@ -179,36 +183,62 @@ _int32s: dict[int, np.int32] = {}
 _uint32s: dict[int, np.uint32] = {}
 
 
+#: memoryview formats of the dtypes whose 0-d operands are read as one
+#: value (``np.array(value, dtype)`` is a third of a buffer copy's cost).
+_SCALAR_FORMATS = {"bool": "?", "int8": "b", "uint8": "B", "int16": "h",
+                   "uint16": "H", "int32": "i", "uint32": "I", "int64": "q",
+                   "uint64": "Q", "float16": "e", "float32": "f",
+                   "float64": "d"}
+_typed_views: dict[str, memoryview] = {}
+
+
+def _typed(fmt: str) -> memoryview:
+  view = _typed_views.get(fmt)
+  if view is None:
+    view = _typed_views[fmt] = _abi.mem8.cast(fmt)
+  return view
+
+
+def _scalar(cache: dict, dtype):
+  """``read(address)``: a NumPy scalar (``cache``d by value) of a 0-d
+  ``dtype`` operand passed as a scalar (the carrier, a partition id)."""
+  view = _typed(_SCALAR_FORMATS[dtype.name])
+  shift = dtype.itemsize.bit_length() - 1
+  make = dtype.type
+
+  def read(address):
+    v = view[address >> shift]
+    s = cache.get(v)
+    if s is None:
+      s = cache[v] = make(v)
+    return s
+  return read
+
+
 def _reader(aval, scalar: bool):
+  """``read(address)``: the operand at ``address`` as the host function
+  receives it: a NumPy scalar (``scalar``: the carrier, a partition id),
+  else a NumPy array of its own (the host function may keep it)."""
   dtype, shape = aval
-  if scalar and dtype == np.int32 and shape == ():
-    cache = _int32s
-
-    def read(address):
-      v = mem32[address >> 2]
-      s = cache.get(v)
-      if s is None:
-        s = cache[v] = np.int32(v)
-      return s
-    return read
-  if scalar and dtype == np.uint32 and shape == ():
-    cache = _uint32s
-
-    def read(address):
-      v = mem32[address >> 2] & 0xFFFFFFFF
-      s = cache.get(v)
-      if s is None:
-        s = cache[v] = np.uint32(v)
-      return s
-    return read
+  if scalar and shape == () and dtype in (np.int32, np.uint32):
+    return _scalar(_int32s if dtype == np.int32 else _uint32s, dtype)
   if dtype in _abi.SUB_BYTE:
     return lambda address: _abi.read_array(address, shape, dtype)
-  if not int(np.prod(shape, dtype=np.int64)):
-    return lambda address: np.zeros(shape, dtype)
-  # A copy of the buffer's data (the host function may keep its operands).
-  mem8 = _abi.mem8
-  frombuffer = np.frombuffer
   count = int(np.prod(shape, dtype=np.int64))
+  if not count:
+    return lambda address: np.zeros(shape, dtype)
+  mem8 = _abi.mem8
+  frombuffer, array = np.frombuffer, np.array
+  if shape == () and dtype.name in _SCALAR_FORMATS:
+    view = _typed(_SCALAR_FORMATS[dtype.name])
+    shift = dtype.itemsize.bit_length() - 1
+
+    def read(address):
+      v = view[address >> shift]
+      if v == v:   # (a NaN is copied as it is: its payload bits kept)
+        return array(v, dtype)
+      return frombuffer(mem8, dtype, 1, address).reshape(()).copy()
+    return read
   if len(shape) == 1:
     return lambda address: frombuffer(mem8, dtype, count, address).copy()
   return lambda address: frombuffer(mem8, dtype, count, address).reshape(
@@ -234,28 +264,14 @@ def _writer(aval):
 
 def _runner(site: Site) -> Callable[[int], int]:
   """``run(frame)`` of a checked site: reads the operands, calls the host
-  function, writes its results; specialised for the common shapes."""
+  function, writes its results (the handler runs the common site itself,
+  :func:`_inline`)."""
   host = site.host
   ins = [(i, _reader(a, i in site.scalars)) for i, a in
          enumerate(site.avals_in) if a is not None]
   outs = [(i, _writer(a)) for i, a in enumerate(site.avals_out)
           if a is not None]
-  if (len(ins) == 2 and len(outs) == 1 and ins[0][0] == 0
-      and ins[1][0] == 1 and outs[0][0] == 0 and 0 in site.scalars
-      and site.avals_in[0] == (np.dtype(np.int32), ())
-      and site.avals_out[0] == (np.dtype(np.int32), ())):
-    # carrier, one operand -> carrier: most effects (print, log, callback
-    # without results).
-    read_c, read_x = ins[0][1], ins[1][1]
-
-    def run(frame):
-      f = frame >> 3
-      argv = mem64[f + F_ARGV] >> 3
-      out = host(read_c(mem64[(mem64[argv] >> 3) + B_DATA]),
-                 read_x(mem64[(mem64[argv + 1] >> 3) + B_DATA]))
-      mem32[mem64[(mem64[mem64[f + F_RETV] >> 3] >> 3) + B_DATA] >> 2] = out[0]
-      return 0
-    return run
+  # The general case: every operand and result through its reader/writer.
 
   def run(frame):
     f = frame >> 3
@@ -267,6 +283,36 @@ def _runner(site: Site) -> Callable[[int], int]:
       write(mem64[(mem64[retv + i] >> 3) + B_DATA], value)
     return 0
   return run
+
+
+def _common(site: Site) -> bool:
+  """The common site: the carrier and one operand in, the carrier out
+  (``print``, ``log``, a ``callback`` without results)."""
+  i32 = (np.dtype(np.int32), ())
+  return (len(site.avals_in) == 2 and len(site.avals_out) == 1
+          and site.avals_in[0] == i32 and site.avals_out[0] == i32
+          and site.avals_in[1] is not None and 0 in site.scalars
+          and 1 not in site.scalars)
+
+
+def _inline(site: Site):
+  """What the handler needs to run a common site itself, with no frame of
+  its own (:func:`_handle`): ``(host, view, shift, dtype, count, shape)``,
+  ``view`` a typed view of memory for a 0-d operand read as one value (else
+  None: a buffer copy of ``count`` elements, reshaped to ``shape`` unless
+  None); None for any other site, or an operand of a sub-byte dtype or
+  with no elements."""
+  if not _common(site):
+    return None
+  dtype, shape = site.avals_in[1]
+  count = int(np.prod(shape, dtype=np.int64))
+  if not count or dtype in _abi.SUB_BYTE:
+    return None
+  if shape == () and dtype.name in _SCALAR_FORMATS:
+    return (site.host, _typed(_SCALAR_FORMATS[dtype.name]),
+            dtype.itemsize.bit_length() - 1, dtype, 1, None)
+  return (site.host, None, 0, dtype, count,
+          None if len(shape) == 1 else shape)
 
 
 def _bind(key: bytes, site: Site) -> None:
@@ -285,55 +331,92 @@ def _bound(key: bytes) -> Site | None:
 
 # --- the handler --------------------------------------------------------------------
 
-_pinned: set = set()
+class _Pinned(threading.local):
+  """``done``: this thread's Python thread state is kept (:func:`_pin`);
+  unset on a thread whose state ctypes made for this call alone."""
+
+
+_pinned = _Pinned()
 _ensure = None
 
 
-def _pin(ident: int) -> None:
+def _pin() -> None:
   """Keeps the Python thread state of an XLA thread calling the handler:
   ctypes creates one for a thread without one on every call and deletes it
   after (a dozen microseconds a call); one more ``PyGILState_Ensure``,
   never released, keeps it (one per XLA thread, for the process's life).
   Threads Python started have theirs already."""
   global _ensure
-  _pinned.add(ident)
-  thread = threading._active.get(ident)   # (a Python thread: nothing to keep)
-  if thread is not None and not isinstance(thread, threading._DummyThread):
-    return
-  if _ensure is None:
-    import ctypes
-    _ensure = ctypes.pythonapi.PyGILState_Ensure
-  _ensure()
+  thread = threading._active.get(threading.get_ident())
+  if thread is None or isinstance(thread, threading._DummyThread):
+    if _ensure is None:
+      import ctypes
+      _ensure = ctypes.pythonapi.PyGILState_Ensure
+    _ensure()
+  _pinned.done = True
 
 
-@_fork.reset_in_child
-def _reset_after_fork() -> None:
-  _pinned.clear()
+mem8 = _abi.mem8
 
 
-_get_ident = threading.get_ident
-ATTR_STRING = _abi.ATTR_STRING
-F_NATTRS, F_ATTR_TYPES = _abi.F_NATTRS, _abi.F_ATTR_TYPES
-_key_span = _abi.key_span
+#: The words of a call frame the handler reads, at once: extension_start,
+#: args.args, rets.rets, attrs.size, attrs.types, attrs.attrs
+#: (``ffi_abi.F_EXTENSION``, ``F_ARGV``, ``F_RETV``, ``F_NATTRS``,
+#: ``F_ATTR_TYPES``, ``F_ATTRV``).
+_FRAME = struct.Struct("<8xQ56xQ32xQ16xQQ8xQ")
 
 
-def _handle(frame: int) -> int:
+def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
+            pinned=_pinned, carriers=_int32s, int32=np.int32,
+            array=np.array, frombuffer=np.frombuffer,
+            fields=_FRAME.unpack_from):
   """The FFI handler (see the module docstring): the address of an
-  ``XLA_FFI_Error``, or 0."""
-  if _get_ident() not in _pinned:
-    _pin(_get_ident())
+  ``XLA_FFI_Error``, or 0. It runs on every host call, so a common site
+  (:func:`_inline`) is run here, with no frame of its own; any other through
+  its ``Site.run``. (Names bound as defaults, local to the frame; a
+  buffer's data address is its word ``ffi_abi.B_DATA``, 3.)"""
   try:
-    f = frame >> 3
-    if (mem64[f + F_NATTRS] != 2
-        or mem32[mem64[f + F_ATTR_TYPES] >> 2] != ATTR_STRING):
+    pinned.done
+  except AttributeError:
+    _pin()
+  try:
+    extension, argv, retv, nattrs, types, attrv = fields(mem8, frame)
+    if extension:   # XLA's metadata query (registration)
+      _abi.answer_metadata(frame)
+      return 0
+    if nattrs != 2 or mem32[types >> 2] != 4:
       raise SiteMismatch("a call of jax_effects' host target with "
                          "attributes it does not know")
-    key = _key_span(frame, 0)
-    ref = _sites.get(key)
+    # The key: attribute 0 (attributes are sorted by name), a byte span.
+    a = mem64[attrv >> 3] >> 3
+    p = mem64[a]
+    key = bytes(mem8[p:p + mem64[a + 1]])
+    ref = sites.get(key)
     site = None if ref is None else ref()
     if site is None:
       site = _cold(frame, key)
-    return site.run(frame)
+    inline = site.inline
+    if inline is None:
+      return site.run(frame)
+    host, view, shift, dtype, count, shape = inline
+    argv >>= 3
+    c = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]
+    carrier = carriers.get(c)
+    if carrier is None:
+      carrier = carriers[c] = int32(c)
+    address = mem64[(mem64[argv + 1] >> 3) + 3]
+    if view is not None:
+      v = view[address >> shift]
+      if v != v:   # (a NaN: copied as it is, its payload bits kept)
+        return site.run(frame)
+      x = array(v, dtype)
+    elif shape is None:
+      x = frombuffer(mem8, dtype, count, address).copy()
+    else:
+      x = frombuffer(mem8, dtype, count, address).reshape(shape).copy()
+    out = host(carrier, x)
+    mem32[mem64[(mem64[retv >> 3] >> 3) + 3] >> 2] = out[0]
+    return 0
   except BaseException as exc:  # noqa: BLE001 - never out of a C callback
     return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
                       f"{exc}")
