@@ -187,7 +187,7 @@ _uint32s: dict[int, np.uint32] = {}
 #: value (``np.array(value, dtype)`` is a third of a buffer copy's cost).
 _SCALAR_FORMATS = {"bool": "?", "int8": "b", "uint8": "B", "int16": "h",
                    "uint16": "H", "int32": "i", "uint32": "I", "int64": "q",
-                   "uint64": "Q", "float16": "e", "float32": "f",
+                   "uint64": "Q", "float32": "f",
                    "float64": "d"}
 _typed_views: dict[str, memoryview] = {}
 
@@ -317,10 +317,12 @@ def _inline(site: Site):
 
 def _bind(key: bytes, site: Site) -> None:
   """Binds ``key`` to ``site`` (weakly; under the lock)."""
-  def dropped(ref, key=key):
-    with _lock:
-      if _sites.get(key) is ref:
-        del _sites[key]
+  def dropped(ref, key=key, lock=_lock, sites=_sites):
+    # (the lock and dict bound here: at interpreter exit the module's
+    # globals may already be gone)
+    with lock:
+      if sites.get(key) is ref:
+        del sites[key]
   _sites[key] = weakref.ref(site, dropped)
 
 
