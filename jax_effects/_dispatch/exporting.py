@@ -46,6 +46,14 @@ def lower(traced, lowering_platforms, private_parameters):
     raise ValueError(
         f"jax.export cannot export the jax_effects.jit function "
         f"{traced.fun_name!r} with effects in this process: {why}")
+  platforms = tuple(lowering_platforms or ())
+  if platforms != ("cpu",):
+    raise ValueError(
+        f"jax.export cannot export the jax_effects.jit function "
+        f"{traced.fun_name!r} with effects for platforms {platforms}: "
+        f"jax_effects' host target, which exported effects call, exists "
+        f"for CPU only. Export for platforms=['cpu'], or export the "
+        f"function without its effects")
   function = traced._function
   core = function._core
   args, kwargs = traced._args, traced._kwargs

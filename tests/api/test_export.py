@@ -218,3 +218,14 @@ def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
       lookup,            # (the first jit call ran nothing)
       *call, lookup,     # (its own callback's error, raised by the call)
       "barrier None"]
+
+
+def test_export_for_another_platform_is_refused_naming_cpu():
+  @je.jit
+  def f(x):
+    je.print("x {}", x)
+    return x
+
+  with pytest.raises(ValueError, match="for CPU only"):
+    jax.export.export(f, platforms=["cuda"], disabled_checks=ALLOW)(
+        jax.ShapeDtypeStruct((), jnp.float32))
