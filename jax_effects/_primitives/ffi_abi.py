@@ -16,17 +16,18 @@ means to read and write that memory fast:
   but the addresses indexed.
 * :func:`handler_capsule`: a Python function ``handler(frame_address) ->
   error_address`` as the C function pointer XLA registers
-  (``jax.ffi.pycapsule``), answering XLA's registration-time metadata query
-  itself (:func:`answer_metadata`: the API version the frame layout is read
-  with, and the struct sizes checked).
+  (``jax.ffi.pycapsule``); the handler answers XLA's registration-time
+  metadata query with :func:`answer_metadata` (the API version the frame
+  layout is read with, after checking the struct sizes).
 * :func:`check_frame` (once per process, on the first call: the API table's
   version and the struct sizes of the frame) and :func:`error` (an
   ``XLA_FFI_Error`` made with the API's own ``XLA_FFI_Error_Create``).
 * Buffers: :func:`buffer` (dtype code, data address, dims), :data:`DTYPES`
-  (XLA's dtype codes of the NumPy dtypes JAX has), :func:`read_array` and
-  :func:`write_array`, with the packing XLA uses for sub-byte types (2-bit
-  and 4-bit integers and ``float4_e2m1fn``: several elements per byte, the
-  first in the lowest bits; NumPy holds one per byte).
+  (XLA's dtype codes of the NumPy dtypes JAX has), :func:`view`,
+  :func:`read_array` and :func:`write_array`, with the packing XLA uses for
+  sub-byte types (2-bit and 4-bit integers and ``float4_e2m1fn``: several
+  elements per byte, the first in the lowest bits; NumPy holds one per
+  byte). :func:`attr_strings` reads a frame's attributes (the slow path).
 
 Which version this process has is read from jaxlib's header
 (:data:`FRAMEWORK_VERSION`); a version or a struct size this module does not
@@ -49,7 +50,8 @@ import numpy as np
 
 __all__ = ["mem8", "mem32", "mem64", "KNOWN_VERSIONS", "FRAMEWORK_VERSION",
            "UNAVAILABLE", "handler_capsule", "check_frame", "error",
-           "buffer", "DTYPES", "read_array", "write_array", "attr_strings"]
+           "buffer", "DTYPES", "view", "read_array", "write_array",
+           "attr_strings", "answer_metadata", "refuse"]
 
 # --- memory ---------------------------------------------------------------------
 
@@ -289,14 +291,6 @@ def _span(address: int) -> str:
   """The text of an ``XLA_FFI_ByteSpan`` {ptr, len}."""
   ptr, n = mem64[address >> 3], mem64[(address >> 3) + 1]
   return bytes(mem8[ptr:ptr + n]).decode("utf-8", "replace")
-
-
-def key_span(frame: int, index: int) -> bytes:
-  """The bytes of string attribute ``index`` (attributes are sorted by
-  name): the hot path's read of a call site's key."""
-  a = mem64[(mem64[(frame >> 3) + F_ATTRV] >> 3) + index] >> 3
-  ptr = mem64[a]
-  return bytes(mem8[ptr:ptr + mem64[a + 1]])
 
 
 # --- buffers -----------------------------------------------------------------------

@@ -29,7 +29,8 @@ Lifetime: the registry holds sites weakly; a site lives as long as one of
 the executables it was lowered into (a keepalive of the lowering, which JAX
 hands to the executable; never in an exported module) or the effect's
 ``HostCallback`` (its jaxpr) does; sites rebuilt from a spec are kept in a
-bounded LRU (:data:`REBUILT_KEPT`) and rebuilt again if dropped.
+bounded store (:data:`REBUILT_KEPT`, the oldest dropped first) and rebuilt
+again if dropped.
 
 The handler runs on the thread XLA calls it on: the dispatching thread when
 the CPU client runs the computation inline, else one of XLA's threads, whose
@@ -62,7 +63,8 @@ from jax_effects._runtime import placement as _placement
 TARGET = "jax_effects_host"
 KEY_ATTR = "jax_effects_key"
 SPEC_ATTR = "jax_effects_spec"
-#: How many sites rebuilt from a spec are kept alive (LRU).
+#: How many sites rebuilt from a spec are kept alive (the oldest dropped
+#: first; one dropped is rebuilt at its next call).
 REBUILT_KEPT = 4096
 
 mem32, mem64 = _abi.mem32, _abi.mem64
