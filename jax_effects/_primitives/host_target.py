@@ -288,33 +288,40 @@ def _runner(site: Site) -> Callable[[int], int]:
 
 
 def _common(site: Site) -> bool:
-  """The common site: the carrier and one operand in, the carrier out
-  (``print``, ``log``, a ``callback`` without results)."""
-  i32 = (np.dtype(np.int32), ())
-  return (len(site.avals_in) == 2 and len(site.avals_out) == 1
-          and site.avals_in[0] == i32 and site.avals_out[0] == i32
-          and site.avals_in[1] is not None and 0 in site.scalars
+  """The common site: the carrier and one operand in (and a per-device
+  call's partition id), the carrier out (``print``, ``log``, a
+  ``callback`` without results)."""
+  i32, u32 = (np.dtype(np.int32), ()), (np.dtype(np.uint32), ())
+  ins = site.avals_in
+  if len(ins) == 3:   # (the partition id last)
+    if ins[2] != u32 or 2 not in site.scalars:
+      return False
+    ins = ins[:2]
+  return (len(ins) == 2 and len(site.avals_out) == 1
+          and ins[0] == i32 and site.avals_out[0] == i32
+          and ins[1] is not None and 0 in site.scalars
           and 1 not in site.scalars)
 
 
 def _inline(site: Site):
   """What the handler needs to run a common site itself, with no frame of
-  its own (:func:`_handle`): ``(host, view, shift, dtype, count, shape)``,
-  ``view`` a typed view of memory for a 0-d operand read as one value (else
-  None: a buffer copy of ``count`` elements, reshaped to ``shape`` unless
-  None); None for any other site, or an operand of a sub-byte dtype or
-  with no elements."""
+  its own (:func:`_handle`): ``(host, view, shift, dtype, count, shape,
+  per_device)``, ``view`` a typed view of memory for a 0-d operand read as
+  one value (else None: a buffer copy of ``count`` elements, reshaped to
+  ``shape`` unless None), ``per_device``: a partition id follows; None for
+  any other site, or an operand of a sub-byte dtype or with no elements."""
   if not _common(site):
     return None
+  per_device = len(site.avals_in) == 3
   dtype, shape = site.avals_in[1]
   count = int(np.prod(shape, dtype=np.int64))
   if not count or dtype in _abi.SUB_BYTE:
     return None
   if shape == () and dtype.name in _SCALAR_FORMATS:
     return (site.host, _typed(_SCALAR_FORMATS[dtype.name]),
-            dtype.itemsize.bit_length() - 1, dtype, 1, None)
+            dtype.itemsize.bit_length() - 1, dtype, 1, None, per_device)
   return (site.host, None, 0, dtype, count,
-          None if len(shape) == 1 else shape)
+          None if len(shape) == 1 else shape, per_device)
 
 
 def _bind(key: bytes, site: Site) -> None:
@@ -372,8 +379,8 @@ _FRAME = struct.Struct("<8xQ56xQ32xQ16xQQ8xQ")
 
 def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
             pinned=_pinned, carriers=_int32s, int32=np.int32,
-            array=np.array, frombuffer=np.frombuffer,
-            fields=_FRAME.unpack_from):
+            pids=_uint32s, uint32=np.uint32, array=np.array,
+            frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
   """The FFI handler (see the module docstring): the address of an
   ``XLA_FFI_Error``, or 0. It runs on every host call, so a common site
   (:func:`_inline`) is run here, with no frame of its own; any other through
@@ -402,7 +409,7 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
     inline = site.inline
     if inline is None:
       return site.run(frame)
-    host, view, shift, dtype, count, shape = inline
+    host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
     c = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]
     carrier = carriers.get(c)
@@ -418,7 +425,14 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
       x = frombuffer(mem8, dtype, count, address).copy()
     else:
       x = frombuffer(mem8, dtype, count, address).reshape(shape).copy()
-    out = host(carrier, x)
+    if per_device:
+      pid = mem32[mem64[(mem64[argv + 2] >> 3) + 3] >> 2] & 0xFFFFFFFF
+      partition = pids.get(pid)
+      if partition is None:
+        partition = pids[pid] = uint32(pid)
+      out = host(carrier, x, partition)
+    else:
+      out = host(carrier, x)
     mem32[mem64[(mem64[retv >> 3] >> 3) + 3] >> 2] = out[0]
     return 0
   except BaseException as exc:  # noqa: BLE001 - never out of a C callback
