@@ -3,7 +3,11 @@
 Public API (everything else is private):
 
 * :func:`jit` - drop-in for ``jax.jit`` that threads tokens through effects.
-* :func:`print`, :func:`callback` - ordered side effects.
+* :func:`print`, :func:`callback` - ordered side effects;
+  :func:`register_callback` - a host function under a stable name
+  (:class:`NamedCallback`), for exported and cached computations;
+  :data:`HOST_TARGET` - the custom call of every host call on CPU
+  (``jax.export`` needs it allowed).
 * :func:`log` - ``logging`` records from compiled code (with device, shard
   and process attribution); :class:`Placement`, :func:`placement` - where the
   running host callback is; :func:`deterministic` - per-device output of
@@ -32,12 +36,16 @@ from jax_effects._dispatch.modes import ordering
 from jax_effects._dispatch.modes import set_ordering
 from jax_effects._frontends import adopted_host as _ah  # noqa: F401  (registers)
 from jax_effects._frontends.callback import callback
+from jax_effects._frontends.callback import NamedCallback
+from jax_effects._frontends.callback import register_callback
 from jax_effects._frontends.logging import log
 from jax_effects._frontends.printing import print  # noqa: A004
 from jax_effects._frontends.progress import progress
 from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
+from jax_effects._pass import exported_rule as _er  # noqa: F401  (its rule)
 from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (its rule)
 from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
+from jax_effects._primitives.host_target import TARGET as HOST_TARGET
 from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
 from jax_effects._runtime.barrier import effects_barrier
@@ -53,4 +61,5 @@ __all__ = [
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
     "Placement", "deterministic", "log", "placement", "progress",
+    "NamedCallback", "register_callback", "HOST_TARGET",
 ]

@@ -254,6 +254,52 @@ def set_sharding(module_context, op, sharding) -> None:
   else:
     _mlir.set_sharding(op, sharding)
 
+
+def with_token_sharding(sharding, has_results: bool):
+  """``sharding`` of a host call's results with an entry for a compiler
+  token result put first, as ``mlir.emit_python_callback`` adds one (Shardy
+  wants one ``SdyArray`` per result when there are others; an ``OpSharding``
+  covers the whole op). The token's entry names the results' devices on JAX
+  0.10 and none on 0.8/0.9, as each line's ``emit_python_callback`` does."""
+  import jax
+  if (sharding is None or not has_results
+      or not jax.config.jax_use_shardy_partitioner
+      or not isinstance(sharding, SdyArrayList)):
+    return sharding
+  ids = (sharding.shardings[0].logical_device_ids if JAX_VERSION >= (0, 10)
+         else ())
+  return SdyArrayList((SdyArray(mesh_shape=(), dim_shardings=(),
+                                logical_device_ids=ids),
+                       *sharding.shardings))
+
+
+#: The aval of a compiler token (``jax.core.abstract_token`` is deprecated
+#: from JAX 0.10 and has no replacement in ``jax.extend``): the operand and
+#: result of a host call that takes JAX's token (JAX 0.8-0.10).
+abstract_token = _core.abstract_token
+
+
+def physical_aval(aval):
+  """The aval of what a custom call receives for ``aval``: a PRNG key array's
+  key data (``uint32[..., 2]`` for threefry), any other array as it is
+  (``core.physical_aval``, JAX 0.8-0.10; no public handle)."""
+  return _core.physical_aval(aval)
+
+
+def lowering_for_export(ctx) -> bool:
+  """Whether ``ctx`` lowers for ``jax.export`` (``LoweringParameters.for_export``
+  of the module being lowered; the same attribute on JAX 0.8-0.10)."""
+  return bool(ctx.module_context.lowering_parameters.for_export)
+
+
+def keep_alive_with_executable(ctx, obj) -> None:
+  """Keeps ``obj`` alive as long as the executable compiled from the module
+  ``ctx`` lowers: the module context's keepalives, which JAX hands to the
+  executable (``MeshExecutable``); not part of the module, the persistent
+  cache key or its entry (JAX 0.8-0.10; ``jax.export`` refuses a module
+  with keepalives)."""
+  ctx.module_context.add_keepalive(obj)
+
 # JAX's own functions that jax_effects calls and that it also offers a
 # drop-in for: ``jit`` (``jax.jit``), ``effects_barrier``
 # (``jax.effects_barrier``), ``io_callback`` and ``debug_callback``
@@ -772,3 +818,13 @@ def require(feature: str, call: str = "jax_effects") -> None:
   reason = unsupported_reason(feature)
   if reason is not None:
     raise UnsupportedFeature(f"{call}: {reason}")
+
+
+# ``jax.export``: ``Exported.call`` binds ``call_exported_p`` (no public
+# handle on the primitive or its lowering). The token-threading pass threads
+# an exported jax_effects function's call on the chain of DEFAULT
+# (``_pass.exported_rule``), lowering it with JAX's own rule given the
+# chain's compiler token as the exported module's. JAX 0.8-0.10.
+from jax._src.export._export import call_exported_p  # noqa: E402
+from jax._src.export._export import (  # noqa: E402
+    _call_exported_lowering as call_exported_lowering)

@@ -31,6 +31,10 @@ RUN_SLOW = False
 
 JOIN_TIMEOUT_S = 900
 
+#: The custom call of every host call jax_effects lowers for CPU
+#: (``_primitives/host_target.py``, ``design/host_target.md``).
+HOST_CALL = "jax_effects_host"
+
 
 def scale(default, slow):
   """``slow`` under ``--run-slow``, else ``default`` (read at collection).

@@ -37,7 +37,8 @@ import numpy as np
 from jax_effects import _compat
 
 __all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
-           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "marker",
+           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "EXPORTED_ORDER",
+           "marker",
            "jax_effects_of", "register_chain_kind", "chain_key", "chain_keys",
            "runtime_chain_keys", "crosses_dispatch", "has_chain",
            "has_own_marker"]
@@ -234,6 +235,28 @@ class PlainJitOrder(_compat.Effect):
 PLAIN_JIT_ORDER = PlainJitOrder()
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportedOrder(_compat.Effect):
+  """The JAX *ordered* effect of a ``jax_effects.jit`` function exported
+  with ``jax.export`` (one value; ``_dispatch.exporting``).
+
+  The exported module's ``main`` takes and returns a ``!stablehlo.token``
+  for it (calling convention 9), so JAX orders ``exp.call`` s after one
+  another with its runtime tokens; inside ``jax_effects.jit`` the pass
+  threads an ``exp.call`` on the chain of :data:`DEFAULT`
+  (``_pass.exported_rule``). Serialized by its class's name
+  (``<class 'jax_effects._core.effects.ExportedOrder'>``: part of the
+  exported format, ``design/host_target.md``), found again when the
+  importing process has imported jax_effects.
+  """
+
+  def __str__(self):
+    return "jax_effects[exported]"
+
+
+EXPORTED_ORDER = ExportedOrder()
+
+
 def marker(effect: Effect, ordered: bool) -> TraceEffect:
   """The marker of an effect equation (equal settings give equal markers)."""
   return TraceEffect(effect if ordered else None)
@@ -259,6 +282,7 @@ for _registry in (_compat.control_flow_allowed_effects,
                   _compat.lowerable_effects):
   _registry.add_type(TraceEffect)
   _registry.add_type(PlainJitOrder)
+  _registry.add_type(ExportedOrder)
 # Under grad, an effect in a scan body runs once per iteration, even with no
 # operand that changes from one iteration to the next.
 _compat.keep_effects_in_loops(TraceEffect)
@@ -266,6 +290,8 @@ _compat.keep_effects_in_loops(TraceEffect)
 # io_callback (once per program point, on the first device).
 _compat.ordered_effects.add_type(PlainJitOrder)
 _compat.shardable_ordered_effects.add_type(PlainJitOrder)
+_compat.ordered_effects.add_type(ExportedOrder)
+_compat.shardable_ordered_effects.add_type(ExportedOrder)
 
 
 # --- which chain a JAX effect is on: one registry ------------------------------

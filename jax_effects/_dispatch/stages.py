@@ -8,8 +8,8 @@ shows the user's arguments and outputs (``args_info``, ``in_tree``,
 ``out_info``, ``input_shardings``, ...), never the token argument or result;
 cost and memory analysis and the text are those of the threaded computation.
 ``Compiled.__call__`` runs the call path (``call_path.dispatch``) with the
-tokens of the chains it was compiled for. Exporting a function with effects
-is refused: host callbacks cannot be serialized.
+tokens of the chains it was compiled for. Lowering a function with effects
+for ``jax.export`` lowers its exported form instead (``exporting``).
 
 Each is an instance of JAX's class (``jax.stages.Traced``, ``Lowered``,
 ``Compiled``: libraries check for them) without being built as one: it
@@ -26,21 +26,9 @@ from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
 from jax_effects._runtime import token_value as _token_value
+from jax_effects._dispatch import exporting as _exporting
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import threads as _threads
-
-
-def _export_error(function) -> Exception:
-  name = getattr(function._fun, "__qualname__", repr(function._fun))
-  return ValueError(
-      f"jax.export cannot export the jax_effects.jit function '{name}': it "
-      f"has side effects (jax_effects print/log/callback, or JAX callbacks "
-      f"such as jax.debug.print that jax_effects.jit adopts), which run as "
-      f"host (Python) callbacks, and host callbacks cannot be serialized. "
-      f"Export "
-      f"the pure part instead: jax.export.export(jax.jit(g)) of a function g "
-      f"without jax_effects effects, and run the effects around the exported "
-      f"call.")
 
 
 class _Stage:
@@ -118,14 +106,19 @@ class Traced(_Stage, jax.stages.Traced):
   outputs.
   """
 
-  def __init__(self, function, traced, mode, keys):
+  def __init__(self, function, traced, mode, keys, args=(), kwargs=None):
     self._function = function
     self._inner = traced
     self._mode = mode
     self._keys = keys
+    self._args = args
+    self._kwargs = {} if kwargs is None else kwargs
+    self._export_traced = None   # (set by a lowering for jax.export)
 
   @property
   def jaxpr(self):
+    if self._export_traced is not None:   # (what jax.export lowered)
+      return self._export_traced.jaxpr
     return self._inner.jaxpr
 
   @property
@@ -143,7 +136,7 @@ class Traced(_Stage, jax.stages.Traced):
   def lower(self, *, lowering_platforms=None, _private_parameters=None):
     if self._mode is not None and getattr(_private_parameters, "for_export",
                                           False):
-      raise _export_error(self._function)
+      return _exporting.lower(self, lowering_platforms, _private_parameters)
     lowered = self._inner.lower(lowering_platforms=lowering_platforms,
                                 _private_parameters=_private_parameters)
     return Lowered(self._function, lowered, self._mode, self._keys)
@@ -250,6 +243,6 @@ def trace(core, function, args, kwargs) -> Traced:
       except _bodies.NeedsTokens as err:
         core.learn(mode, err)
         continue
-      return Traced(function, traced, mode, keys)
+      return Traced(function, traced, mode, keys, args, kwargs)
   finally:
     _bodies.explicit.on = previous_explicit

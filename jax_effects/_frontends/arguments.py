@@ -147,15 +147,18 @@ class Formatting:
   operands replaced by ``values`` (one per operand) and the static leaves as
   they were. ``key_impls[i]`` is the PRNG implementation of operand ``i``
   when it is a key array (None otherwise), for the eager path, which shows
-  keys as ``jax.debug.print`` shows them eagerly.
+  keys as ``jax.debug.print`` shows them eagerly. ``positions``: the
+  operands' flat positions among the leaves of ``(args, kwargs)``
+  (``jax.tree_util``'s order).
   """
-  __slots__ = ("operands", "rebuild", "key_impls")
+  __slots__ = ("operands", "rebuild", "key_impls", "positions")
 
   def __init__(self, operands: list, rebuild: Callable[[Any], tuple],
-               key_impls: tuple):
+               key_impls: tuple, positions: tuple = ()):
     self.operands = operands
     self.rebuild = rebuild
     self.key_impls = key_impls
+    self.positions = positions
 
 
 def split_for_format(what: str, args: tuple, kwargs: dict, *,
@@ -202,4 +205,4 @@ def split_for_format(what: str, args: tuple, kwargs: dict, *,
         full[i] = x
       return tree_util.tree_unflatten(treedef, full)
 
-  return Formatting(operands, rebuild, tuple(key_impls))
+  return Formatting(operands, rebuild, tuple(key_impls), tuple(positions))

@@ -15,6 +15,7 @@ carrier.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import jax
@@ -25,6 +26,8 @@ from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import effect as _effect
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_specs as _host_specs
 
 
 def _result_avals(what: str, result_shape_dtypes):
@@ -45,6 +48,144 @@ def _result_avals(what: str, result_shape_dtypes):
   return tuple(avals), treedef
 
 
+class NamedCallback:
+  """A host function registered under a stable name
+  (:func:`register_callback`). Passed to :func:`callback` as its ``fn``,
+  the call site names it by ``name``: whenever it runs, in this process or
+  in another one (an exported module, a persistent-cache hit), it calls the
+  function registered under ``name`` *there* at that time. Calling the
+  object itself does the same."""
+  __slots__ = ("name",)
+  name: str
+
+  def __init__(self, name: str) -> None:
+    self.name = name
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _registered(self.name)(*args, **kwargs)
+
+  def __repr__(self):
+    return f"NamedCallback({self.name!r})"
+
+  def __eq__(self, other):
+    return isinstance(other, NamedCallback) and other.name == self.name
+
+  def __hash__(self):
+    return hash(("NamedCallback", self.name))
+
+
+_named: dict[str, Callable[..., Any]] = {}
+_named_lock = threading.Lock()
+
+
+def register_callback(name: str, fn: Callable[..., Any] | None
+                      ) -> NamedCallback | None:
+  """Registers ``fn`` under ``name`` in this process; returns the
+  :class:`NamedCallback` to pass to :func:`callback`.
+
+  A call site made with ``callback(register_callback(name, fn), ...)``
+  refers to its host function by name, so it runs in any process where
+  ``name`` is registered: ``jax.export`` serializes it, and a persistent
+  compilation cache hit in a fresh process runs it, when that process has
+  called ``register_callback(name, ...)`` before the call runs (else the
+  effect fails with a ``LookupError`` naming ``name``, reported like a
+  callback's error). Registering a name again replaces its function
+  (for every call site using it from then on); ``fn=None`` removes it.
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(
+        f"jax_effects.register_callback: name must be a non-empty str, got "
+        f"{name!r}")
+  if fn is not None and not callable(fn):
+    raise TypeError(
+        f"jax_effects.register_callback({name!r}, ...): {fn!r} is not "
+        f"callable")
+  if isinstance(fn, NamedCallback):
+    raise TypeError(
+        f"jax_effects.register_callback({name!r}, ...): pass the function, "
+        f"not the NamedCallback {fn!r}")
+  with _named_lock:
+    if fn is None:
+      _named.pop(name, None)
+      return None
+    _named[name] = fn
+  return NamedCallback(name)
+
+
+def _registered(name: str) -> Callable[..., Any]:
+  fn = _named.get(name)
+  if fn is None:
+    raise LookupError(
+        f"jax_effects.callback named {name!r}: no function is registered "
+        f"under that name in this process; call "
+        f"jax_effects.register_callback({name!r}, fn) before the "
+        f"computation runs")
+  return fn
+
+
+def _named_host(spec: dict) -> _host_callback.HostCallback:
+  """The host side of a named callback's spec (``{"kind": "callback",
+  ...}``), in any process: the function registered under its name when it
+  runs."""
+  name, args_tree = spec["name"], spec["args"]
+  decode = _host_specs.decode_tree
+  results = spec["results"]
+  avals = tuple(jax.core.ShapedArray(tuple(shape), _host_specs.decode_aval(
+      [dtype, shape])[0]) for dtype, shape in (results or {}).get("avals", ()))
+  out_tree = (None if results is None else tree_util.tree_structure(
+      decode(results["tree"], [0] * len(avals))))
+  what = spec["what"]
+
+  def call(*np_operands):
+    fn = _registered(name)
+    a, k = decode(args_tree, [x[()] if x.ndim == 0 else x
+                              for x in np_operands])
+    out = fn(*a, **k)
+    if out_tree is None:
+      return ()
+    return _flatten_results(what, out, out_tree, None)
+
+  return _host_callback.HostCallback(call, what, avals, spec=spec)
+
+
+_host_specs.register_kind("callback", _named_host)
+
+
+def _flatten_results(what: str, out, out_tree, result_shape_dtypes):
+  try:
+    # Up to the declared structure: a leaf may be a list, a scalar or any
+    # object NumPy takes as an array.
+    return out_tree.flatten_up_to(out)
+  except (ValueError, TypeError):
+    tree = tree_util.tree_structure(out)
+    count = ""
+    declared = (out_tree.num_children if result_shape_dtypes is None
+                else len(result_shape_dtypes)
+                if isinstance(result_shape_dtypes, (tuple, list)) else None)
+    if (isinstance(out, (tuple, list)) and declared is not None
+        and len(out) != declared):
+      count = (f"{len(out)} results where result_shape_dtypes declares "
+               f"{declared}: ")
+    raise TypeError(
+        f"{what} returned {count}a value of structure {tree}; expected "
+        f"{out_tree} (from result_shape_dtypes)") from None
+
+
+def _named_spec(what: str, name: str, args, kwargs, n_operands: int,
+                result_shape_dtypes, avals) -> dict:
+  """The named callback's call site as data (its operands are every leaf
+  of the arguments: ``_arguments.split`` refuses others)."""
+  args_tree = _host_specs.encode_tree((args, kwargs), set(range(n_operands)))
+  results = None
+  if result_shape_dtypes is not None:
+    n = len(avals)
+    results = {"tree": _host_specs.encode_tree(result_shape_dtypes,
+                                               set(range(n))),
+               "avals": [_host_specs.encode_aval(a) for a in avals]}
+  return {"kind": "callback", "what": what, "name": name, "args": args_tree,
+          "results": results}
+
+
 def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
              ordered: bool | None = None,
              effect: Effect | None = None, **kwargs: Any) -> Any:
@@ -55,41 +196,50 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
   ``effect`` (default :data:`jax_effects.DEFAULT`, shared with ``print`` and
   ``log``) and ``ordered`` (default: the effect's setting) work as for
   :func:`jax_effects.print`. Results are not differentiable (their tangents
-  are zero).
+  are zero). ``fn`` may be a :class:`NamedCallback`
+  (:func:`register_callback`): the call site then names its host function,
+  so it can be exported and cached across processes.
   """
   if not callable(fn):
     raise TypeError(f"jax_effects.callback: {fn!r} is not callable")
-  name = getattr(fn, "__qualname__", None) or repr(fn)
-  what = f"jax_effects.callback({name})"
+  named = fn.name if isinstance(fn, NamedCallback) else None
+  if named is not None:
+    what = f"jax_effects.callback({named!r})"
+  else:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    what = f"jax_effects.callback({name})"
   effect, ordered = _effects.resolve(what, effect, ordered)
   operands, calling = _arguments.split(what, args, kwargs)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
-  host = calling(fn)
 
+  if named is not None:
+    try:
+      spec = _named_spec(what, named, args, kwargs, len(operands),
+                         result_shape_dtypes, avals)
+    except _host_specs.NotData as err:
+      spec = f"its arguments have {err}"
+  else:
+    spec = "its host side is a Python function of this process"
+  if isinstance(spec, dict):
+    host = _named_host(spec).fn
+    results = _effect.bind_effect(host, what, operands, effect=effect,
+                                      ordered=ordered, result_avals=avals,
+                                      spec=spec)
+    return (None if result_shape_dtypes is None
+            else tree_util.tree_unflatten(out_tree, results))
+
+  host = calling(fn)
   if result_shape_dtypes is None:
     # What ``host`` returns is ignored: no frame of ours around it.
     _effect.bind_effect(host, what, operands, effect=effect,
-                            ordered=ordered)
+                            ordered=ordered, spec=spec)
     return None
 
   def call(*np_operands):
-    out = host(*np_operands)
-    try:
-      # Up to the declared structure: a leaf may be a list, a scalar or any
-      # object NumPy takes as an array.
-      return out_tree.flatten_up_to(out)
-    except (ValueError, TypeError):
-      tree = tree_util.tree_structure(out)
-      count = ""
-      if (isinstance(out, (tuple, list))
-          and isinstance(result_shape_dtypes, (tuple, list))
-          and len(out) != len(result_shape_dtypes)):
-        count = (f"{len(out)} results where result_shape_dtypes declares "
-                 f"{len(result_shape_dtypes)}: ")
-      raise TypeError(
-          f"{what} returned {count}a value of structure {tree}; expected "
-          f"{out_tree} (from result_shape_dtypes)") from None
+    return _flatten_results(what, host(*np_operands), out_tree,
+                            result_shape_dtypes)
 
   results = _effect.bind_effect(call, what, operands, effect=effect,
-                                   ordered=ordered, result_avals=avals)
+                                   ordered=ordered, result_avals=avals,
+                                   spec=spec)
   return tree_util.tree_unflatten(out_tree, results)

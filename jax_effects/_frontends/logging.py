@@ -45,6 +45,8 @@ from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._frontends import printing as _printing
 from jax_effects._primitives import effect as _effect
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 
@@ -141,9 +143,11 @@ def _resolve_exc_info(exc_info):
 
 
 def _split_extra(what: str, extra):
-  """Returns ``(operands, rebuild)``; ``rebuild(np_values)`` gives the dict."""
+  """Returns ``(operands, rebuild, spec)``; ``rebuild(np_values)`` gives the
+  dict; ``spec`` is its structure as data (``_primitives.host_specs``), or
+  why it is not (a str)."""
   if extra is None:
-    return [], lambda values: None
+    return [], lambda values: None, None
   if not isinstance(extra, Mapping):
     raise TypeError(
         f"{what}: extra= must be a mapping (dict) of record attributes, got "
@@ -164,13 +168,122 @@ def _split_extra(what: str, extra):
   # the object it is, as Logger.log keeps it: 7 an int, 0.1 a float)
   fa = _arguments.split_for_format(f"{what} extra=", (), dict(extra),
                                    arrays_only=True)
-  rebuild = fa.rebuild
+  try:
+    spec = _host_specs.encode_tree(((), dict(extra)), set(fa.positions))
+  except _host_specs.NotData as err:
+    spec = f"its extra= has {err}"
+  return fa.operands, _extra_values(fa.rebuild), spec
 
+
+def _extra_values(rebuild):
+  """``values(np_values)``: the ``extra`` dict of the NumPy values
+  (``rebuild(values) -> (args, kwargs)``; 0-d arrays as scalars)."""
   def values(np_values):
     vals = [np.asarray(x) for x in np_values]
     return rebuild([x[()] if x.ndim == 0 else x for x in vals])[1]
+  return values
 
-  return fa.operands, values
+
+def _logger_name(lg: logging.Logger) -> str | None:
+  """The name ``logging.getLogger`` finds ``lg`` by (None: not by name)."""
+  if lg is logging.getLogger():
+    return ""
+  if lg.name and logging.getLogger(lg.name) is lg:
+    return lg.name
+  return None
+
+
+class _Record:
+  """What ``log`` decided when traced, for building its records."""
+  __slots__ = ("lg", "adapters", "levelno", "pathname", "lineno", "func",
+               "sinfo", "exc", "stack_info", "stacklevel", "extra_values",
+               "ordered", "process_index")
+
+  def __init__(self, **fields):
+    for name in self.__slots__:
+      setattr(self, name, fields[name])
+
+  def emit(self, message, np_extra):
+    lg, levelno = self.lg, self.levelno
+    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
+      return
+    extra = self.extra_values(np_extra)
+    if self.adapters:
+      kw = {"extra": extra, "exc_info": self.exc,
+            "stack_info": self.stack_info, "stacklevel": self.stacklevel}
+      for adapter in self.adapters:
+        message, kw = adapter.process(message, kw)
+      extra = kw.get("extra")
+    extra = dict(extra) if extra else {}
+    place = _placement.current()
+    if place is None:
+      extra.update(device_id=None, shard_index=None,
+                   process_index=self.process_index)
+    else:
+      extra.update(device_id=place.device_id, shard_index=place.shard_index,
+                   process_index=place.process_index)
+    record = lg.makeRecord(lg.name, levelno, self.pathname, self.lineno,
+                           message, (), self.exc, self.func, extra,
+                           self.sinfo)
+    _output.deliver_record(lg, record, self.ordered)
+
+  def jit_side(self, jit, n: int):
+    """The host function of the compiled computation's values."""
+    lg, levelno, emit = self.lg, self.levelno, self.emit
+
+    def emit_jit(*np_operands):
+      if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
+        return ()
+      emit(jit(*np_operands[:n]), np_operands[n:])
+      return ()
+    return emit_jit
+
+
+def _log_host(spec: dict) -> _host_callback.HostCallback:
+  """The host side of a ``log`` spec (``{"kind": "log", ...}``), in any
+  process: the logger found by name there."""
+  name = spec["logger"]
+  extra = spec["extra"]
+  record = _Record(
+      lg=logging.getLogger(name) if name else logging.getLogger(),
+      adapters=(), levelno=spec["level"], pathname=spec["pathname"],
+      lineno=spec["lineno"], func=spec["func"], sinfo=spec["sinfo"],
+      exc=None, stack_info=spec["stack_info"],
+      stacklevel=spec["stacklevel"],
+      extra_values=(_extra_values(_host_specs.tree_decoder(extra))
+                    if extra is not None else (lambda values: None)),
+      ordered=spec["ordered"], process_index=jax.process_index())
+  text = spec["text"]
+  n = len(text["edges"])
+  edges = (*_printing.spec_edges(text), *(None,) * spec["n_extra"])
+  return _host_callback.HostCallback(
+      record.jit_side(_printing.text_from_spec(text), n), spec["what"],
+      reads_placement=True, edges=edges, spec=spec)
+
+
+_host_specs.register_kind("log", _log_host)
+
+
+def _log_spec(what, record: _Record, text, extra_spec, n_extra: int):
+  """The ``log`` as data, or why it is not (a str)."""
+  if not isinstance(text, dict):
+    return text
+  if isinstance(extra_spec, str):
+    return extra_spec
+  if record.adapters:
+    return "its logger is a LoggerAdapter (an object of this process)"
+  if record.exc is not None:
+    return "it has exc_info (an exception of this process)"
+  name = _logger_name(record.lg)
+  if name is None:
+    return (f"its logger {record.lg.name!r} is not the one "
+            f"logging.getLogger({record.lg.name!r}) returns")
+  return {"kind": "log", "what": what, "text": text, "extra": extra_spec,
+          "n_extra": n_extra, "logger": name, "level": record.levelno,
+          "pathname": record.pathname, "lineno": record.lineno,
+          "func": record.func, "sinfo": record.sinfo,
+          "stack_info": bool(record.stack_info),
+          "stacklevel": record.stacklevel, "ordered": record.ordered}
 
 
 def log(fmt: str, *args: Any, level: int | str = logging.INFO,
@@ -210,46 +323,29 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   levelno = _resolve_level(what, level)
   pathname, lineno, func, sinfo = _caller(what, stacklevel, stack_info)
   exc = _resolve_exc_info(exc_info)
-  operands, eager, jit, edges = _printing.formatter(what, fmt, args, kwargs)
-  extra_operands, extra_values = _split_extra(what, extra)
+  operands, eager, jit, edges, text = _printing.formatter(what, fmt, args,
+                                                          kwargs)
+  extra_operands, extra_values, extra_spec = _split_extra(what, extra)
   n = len(operands)
-  process_index = jax.process_index()
-
-  def emit_record(message, np_extra):
-    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
-      return
-    extra = extra_values(np_extra)
-    if adapters:
-      kw = {"extra": extra, "exc_info": exc, "stack_info": stack_info,
-            "stacklevel": stacklevel}
-      for adapter in adapters:
-        message, kw = adapter.process(message, kw)
-      extra = kw.get("extra")
-    extra = dict(extra) if extra else {}
-    place = _placement.current()
-    if place is None:
-      extra.update(device_id=None, shard_index=None,
-                   process_index=process_index)
-    else:
-      extra.update(device_id=place.device_id, shard_index=place.shard_index,
-                   process_index=place.process_index)
-    record = lg.makeRecord(lg.name, levelno, pathname, lineno, message, (),
-                           exc, func, extra, sinfo)
-    _output.deliver_record(lg, record, ordered)
-
-  def emit(*np_operands):
-    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
-      return ()
-    emit_record(jit(*np_operands[:n]), np_operands[n:])
-    return ()
+  record = _Record(lg=lg, adapters=adapters, levelno=levelno,
+                   pathname=pathname, lineno=lineno, func=func, sinfo=sinfo,
+                   exc=exc, stack_info=stack_info, stacklevel=stacklevel,
+                   extra_values=extra_values, ordered=ordered,
+                   process_index=jax.process_index())
+  spec = _log_spec(what, record, text, extra_spec, len(extra_operands))
+  if isinstance(spec, dict):
+    host = _log_host(spec).fn
+  else:
+    host = record.jit_side(jit, n)
 
   def emit_eager(*all_operands):
     if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
       return
-    emit_record(eager(*all_operands[:n]),
+    record.emit(eager(*all_operands[:n]),
                 [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
 
-  _effect.bind_effect(emit, what, [*operands, *extra_operands],
+  _effect.bind_effect(host, what, [*operands, *extra_operands],
                           effect=effect, ordered=ordered, eager=emit_eager,
                           reads_placement=True,
-                          edges=(*edges, *(None,) * len(extra_operands)))
+                          edges=(*edges, *(None,) * len(extra_operands)),
+                          spec=spec)

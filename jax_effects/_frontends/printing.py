@@ -25,6 +25,8 @@ from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import effect as _effect
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 
 # --- trace-time checks --------------------------------------------------------
@@ -194,7 +196,7 @@ def printoptions():
 
 def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   """Checks ``fmt`` against the arguments; returns ``(operands, eager, jit,
-  edges)``.
+  edges, spec)``.
 
   ``jit(*np_operands)`` and ``eager(*operands)`` return the formatted text:
   the first for values arriving from a compiled computation (as NumPy
@@ -203,29 +205,23 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   arrays as keys, Python scalars weakly typed). ``edges``: per operand, the
   ``_edges.Edges`` NumPy will show of it under the print options in effect
   here, or None (shown whole); ``jit`` receives such an operand cut to its
-  edges (bind with ``edges=``) and formats it as the whole array.
+  edges (bind with ``edges=``) and formats it as the whole array. ``spec``:
+  the text as data (:func:`text_spec`; ``jit`` is then
+  :func:`text_from_spec` of it, as in any process that rebuilds it), or a
+  str saying why it is not data.
   """
   check_format(what, fmt, args, kwargs)
   fa = _arguments.split_for_format(what, args, kwargs)
   check_format_specs(what, fmt, fa)
   options = printoptions()
-  rebuild = fa.rebuild
   key_impls = fa.key_impls
   edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
-
-  def fmt_values(values):
-    a, k = rebuild(values)
-    if np.get_printoptions() == options:
-      return fmt.format(*a, **k)
-    with np.printoptions(**options):
-      return fmt.format(*a, **k)
-
-  if any(e is not None for e in edges):
-    def jit(*np_operands):
-      return fmt_values(_edges.host_values(np_operands, edges))
+  spec = text_spec(fmt, fa, args, kwargs, options, edges)
+  if isinstance(spec, dict):
+    jit = text_from_spec(spec)
   else:
-    def jit(*np_operands):
-      return fmt_values([Value(x) for x in np_operands])
+    jit = _texts(fmt, fa.rebuild, options, edges)
+  fmt_values = _formatted(fmt, fa.rebuild, options)
 
   def eager(*operands):
     cpu = _cpu()
@@ -236,7 +232,86 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
       values.append(jax.device_put(x, cpu))
     return fmt_values(values)
 
-  return fa.operands, eager, jit, edges
+  return fa.operands, eager, jit, edges, spec
+
+
+def _formatted(fmt: str, rebuild, options: dict):
+  """``text(values)``: ``fmt`` formatted with the arguments ``rebuild``
+  makes of ``values``, under the NumPy print ``options``."""
+  def fmt_values(values):
+    a, k = rebuild(values)
+    if np.get_printoptions() == options:
+      return fmt.format(*a, **k)
+    with np.printoptions(**options):
+      return fmt.format(*a, **k)
+  return fmt_values
+
+
+def _texts(fmt: str, rebuild, options: dict, edges: tuple):
+  """``jit(*np_operands)``: the text of the values a computation passes
+  (operands with ``edges`` arrive as their edges)."""
+  fmt_values = _formatted(fmt, rebuild, options)
+  if any(e is not None for e in edges):
+    def jit(*np_operands):
+      return fmt_values(_edges.host_values(np_operands, edges))
+  else:
+    def jit(*np_operands):
+      return fmt_values([Value(x) for x in np_operands])
+  return jit
+
+
+def text_spec(fmt: str, fa, args: tuple, kwargs: dict, options: dict,
+              edges: tuple) -> dict | str:
+  """The formatted text as data (``_primitives.host_specs``): the format
+  string, the arguments' structure with their static leaves, the NumPy
+  print options and the operands' edges; or why it is not data (a str)."""
+  if options.get("formatter") is not None or options.get(
+      "override_repr") is not None:
+    return ("its NumPy print options hold functions (formatter= or "
+            "override_repr=)")
+  try:
+    tree = _host_specs.encode_tree((args, kwargs), set(fa.positions))
+    _host_specs.dumps(options)
+  except _host_specs.NotData as err:
+    return (f"its arguments have {err} (pass str(value), a number or an "
+            f"array instead)")
+  except (TypeError, ValueError):
+    return "its NumPy print options are not data"
+  return {"fmt": fmt, "args": tree, "options": dict(options),
+          "edges": [None if e is None else [list(e.shape), e.edgeitems]
+                    for e in edges]}
+
+
+def spec_edges(spec: dict) -> tuple:
+  """The operands' ``Edges`` of a :func:`text_spec`."""
+  return tuple(None if e is None else _edges.Edges(tuple(e[0]), e[1])
+               for e in spec["edges"])
+
+
+def text_from_spec(spec: dict):
+  """``jit(*np_operands)`` of a :func:`text_spec`."""
+  return _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
+                spec["options"], spec_edges(spec))
+
+
+def _emit_line(jit, ordered: bool):
+  def emit(*np_operands):
+    # Per-device lines get a "[device D shard S process P] " prefix.
+    _output.deliver_line(jit(*np_operands), ordered)
+    return ()
+  return emit
+
+
+def _print_host(spec: dict) -> _host_callback.HostCallback:
+  """The host side of a ``print`` spec (``{"kind": "print", ...}``), in
+  any process."""
+  text = spec["text"]
+  return _host_callback.HostCallback(
+      _emit_line(text_from_spec(text), spec["ordered"]), spec["what"],
+      reads_placement=True, edges=spec_edges(text), spec=spec)
+
+
+_host_specs.register_kind("print", _print_host)
 
 
 def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
@@ -266,15 +341,13 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   """
   what = f"jax_effects.print({fmt!r})"
   effect, ordered = _effects.resolve(what, effect, ordered)
-  operands, eager, jit, edges = formatter(what, fmt, args, kwargs)
-
-  def emit(*np_operands):
-    # Per-device lines get a "[device D shard S process P] " prefix.
-    _output.deliver_line(jit(*np_operands), ordered)
-    return ()
+  operands, eager, jit, edges, text = formatter(what, fmt, args, kwargs)
+  spec = ({"kind": "print", "what": what, "text": text, "ordered": ordered}
+          if isinstance(text, dict) else text)
 
   def emit_eager(*operands):
     _output.deliver_line(eager(*operands), ordered)
 
-  _effect.bind_effect(emit, what, operands, effect=effect, ordered=ordered,
-                          eager=emit_eager, reads_placement=True, edges=edges)
+  _effect.bind_effect(_emit_line(jit, ordered), what, operands,
+                          effect=effect, ordered=ordered, eager=emit_eager,
+                          reads_placement=True, edges=edges, spec=spec)

@@ -55,7 +55,6 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
@@ -93,10 +92,12 @@ def _effect_impl(*args, host_callback, effect, ordered):
       state.switch_mode(mode)
     key = _effects.chain_key(marker, mode)
     state.wait_for((key,))
-    # ... and for effects under plain jax.jit (incl. eager cond/while).
-    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
-    if token is not None:
-      _threads.settled(token)
+    # ... for effects under plain jax.jit (incl. eager cond/while), and
+    # for exported jax_effects functions called outside jax_effects.jit.
+    for jax_effect in (_effects.PLAIN_JIT_ORDER, _effects.EXPORTED_ORDER):
+      token = _compat.jax_runtime_token(jax_effect)
+      if token is not None:
+        _threads.settled(token)
   if host_callback.eager is not None:
     host_callback.eager(*args)
     return []
@@ -134,14 +135,11 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
       ctx, list(args), avals_in)
-  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in)
-  host = _host_functions.host_function(host_callback, where, passthrough=0,
-                             threaded=False, avals_out=ctx.avals_out)
-  results, token, _ = mlir.emit_python_callback(
-      sub_ctx, host, token,
-      operands, avals_in, ctx.avals_out, has_side_effect=True,
-      returns_token=ordered,
-      sharding=_compat.callback_op_sharding(
+  side = _host_call.HostSide(host_callback, where, passthrough=0,
+                             threaded=False)
+  results, token = _host_call.emit_ordered(
+      ctx, side, token, operands, avals_in, ctx.avals_out,
+      _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
     # Uncacheable lowering: tokens_in holds every ordered effect of the
@@ -306,7 +304,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 reads_placement: bool = False,
                 batch_once: bool = False, edges: tuple = (),
                 counts_elements: bool = False,
-                cleanup: bool = False) -> list:
+                cleanup: bool = False,
+                spec: dict | str | None = None) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -319,6 +318,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   under ``jit`` ``fn`` receives the operands with edges cut to them.
   ``cleanup``: runs also after an earlier effect of its chain failed in the
   same execution (``HostCallback.cleanup``).
+  ``spec``: the host side as data, ``fn`` built from it (or why not,
+  ``HostCallback.spec``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -331,6 +332,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
       edges=tuple(edges), counts_elements=counts_elements,
-      cleanup=cleanup)
+      cleanup=cleanup, spec=spec)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

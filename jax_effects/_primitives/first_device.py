@@ -31,7 +31,7 @@ def once_across_devices(ctx) -> bool:
           and axis_context.num_devices > 1)
 
 
-def on_first_device(ctx, host, operands) -> list:
+def on_first_device(ctx, side, operands) -> list:
   """The host call of an effect that runs once in a computation over several
   devices, with a carrier no other device waits for.
 
@@ -64,7 +64,7 @@ def on_first_device(ctx, host, operands) -> list:
   mesh, names = _all_devices_mesh(ctx.module_context.axis_context.num_devices)
 
   def call(*ops):
-    return tuple(first_device_call_p.bind(*ops, host=host,
+    return tuple(first_device_call_p.bind(*ops, side=side,
                                           avals_out=avals_out))
 
   def pass_through(carrier, *ops):
@@ -116,14 +116,14 @@ first_device_call_p.multiple_results = True
 # (The carrier keeps its operand's type and the results are strong-typed, as
 # the pass-through branch's are: cond requires equal types.)
 first_device_call_p.def_abstract_eval(
-    lambda carrier, *avals, host, avals_out: [
+    lambda carrier, *avals, side, avals_out: [
         carrier, *(a.update(weak_type=False) for a in avals_out[1:])])
 
 
-def _first_device_call_lowering(ctx, *operands, host, avals_out):
+def _first_device_call_lowering(ctx, *operands, side, avals_out):
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, avals_out)
-  return _host_call.emit(ctx, host, operands, sharding)
+  return _host_call.emit(ctx, side, operands, sharding)
 
 
 mlir.register_lowering(first_device_call_p, _first_device_call_lowering,

@@ -49,7 +49,11 @@ class HostCallback:
   progress bar's close, as a ``finally`` block; ``host_functions.FailedBit``).
   ``chain``: the chain key the token-threading pass put it on (None before
   the pass): what the host keeps for an execution is named by it
-  (``_runtime.host_jobs``). Compared and hashed by identity.
+  (``_runtime.host_jobs``).
+  ``spec``: the host side as data
+  (``host_specs``: a JSON-able dict from which ``fn`` was built and any
+  process rebuilds it), or a str saying why it is not data, or None (not
+  data, no reason given). Compared and hashed by identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -63,6 +67,7 @@ class HostCallback:
   counts_elements: bool = False
   cleanup: bool = False
   chain: Any = None
+  spec: dict | str | None = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"

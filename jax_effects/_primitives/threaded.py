@@ -54,7 +54,6 @@ from jax_effects import _compat
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import host_assembly as _host_assembly
-from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._runtime import placement as _placement
 
@@ -136,18 +135,17 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   # Where it runs (device, shard): may add the partition id as an operand.
   where, operands, avals_in = _placement.at_lowering(
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
-  host = _host_functions.host_function(host_callback, where, passthrough=1,
-                             threaded=True, avals_out=ctx.avals_out[1:],
-                             entry=entry, operands=len(args))
+  side = _host_call.HostSide(host_callback, where, passthrough=1,
+                             threaded=True, entry=entry, operands=len(args))
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
                                 avals_out=ctx.avals_out[1:])
   if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:
     if _first_device.once_across_devices(ctx):
-      return [token, *_first_device.on_first_device(sub_ctx, host, operands)]
-    return [token, *_host_call.emit(sub_ctx, host, operands, sharding)]
+      return [token, *_first_device.on_first_device(sub_ctx, side, operands)]
+    return [token, *_host_call.emit(sub_ctx, side, operands, sharding)]
   # Other platforms (TPU): through emit_python_callback, which adds the token.
   results, token, _ = mlir.emit_python_callback(
-      sub_ctx, host, token,
+      sub_ctx, side.function(sub_ctx.avals_out), token,
       operands, sub_ctx.avals_in, sub_ctx.avals_out,
       has_side_effect=True, returns_token=True, sharding=sharding)
   return [token, *results]

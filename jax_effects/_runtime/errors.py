@@ -90,11 +90,15 @@ def defer(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
   """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
 
   ``inline``: the callback may be running on the dispatching thread itself,
-  inside its jax_effects call (the CPU client runs a computation inline when
-  its inputs are ready): then that call raises it when it returns
-  (:func:`raise_own`), as a failing Python call would.
+  inside its jax_effects call (the CPU client runs a computation it finds
+  cheap inline when its inputs are ready): then that call raises it when it
+  returns (:func:`raise_own`), as a failing Python call would. Only inside
+  such a call: a computation the thread dispatched otherwise (an exported
+  jax_effects function called outside ``jax_effects.jit``) leaves it for
+  the thread's next call or barrier.
   """
-  if inline and own.slot == slot:
+  if inline and own.slot == slot and _dispatching is not None and (
+      _dispatching()):
     own.errors.append(exc)
     return
   with _lock:
@@ -228,11 +232,15 @@ def plain_jit_slot() -> int:
 #: registers itself here): a plain ``jax.jit`` callback running inline on a
 #: thread new to jax_effects files its error under that thread's slot.
 _thread_slot = None
+#: Whether the calling thread is inside one of its jax_effects calls
+#: (``threads.ThreadTokens.dispatching``, registered here).
+_dispatching = None
 
 
-def set_thread_state_maker(make) -> None:
-  global _thread_slot
+def set_thread_state_maker(make, dispatching) -> None:
+  global _thread_slot, _dispatching
   _thread_slot = make
+  _dispatching = dispatching
 
 
 def raise_deferred(state) -> None:

@@ -467,7 +467,12 @@ def thread_state() -> ThreadTokens:
     return state
 
 
-_errors.set_thread_state_maker(thread_state)
+def _dispatching() -> bool:
+  state = getattr(local, "state", None)
+  return state is not None and state.dispatching > 0
+
+
+_errors.set_thread_state_maker(thread_state, _dispatching)
 
 
 def _placed_initial_token(slot: int) -> jax.Array:

@@ -43,7 +43,12 @@ Measurements (per call unless noted):
 (m) on 8 (simulated) devices, printing a float32 array of 2^24 elements
     sharded over them, plus a reduction: plain step, ours, JAX's
     ``jax.debug.print`` under ``jax.jit``; and operands shown whole, host
-    assembly against a gather on the devices (``bench_big``).
+    assembly against a gather on the devices (``bench_big``);
+(n) asynchronous dispatch: a step of matmuls (plain ``jax.jit``, with a
+    ``jax.debug.print`` under ``jax.jit``, with a ``jax_effects.print``):
+    the time until a call returns against the time until its output is
+    ready, and a loop of steps with host work as long as the device work
+    after each dispatch: how much of it the device work hides.
 ``--quick`` scales the sizes down (its report says which were measured).
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -746,6 +751,96 @@ def bench_memory(base_calls: int, total_calls: int) -> tuple[dict, dict]:
   return results, {"h_growth_mb": growth}
 
 
+# --- (n): asynchronous dispatch --------------------------------------------------
+
+def bench_async(rounds: int, size: int = 256, chain: int = 6,
+                steps: int = 8) -> tuple[dict, dict]:
+  """A step of ``chain`` ``size``x``size`` matmuls (device work), three ways:
+  plain ``jax.jit``; ``jax.jit`` with a ``jax.debug.print`` (its host
+  callback makes XLA's CPU client run the call inline); ``jax_effects.jit``
+  with a ``jax_effects.print``. Per call: the time until the call returns
+  (``n_return_*``) and until its output is ready (``n_ready_*``), each call
+  started on an idle device. Then a loop of ``steps`` steps each doing host
+  work as long as the plain step's device work after dispatching
+  (``n_loop_*``, per step): where dispatch is asynchronous the two overlap
+  (ideal: the longer of the two), else they add up; ``n_overlap_*`` is the
+  fraction of the shorter one hidden, (device + host - step) / min. The
+  host work waits (``time.sleep``, as for I/O): work that holds the GIL
+  delays a callback, which needs it, by up to Python's switch interval.
+  The print comes after the step's matmuls (a loss printed at its end)."""
+  import jax
+  import jax.numpy as jnp
+  from jax_effects import _jax_api
+
+  import jax_effects
+
+  x = jnp.ones((size, size), jnp.float32) / size
+
+  def work(v):
+    for _ in range(chain):
+      v = jnp.tanh(v @ v)
+    return v
+
+  def with_debug_print(v):
+    v = work(v)
+    jax.debug.print("n {}", v[0, 0])
+    return v
+
+  def with_ours(v):
+    v = work(v)
+    jax_effects.print("n {}", v[0, 0])
+    return v
+
+  variants = {"plain": _jax_api.jit(work),
+              "jax_print": _jax_api.jit(with_debug_print),
+              "ours_print": jax_effects.jit(with_ours)}
+  returned = {k: [] for k in variants}
+  ready = {k: [] for k in variants}
+  with _quiet_output():
+    for f in variants.values():
+      _sync(f(x))
+      _sync(f(x))
+    for r in range(rounds):
+      names = list(variants)
+      names = names[r % 3:] + names[:r % 3]
+      for name in names:
+        f = variants[name]
+        start = time.perf_counter()
+        out = f(x)
+        returned[name].append(time.perf_counter() - start)
+        _sync(out)
+        ready[name].append(time.perf_counter() - start)
+    device = statistics.median(ready["plain"])
+    host_start = time.perf_counter()
+    time.sleep(device)
+    host = time.perf_counter() - host_start
+    loop = {k: [] for k in variants}
+    for r in range(max(3, rounds // 4)):
+      for name, f in variants.items():
+        out = x
+        start = time.perf_counter()
+        for _ in range(steps):
+          out = f(out)
+          time.sleep(device)
+        _sync(out)
+        loop[name].append((time.perf_counter() - start) / steps)
+  results, ratios = {}, {}
+  for name in variants:
+    results[f"n_return_{name}"] = _summary(returned[name])
+    results[f"n_ready_{name}"] = _summary(ready[name])
+    results[f"n_loop_{name}"] = _summary(loop[name])
+    step = statistics.median(loop[name])
+    ratios[f"n_overlap_{name}"] = (device + host - step) / min(device, host)
+  results["n_setup"] = {"matmuls": chain, "size": size, "steps": steps,
+                        "host_work_us": host * 1e6}
+  ratios["n_return_ours/ready"] = statistics.median(
+      a / b for a, b in zip(returned["ours_print"], ready["ours_print"]))
+  ratios["n_return_jax_print/ready"] = statistics.median(
+      a / b for a, b in zip(returned["jax_print"], ready["jax_print"]))
+  ratios["n_loop_ours/plain"] = _ratio(loop, "ours_print", "plain")
+  return results, ratios
+
+
 # --- report ------------------------------------------------------------------------
 
 TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
@@ -775,6 +870,17 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     "l_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
     "l_dbg_jax/adopted": (">=", 5.0, "jax.debug.callback in a loop, under jax.jit / adopted"),
     "l_io_jax/adopted": (">=", 5.0, "io_callback in a loop, under jax.jit / adopted"),
+    "n_return_ours/ready": ("<", 0.5, "a step with a print: the call "
+                                      "returns / its output is ready, ours"),
+    "n_return_jax_print/ready": ("=", None, "the same, jax.debug.print "
+                                            "under jax.jit"),
+    "n_loop_ours/plain": ("<=", 1.2, "a loop of steps and host work, ours "
+                                     "with a print / jax.jit without"),
+    "n_overlap_plain": ("=", None, "host work hidden behind device work "
+                                   "(fraction), jax.jit without print"),
+    "n_overlap_jax_print": ("=", None, "the same, jax.debug.print under "
+                                       "jax.jit"),
+    "n_overlap_ours_print": ("=", None, "the same, jax_effects.print"),
     **bench_big.TARGETS,
 }
 
@@ -853,7 +959,7 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjklm",                      help="which measurements to run, e.g. 'abcd' or 'h' "
+  parser.add_argument("--only", default="abcdefghjklmn",                      help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
   args = parser.parse_args(argv)
@@ -887,6 +993,7 @@ def main(argv=None) -> int:
       ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
       ("k", lambda: bench_progress(3, progress_steps)),
+      ("n", lambda: bench_async(max(6, rounds // 2))),
       ("m", lambda: bench_big.ratios(
           *bench_big.bench_big_arrays(interleave, _quiet_output,
                                       max(3, rounds // 3),

@@ -240,7 +240,7 @@ def test_lower_chains_callbacks_through_the_carrier():
 
   text = f.lower(jnp.float32(1)).as_text()
   calls = re.findall(
-      r"(%[\w#:]+) = stablehlo\.custom_call @xla_ffi_python_cpu_callback"
+      r"(%[\w#:]+) = stablehlo\.custom_call @" + helpers.HOST_CALL +
       r"\(([^)]*)\)(.*)", text)
   assert len(calls) == 3
   # The first callback takes the runtime-token argument, advanced to this
@@ -289,7 +289,7 @@ def test_lower_with_shape_dtype_structs_and_compile(effects_capture):
     return x + 1
 
   lowered = f.lower(jax.ShapeDtypeStruct((), jnp.int32))
-  assert "xla_ffi_python_cpu_callback" in lowered.as_text()
+  assert helpers.HOST_CALL in lowered.as_text()
   compiled = lowered.compile()
   assert compiled(jnp.int32(4)) == 5
   assert compiled(jnp.int32(5)) == 6
@@ -504,7 +504,7 @@ def test_stages_show_the_users_arguments_and_outputs(fun, effects_capture):
   assert l_ours.donate_argnums == (1,)
   assert l_ours.cost_analysis()["flops"] > 0
   assert "func.func public @main" in str(l_ours.compiler_ir())
-  assert ("xla_ffi_python_cpu_callback" in l_ours.as_text()) == (
+  assert (helpers.HOST_CALL in l_ours.as_text()) == (
       fun is effectful)
 
   c_ours, c_theirs = l_ours.compile(), l_theirs.compile()
@@ -606,19 +606,7 @@ def test_clear_cache_retraces(effects_capture):
   assert effects_capture.printed == ["f 1", "f 2", "f 3"]
 
 
-# --- jax.export --------------------------------------------------------------
-
-def test_export_of_an_effectful_function_names_jax_effects_and_the_fix():
-  jf = je.jit(effectful)
-  with pytest.raises(ValueError) as info:
-    jax.export.export(jf)(jax.ShapeDtypeStruct((4,), jnp.float32),
-                          jax.ShapeDtypeStruct((), jnp.int32))
-  msg = str(info.value)
-  assert "jax_effects.jit function 'effectful'" in msg
-  assert "host callbacks cannot be serialized" in msg
-  assert "Export the pure part" in msg
-  assert "must be the result of" not in msg
-
+# --- jax.export (effects: tests/api/test_export.py) ----------------------------
 
 def test_export_of_a_pure_function_works_like_jax_jit():
   def pure(x):

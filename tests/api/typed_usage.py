@@ -73,6 +73,13 @@ def main() -> None:
     step(jnp.arange(3.0))
   lowered = step.lower(jnp.arange(3.0))
   text: str = lowered.as_text()
+  named = je.register_callback("typed_usage.noted", lambda v: None)
+  assert named is not None
+  assert_type(named, je.NamedCallback)
+  name: str = named.name
+  je.callback(named, None, jnp.arange(3.0))
+  target: str = je.HOST_TARGET
+  print(name, target)
   print(first, devices, text, where())
 
 

@@ -1,0 +1,77 @@
+"""``jax.export`` of a ``jax_effects.jit`` function with effects.
+
+``jax.export.export(jax_effects.jit(f))(*specs)`` traces ``f`` as a call
+does (``stages.trace``) and lowers, for export, not the threaded
+``g(t_1, ..., t_k, *args) -> (outputs, token)`` (its runtime tokens are
+jax_effects' dispatch's business) but::
+
+    h(*args) -> outputs:
+      c = exported_entry()                 # JAX's ordered EXPORTED_ORDER
+      outputs, token = g(c, ..., c, *args)
+      exported_exit(token)                 # JAX's ordered EXPORTED_ORDER
+
+with the user's ``jax.jit`` options (``_primitives.exported`` has the
+convention). JAX lowers it with its calling convention for ordered effects
+(version 9): the exported module's ``main`` takes and returns a
+``!stablehlo.token`` before the arrays, and ``Exported.ordered_effects`` is
+``(EXPORTED_ORDER,)``, so JAX orders ``exp.call`` s with its runtime
+tokens, and inside ``jax_effects.jit`` the pass threads them
+(``_pass.exported_rule``). Every host call in it is a custom call to
+jax_effects' FFI target (``_primitives.host_target``) whose spec rebuilds
+its host side in the importing process; one that cannot be (a callback not
+given a stable name) is refused here, naming it. ``jax.export`` must be
+told that the target is allowed:
+``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_effects_host")]``
+(:data:`TARGET`), as for any custom call without JAX's compatibility
+guarantee (``design/host_target.md``: what an exported module promises).
+"""
+from __future__ import annotations
+
+import functools
+
+from jax_effects import _compat
+from jax_effects import _jax_api
+from jax_effects._primitives import exported as _exported
+from jax_effects._primitives import host_target as _host_target
+
+#: The custom-call target an exported module's effects call.
+TARGET = _host_target.TARGET
+
+
+def lower(traced, lowering_platforms, private_parameters):
+  """JAX's ``Lowered`` of ``h`` (the module docstring) for ``traced`` (a
+  ``stages.Traced`` of the threaded computation, lowered for export)."""
+  why = _host_target.unavailable()
+  if why is not None:
+    raise ValueError(
+        f"jax.export cannot export the jax_effects.jit function "
+        f"{traced.fun_name!r} with effects in this process: {why}")
+  platforms = tuple(lowering_platforms or ())
+  if platforms != ("cpu",):
+    raise ValueError(
+        f"jax.export cannot export the jax_effects.jit function "
+        f"{traced.fun_name!r} with effects for platforms {platforms}: "
+        f"jax_effects' host target, which exported effects call, exists "
+        f"for CPU only. Export for platforms=['cpu'], or export the "
+        f"function without its effects")
+  function = traced._function
+  core = function._core
+  args, kwargs = traced._args, traced._kwargs
+  keys, jitted = core.keys_and_jit(traced._mode, args)
+  k = len(keys)
+  user = function._fun
+
+  @functools.wraps(user)
+  def exported(*a, **kw):
+    carrier = _exported.entry()
+    out, token = jitted(*([carrier] * k), *a, **kw)
+    _exported.exit(token)
+    return out
+
+  inner = _jax_api.jit(exported, **core.jit_kwargs).trace(*args, **kwargs)
+  traced._export_traced = inner
+  return inner.lower(lowering_platforms=lowering_platforms,
+                     _private_parameters=private_parameters)
+
+
+_ = _compat   # (the pass's rule and the primitives use _compat's names)

@@ -1,0 +1,180 @@
+"""Specs: a host side written as data, from which any process rebuilds it.
+
+A lowered effect's host side is a Python function of this process. Where it
+is fully determined by data (a ``print``'s format string, static arguments,
+NumPy print options and operand shapes; a ``log``'s logger name and level; a
+named ``callback``'s name), the front end describes it as a JSON-able dict,
+its *effect spec* (``HostCallback.spec``: ``{"kind": ..., ...}``), and
+builds its host function *from that dict* with the rebuild function it
+registered for its kind (:func:`register_kind`), so the host side of equal
+specs is the same code run on the same data in every process. Where it is
+not (a closure, an object formatted by its own ``__format__``),
+``HostCallback.spec`` is a string saying why, and the host side exists only
+in the process that traced it (*local*).
+
+A *site spec* adds what the lowering decided (``host_target``): the
+placement, the operands' and results' avals, the carrier's place, whether
+the effect is its chain's entry. Serialized canonically (:func:`dumps`), it
+is the custom call's ``jax_effects_spec`` attribute; its hash is the call's
+key (``host_target``).
+
+:func:`encode_tree`/:func:`decode_tree` write the argument pytrees of
+``print``/``log``/``callback`` as data (tuples, lists, dicts with string
+keys and None as nodes, the operands by position, static leaves that are
+exactly ``str``/``int``/``float``/``bool``), so that decoding gives what
+``jax.tree_util`` would have unflattened.
+
+Part in the token calling convention: none (the carrier's place in a site
+spec is the convention's: ``passthrough`` operands first).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from typing import Any, Callable
+
+import numpy as np
+from jax import tree_util
+
+__all__ = ["dumps", "register_kind", "rebuild_effect", "encode_aval",
+           "decode_aval", "encode_tree", "decode_tree", "NotData"]
+
+#: Version of the spec format (a site spec's ``"v"``).
+VERSION = 1
+
+
+class NotData(Exception):
+  """What a host side is made of cannot be written as data (the message says
+  which part)."""
+
+
+def dumps(spec: dict) -> str:
+  """The canonical JSON text of a spec (sorted keys, no spaces)."""
+  return json.dumps(spec, sort_keys=True, separators=(",", ":"),
+                    allow_nan=True)
+
+
+def digest(text: str, n: int = 32) -> str:
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:n]
+
+
+# --- avals ---------------------------------------------------------------------
+
+def encode_aval(aval) -> list:
+  """``[dtype name, shape]`` (``["token"]`` for a token)."""
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if shape is None or dtype is None:
+    return ["token"]
+  try:
+    dims = [int(n) for n in shape]
+  except TypeError:
+    raise NotData(f"an operand of symbolic shape {shape}") from None
+  return [np.dtype(dtype).name, dims]
+
+
+def decode_aval(data):
+  """``(numpy dtype, shape)``, or None for a token."""
+  if data == ["token"]:
+    return None
+  name, shape = data
+  return _dtype(name), tuple(int(n) for n in shape)
+
+
+def _dtype(name: str) -> np.dtype:
+  import jax.numpy as jnp   # (ml_dtypes' names: bfloat16, float8_*, int4)
+  found = getattr(jnp, name, None)
+  if found is not None:
+    return np.dtype(found)
+  return np.dtype(name)
+
+
+# --- pytrees of arguments ------------------------------------------------------
+
+_STATIC = (str, int, float, bool)
+
+
+def encode_tree(tree, operand_leaves: set) -> Any:
+  """``tree`` as data: the leaf at flat position ``i`` (``jax.tree_util``'s
+  order) is ``{"op": j}`` when ``i`` is the ``j``-th of ``operand_leaves``
+  (flat positions), else its value, which must be exactly a str, int, float
+  or bool. Raises :class:`NotData` naming what is not data."""
+  leaves = tree_util.tree_leaves(tree)
+  order = sorted(operand_leaves)
+  index = {pos: j for j, pos in enumerate(order)}
+  counter = [0]
+  walked = []
+
+  def walk(x):
+    t = type(x)
+    if x is None:
+      return {"n": 0}
+    if t is tuple or t is list:
+      return {"t" if t is tuple else "l": [walk(v) for v in x]}
+    if t is dict:
+      if not all(type(k) is str for k in x):
+        raise NotData("a dict with keys that are not str")
+      return {"d": [[k, walk(x[k])] for k in sorted(x)]}
+    if not tree_util.all_leaves([x]):
+      raise NotData(f"a pytree node of type {t.__name__}")
+    pos = counter[0]
+    counter[0] += 1
+    walked.append(x)
+    if pos in index:
+      return {"op": index[pos]}
+    if t not in _STATIC:
+      raise NotData(f"a static argument of type {t.__name__}")
+    return {"v": x}
+
+  out = walk(tree)
+  if len(walked) != len(leaves) or any(a is not b for a, b in
+                                       zip(walked, leaves)):
+    raise NotData("a pytree JAX flattens differently")
+  return out
+
+
+def decode_tree(data, values) -> Any:
+  """The pytree of :func:`encode_tree`'s ``data`` with ``values[j]`` for
+  operand ``j``."""
+  if "op" in data:
+    return values[data["op"]]
+  if "v" in data:
+    return data["v"]
+  if "t" in data:
+    return tuple(decode_tree(d, values) for d in data["t"])
+  if "l" in data:
+    return [decode_tree(d, values) for d in data["l"]]
+  if "d" in data:
+    return {k: decode_tree(d, values) for k, d in data["d"]}
+  return None
+
+
+def tree_decoder(data) -> Callable:
+  """``decode(values)``: :func:`decode_tree` of ``data``, bound."""
+  def decode(values):
+    return decode_tree(data, values)
+  return decode
+
+
+# --- kinds -------------------------------------------------------------------------
+
+_kinds: dict[str, Callable] = {}
+_kinds_lock = threading.Lock()
+
+
+def register_kind(kind: str, rebuild: Callable) -> None:
+  """``rebuild(spec) -> HostCallback`` builds the host side of effect specs
+  ``{"kind": kind, ...}`` (a front end registers its kinds when imported)."""
+  with _kinds_lock:
+    _kinds[kind] = rebuild
+
+
+def rebuild_effect(spec: dict):
+  """The ``HostCallback`` of an effect spec (its kind's rebuild function)."""
+  kind = spec.get("kind") if isinstance(spec, dict) else None
+  rebuild = _kinds.get(kind)
+  if rebuild is None:
+    raise NotData(f"an effect of kind {kind!r}, which this version of "
+                  f"jax_effects does not know (it knows {sorted(_kinds)})")
+  return rebuild(spec)

@@ -1,0 +1,231 @@
+"""``jax.export`` of ``jax_effects.jit`` functions with effects
+(``design/host_target.md``, "Exported modules"; ``_dispatch/exporting.py``).
+
+The exported module calls jax_effects' FFI target; its host sides are
+rebuilt from their specs wherever it runs: ``print``/``log`` from data, a
+``callback`` from the function registered under its name. Round trips in a
+fresh process that imports jax_effects and nothing of the exporting
+program; effects keep program order with the caller's.
+"""
+import logging
+import os
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_effects as je
+import helpers
+
+ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
+
+
+def export(f, *specs):
+  return jax.export.export(f, disabled_checks=ALLOW)(*specs)
+
+
+def test_export_runs_print_log_and_named_callback_in_order_on_each_call(
+    effects_capture):
+  seen = []
+  note = je.register_callback("test_export.note",
+                              lambda tag, v: seen.append((str(tag), float(v))))
+  try:
+    @je.jit
+    def f(x, k):
+      je.print("x = {} k = {}", x, k)
+      je.log("sum {:.1f}", x.sum(), logger="test_export")
+      je.callback(note, None, "ignored" if False else 1, x.sum() * k)
+      return x * k
+
+    exp = export(f, jax.ShapeDtypeStruct((3,), jnp.float32),
+                 jax.ShapeDtypeStruct((), jnp.int32))
+    assert exp.ordered_effects and exp.in_avals[0].shape == (3,)
+    out1 = exp.call(jnp.arange(3.0), 2)
+    out2 = exp.call(jnp.ones(3), 3)
+    je.effects_barrier()
+  finally:
+    je.register_callback("test_export.note", None)
+  np.testing.assert_array_equal(out1, [0.0, 2.0, 4.0])
+  np.testing.assert_array_equal(out2, [3.0, 3.0, 3.0])
+  assert effects_capture.printed == ["x = [0. 1. 2.] k = 2",
+                                     "x = [1. 1. 1.] k = 3"]
+  assert [r.getMessage() for r in effects_capture.logged] == [
+      "sum 3.0", "sum 3.0"]
+  assert seen == [("1", 6.0), ("1", 9.0)]
+
+
+def test_exported_call_inside_jax_effects_jit_keeps_program_order():
+  seen = []
+  rec = je.register_callback("test_export.rec",
+                             lambda tag, v: seen.append((int(tag), float(v))))
+  try:
+    @je.jit
+    def inner(x):
+      je.callback(rec, None, 1, x.sum())
+      je.callback(rec, None, 2, x.sum() * 2)
+      return x + 1
+
+    exp = export(inner, jax.ShapeDtypeStruct((4,), jnp.float32))
+
+    @je.jit
+    def outer(x):
+      je.callback(rec, None, 0, x.sum())
+      y = exp.call(x)
+      je.callback(rec, None, 3, y.sum())
+      y = exp.call(y)
+      je.callback(rec, None, 4, y.sum())
+      return y
+
+    for _ in range(20):   # (no data dependency but the chain orders them)
+      outer(jnp.ones(4))
+    je.effects_barrier()
+  finally:
+    je.register_callback("test_export.rec", None)
+  assert [t for t, _ in seen] == [0, 1, 2, 3, 1, 2, 4] * 20
+  assert seen[:7] == [(0, 4.0), (1, 4.0), (2, 8.0), (3, 8.0), (1, 8.0),
+                      (2, 16.0), (4, 12.0)]
+
+
+def test_export_of_an_unnamed_callback_is_refused_naming_it_and_the_fix():
+  def log_step(v):
+    pass
+
+  @je.jit
+  def f(x):
+    je.print("kept {}", x)
+    je.callback(log_step, None, x)
+    return x
+
+  with pytest.raises(ValueError) as info:
+    export(f, jax.ShapeDtypeStruct((), jnp.float32))
+  msg = str(info.value)
+  assert "jax.export cannot export jax_effects.callback(" in msg
+  assert "log_step" in msg
+  assert "register_callback" in msg and "name" in msg
+
+
+def test_export_without_the_custom_call_check_disabled_names_the_target():
+  @je.jit
+  def f(x):
+    je.print("x {}", x)
+    return x
+
+  with pytest.raises(ValueError, match=je.HOST_TARGET):
+    jax.export.export(f)(jax.ShapeDtypeStruct((), jnp.float32))
+
+
+_EXPORTER = """
+import logging, sys
+import jax, jax.numpy as jnp
+import jax_effects as je
+
+note = je.register_callback("roundtrip.note", lambda v: None)
+
+@je.jit
+def step(x, n):
+  je.print("step {} of {}: x = {}", n, 3, x)
+  je.log("mean {:.2f}", x.mean(), logger="roundtrip", level=logging.WARNING)
+  y = je.callback(je.register_callback("roundtrip.double", lambda v: v * 2),
+                  jax.ShapeDtypeStruct((2,), jnp.float32), x)
+  je.print("doubled {}", y)
+  return y + n
+
+exp = jax.export.export(
+    step, disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)])(
+    jax.ShapeDtypeStruct((2,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+open(sys.argv[1], "wb").write(exp.serialize())
+"""
+
+_IMPORTER = """
+import logging, sys
+import jax, jax.numpy as jnp
+import jax_effects as je
+logging.basicConfig(stream=sys.stdout, format="LOG %(name)s %(levelname)s %(message)s")
+if sys.argv[2] == "register":
+  je.register_callback("roundtrip.double", lambda v: v * 2)
+exp = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+
+@je.jit
+def caller(x):
+  je.print("before {}", x)
+  y = exp.call(x, 1)
+  je.print("after {}", y)
+  return y
+
+def run(what, thunk):
+  try:
+    print(what, thunk(), flush=True)
+  except LookupError as err:
+    print("LookupError", err, flush=True)
+
+run("eager", lambda: exp.call(jnp.array([1.0, 2.0]), 2))
+run("jit", lambda: caller(jnp.array([0.5, 0.25])))
+run("jit", lambda: caller(jnp.array([0.5, 0.25])))
+run("barrier", je.effects_barrier)
+"""
+
+
+def _round_trip(tmp_path, register: bool):
+  pytest.importorskip("flatbuffers")   # (jax.export's serialization)
+  blob = tmp_path / "step.jax_exported"
+  proc = helpers.run_script(_EXPORTER, str(blob))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout == ""   # (exporting runs nothing)
+  importer = tmp_path / "importer.py"   # imports nothing of the exporter
+  importer.write_text(textwrap.dedent(_IMPORTER))
+  proc = helpers.run_python(importer, str(blob),
+                            "register" if register else "no")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout.splitlines()
+
+
+def test_export_round_trip_in_a_fresh_process(tmp_path):
+  lines = _round_trip(tmp_path, register=True)
+  call = ["before [0.5  0.25]",
+          "step 1 of 3: x = [0.5  0.25]",
+          "LOG roundtrip WARNING mean 0.38",
+          "doubled [1.  0.5]",
+          "after [2.  1.5]",
+          "jit [2.  1.5]"]
+  assert lines == ["step 2 of 3: x = [1. 2.]",
+                   "LOG roundtrip WARNING mean 1.50",
+                   "doubled [2. 4.]",
+                   "eager [4. 6.]", *call, *call, "barrier None"]
+
+
+def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
+    tmp_path):
+  # The callback's effect fails like a callback that raises: its result is
+  # zeros, the module's later effects of that execution are skipped, the
+  # rest runs, and the error (a LookupError naming the callback and the fix)
+  # reaches the thread that ran it (a computation run inline on it), once:
+  # the eager call's by the next jax_effects call, before it runs anything.
+  lookup = ("LookupError jax_effects.callback named 'roundtrip.double': no "
+            "function is registered under that name in this process; call "
+            "jax_effects.register_callback('roundtrip.double', fn) before "
+            "the computation runs")
+  call = ["before [0.5  0.25]",
+          "step 1 of 3: x = [0.5  0.25]",
+          "LOG roundtrip WARNING mean 0.38",
+          "after [1. 1.]"]
+  assert _round_trip(tmp_path, register=False) == [
+      "step 2 of 3: x = [1. 2.]",
+      "LOG roundtrip WARNING mean 1.50",
+      "eager [2. 2.]",
+      lookup,            # (the first jit call ran nothing)
+      *call, lookup,     # (its own callback's error, raised by the call)
+      "barrier None"]
+
+
+def test_export_for_another_platform_is_refused_naming_cpu():
+  @je.jit
+  def f(x):
+    je.print("x {}", x)
+    return x
+
+  with pytest.raises(ValueError, match="for CPU only"):
+    jax.export.export(f, platforms=["cuda"], disabled_checks=ALLOW)(
+        jax.ShapeDtypeStruct((), jnp.float32))

@@ -1,0 +1,182 @@
+"""jax_effects' FFI target (``design/host_target.md``): the transport of
+every host call on CPU, beneath the host functions.
+
+Every dtype crosses it both ways (the handler reads and writes XLA's
+buffers itself, sub-byte types packed as XLA packs them), in a function
+and in the same function exported; a key's host side is never another's;
+a host side that is gone is a clear error reported like a callback's, not
+an XLA error; the registry does not keep closures alive; a layout it does
+not know is refused, naming the versions.
+"""
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_effects as je
+from jax_effects._primitives import ffi_abi
+from jax_effects._primitives import host_target
+
+ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
+
+
+def _dtype_params():
+  names = ["bool", "int8", "int16", "int32", "uint8", "uint16", "uint32",
+           "float16", "bfloat16", "float32", "complex64", "float8_e4m3fn",
+           "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz",
+           "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
+           "float4_e2m1fn", "int4", "uint4", "int2", "uint2"]
+  for name in names:
+    if getattr(jnp, name, None) is None:
+      continue
+    marks = ([pytest.mark.jax_feature("4-bit integer operands")]
+             if name in ("int4", "uint4", "int2", "uint2") else [])
+    yield pytest.param(name, marks=marks, id=name)
+
+
+def _values(dtype, shape):
+  n = int(np.prod(shape))
+  if dtype == np.bool_:
+    return (np.arange(n) % 3 == 0).reshape(shape)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return (np.arange(n) + 1j * (np.arange(n) - 2)).astype(dtype).reshape(shape)
+  if jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype == jnp.float8_e8m0fnu:
+    return (np.arange(n) % 3 + 1).astype(dtype).reshape(shape)
+  return (np.arange(n) % 5 - 2).astype(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (2, 3), (5,)], ids=str)
+@pytest.mark.parametrize("name", list(_dtype_params()))
+def test_every_dtype_crosses_the_target_both_ways(name, shape):
+  dtype = np.dtype(getattr(jnp, name))
+  x = _values(dtype, shape)
+  received = []
+
+  def host(v, w):
+    received.append((v.dtype, v.shape, v.tobytes(), w.tolist()))
+    return v, np.int32(7)
+
+  same = je.register_callback("test_host_target.same", host)
+  try:
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    out_spec = (spec, jax.ShapeDtypeStruct((), jnp.int32))
+
+    def f(x):
+      y, k = je.callback(same, out_spec, x, jnp.arange(2))
+      return y, k + 1
+
+    jf = je.jit(f)
+    exp = jax.export.export(jf, disabled_checks=ALLOW)(spec)
+    for call in (jf, exp.call):
+      y, k = call(jnp.asarray(x))
+      je.effects_barrier()
+      assert y.dtype == dtype and y.shape == shape
+      assert np.asarray(y).tobytes() == x.tobytes()
+      assert int(k) == 8
+  finally:
+    je.register_callback("test_host_target.same", None)
+  assert received == [(dtype, shape, x.tobytes(), [0, 1])] * 2
+
+
+def test_closures_of_the_same_code_keep_their_own_host_sides():
+  seen = []
+
+  def recorder(tag):
+    return lambda v: seen.append((tag, float(v)))
+
+  @je.jit
+  def f(x):
+    for tag in "abc":
+      je.callback(recorder(tag), None, x)
+      je.print("same {}", x)   # (one data key for the three: same spec)
+    return x
+
+  f(1.0)
+  f(2.0)
+  je.effects_barrier()
+  assert seen == [(t, v) for v in (1.0, 2.0) for t in "abc"]
+
+
+def test_a_host_side_that_is_gone_is_a_lookup_error_naming_it(effects_capture):
+  seen = []
+
+  def remember(v):
+    seen.append(float(v))
+
+  @je.jit
+  def f(x):
+    je.callback(remember, None, x)
+    je.print("after {}", x)
+    return x
+
+  f(1.0)
+  je.effects_barrier()
+  with host_target._lock:   # the executable outlives its host sides' keys
+    host_target._sites.clear()
+  with pytest.raises(LookupError) as info:
+    f(2.0)
+    je.effects_barrier()
+  msg = str(info.value)
+  assert "jax_effects.callback(" in msg and "remember" in msg
+  assert "not bound in this one" in msg
+  # The chain's later effect of that execution is skipped (its print is
+  # data: rebuilt from its spec, it would have run).
+  assert seen == [1.0]
+  assert effects_capture.printed == ["after 1.0"]
+
+
+def test_the_registry_does_not_keep_a_closure_alive():
+  class Big:
+    pass
+
+  big = Big()
+  ref = weakref.ref(big)
+
+  def make():
+    def f(x):
+      je.callback(lambda v, big=big: None, None, x)
+      return x
+    return je.jit(f)
+
+  f = make()
+  f(1.0)
+  je.effects_barrier()
+  keys = [k for k, r in host_target._sites.items() if r() is not None
+          and "test_the_registry" in r().what]
+  assert keys
+  del f, big
+  jax.clear_caches()
+  gc.collect()
+  assert ref() is None
+  assert not any(k in host_target._sites for k in keys)
+
+
+def test_an_unknown_ffi_api_version_is_refused_naming_the_versions(
+    monkeypatch):
+  monkeypatch.setattr(ffi_abi, "FRAMEWORK_VERSION", (0, 9))
+  reason = ffi_abi._unavailable()
+  assert "XLA FFI API version 0.9" in reason
+  assert f"JAX {jax.__version__}" in reason
+  assert "not registered" in reason
+
+
+def test_a_metadata_query_with_unknown_struct_sizes_is_refused(monkeypatch):
+  monkeypatch.setattr(ffi_abi, "UNAVAILABLE", None)
+  # A call frame (168 bytes) whose metadata struct has another size.
+  metadata = np.zeros(6, np.uint64)
+  metadata[0] = 40   # (XLA_FFI_Metadata_STRUCT_SIZE is 36)
+  metadata[1] = ffi_abi.API_VERSION_SIZE
+  extension = np.zeros(4, np.uint64)
+  extension[0] = ffi_abi.METADATA_EXTENSION_SIZE
+  extension[1] = ffi_abi.EXTENSION_METADATA
+  extension[3] = metadata.__array_interface__["data"][0]
+  frame = np.zeros(21, np.uint64)
+  frame[0] = ffi_abi.FRAME_SIZE
+  frame[1] = extension.__array_interface__["data"][0]
+  assert not ffi_abi.answer_metadata(frame.__array_interface__["data"][0])
+  assert "(168, 32, 40, 24)" in ffi_abi.UNAVAILABLE
+  assert f"JAX {jax.__version__}" in ffi_abi.UNAVAILABLE
+  assert metadata[2:].tolist() == [0, 0, 0, 0]   # nothing written
