@@ -36,7 +36,6 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -195,8 +194,8 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
-  if host_callback.chain is not key:   # (what the host keeps is named by it)
-    host_callback = dataclasses.replace(host_callback, chain=key)
+  # (what the host keeps is named by it)
+  host_callback = _host_callback.on_chain(host_callback, key)
   carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:

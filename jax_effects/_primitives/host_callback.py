@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -79,6 +80,27 @@ class HostCallback:
     if not avals:
       return ()
     return check_results(self.description, results, avals)
+
+
+#: HostCallback -> {chain key: the same HostCallback on that chain}: one
+#: object per (effect, chain), living as long as the effect does (what the
+#: host keeps for a lowered effect is held by it: ``host_target``).
+_on_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def on_chain(host_callback: HostCallback, chain) -> HostCallback:
+  """``host_callback`` with ``chain`` set (the token-threading pass), the
+  same object every time for the same effect and chain."""
+  if host_callback.chain is chain:
+    return host_callback
+  by_chain = _on_chains.get(host_callback)
+  if by_chain is None:
+    by_chain = _on_chains.setdefault(host_callback, {})
+  found = by_chain.get(chain)
+  if found is None:
+    found = by_chain.setdefault(
+        chain, dataclasses.replace(host_callback, chain=chain))
+  return found
 
 
 def check_results(description, results, avals):

@@ -124,10 +124,12 @@ if pid == 0:
   signal.alarm(60)
 f(np.int32(1 if pid == 0 else 2))
 je.effects_barrier()
-print(who, "done", flush=True)
 if pid == 0:
+  sys.stdout.write("child done\\n")   # (one write: the two processes share
+  sys.stdout.flush()                  # the pipe)
   os._exit(0)
 _, status = os.waitpid(pid, 0)
+print("parent done", flush=True)
 print("child status", os.waitstatus_to_exitcode(status), flush=True)
 """
 
