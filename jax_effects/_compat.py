@@ -551,6 +551,31 @@ def enclosing_staging() -> str | None:
   return None
 
 
+def eager_transformation() -> bool:
+  """True when the innermost trace is a transformation applied eagerly.
+
+  That is a chain of transformation traces (``jvp``, ``vmap``,
+  ``linearize``, partial evaluation) linked by their ``parent_trace`` down
+  to the eval trace: a ``jit`` bound now is executed (compiled, dispatched)
+  before its bind returns. False at the top level (no trace), and when the
+  chain reaches a trace that builds a jaxpr (``jit``, ``make_jaxpr``,
+  control flow: it has a ``frame``) or a trace of unknown kind (one with no
+  ``parent_trace``): what is bound there runs later, if at all. The trace
+  classes and their ``parent_trace``/``frame`` attributes are the same on
+  JAX 0.8.3 to 0.10.x.
+  """
+  trace = _trace_ctx.trace
+  if trace is _eval_trace:
+    return False
+  while trace is not None:
+    if trace is _eval_trace:
+      return True
+    if getattr(trace, "frame", None) is not None:
+      return False
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 def jax_runtime_token(effect):
   """JAX's own runtime token of an ordered effect on this thread, if any.
 

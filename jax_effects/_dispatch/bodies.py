@@ -1,21 +1,23 @@
 """What a ``jax_effects.jit`` function's ``jax.jit`` objects run when they trace.
 
 Its part of the token calling convention: :func:`threaded` is the body of
-``g(t_1, ..., t_k, *args, **kwargs) -> (outputs, token)`` (``convention``),
-:func:`pure` of the pure ``g(*args, **kwargs) -> outputs``. Tracing either
-traces the user function once per signature (``trace_cache``) and runs the
-token-threading pass on its jaxpr (``_pass.token_pass``), re-tracing the
-result into ``jax.jit``'s trace: the pass leaves no JAX effect behind, so
-``jax.jit`` keeps its C++ fast path.
+``g(t_1, ..., t_k, *args, **kwargs) -> (outputs, token)`` (``convention``):
+it traces the user function once per signature (``trace_cache``) and runs
+the token-threading pass on its jaxpr (``_pass.token_pass``), re-tracing
+the result into ``jax.jit``'s trace: the pass leaves no JAX effect behind,
+so ``jax.jit`` keeps its C++ fast path. :func:`plain` is the body of
+``g(*args, **kwargs) -> outputs``, the user function as ``jax.jit`` traces
+it, effects kept: the call of a pure function, and the nested jit a call
+under another trace binds.
 
-Which chains a function uses is learnt here: a trace that finds a chain the
-call passed no runtime token for raises :class:`NeedsTokens`; the function's
-``Core`` learns the chain and calls again through a ``jax.jit`` object for
-the new number of tokens. In the pure body that is possible only while a
-frame of ours can catch it (``strict``); a call made straight into
-``jax.jit``'s C++ path (a function known to be pure, with a new signature
-that has effects) keeps its effect equations instead, which JAX's own
-ordered effects order (``Core`` state ``FALLBACK``).
+Neither learns: a threaded trace that finds a chain the call passed no
+runtime token for raises :class:`NeedsTokens` out of ``jax.jit``'s trace,
+to the call, which learns the chain (``Core.learn``) and calls again
+through a ``jax.jit`` object for the new number of tokens; a first call
+learns from the traced plain program. The one thing a trace tells the
+core is that a plain program had effects (``Core.effects_found``): a call
+of a function known to be pure goes straight into ``jax.jit``'s C++ path,
+where no frame of ours runs.
 
 ``jax.jit`` also calls the bodies with values instead of tracers:
 
@@ -43,13 +45,9 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import threaded as _threaded_primitive
-from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import threads as _threads
 
-#: ``.on`` while a call can catch :class:`NeedsTokens` from the pure body
-#: (``Core.first_call``, ``stages.trace``).
-strict = threading.local()
 #: ``.on`` while ``.trace()``/``.lower()`` trace: they trace under
 #: ``jax.disable_jit()`` too, as ``jax.jit``'s do.
 explicit = threading.local()
@@ -76,8 +74,18 @@ def _called_with_values() -> str | None:
   return None
 
 
-def pure(core, args, kwargs):
-  """The body of the pure ``jax.jit``: the user function, with no token."""
+def plain(core, args, kwargs):
+  """The body of the plain ``jax.jit``: the user function as ``jax.jit``
+  traces it, effects kept (``effect_p`` equations, JAX's callbacks).
+
+  Its jaxpr is the same wherever it is traced (at the top level, under
+  another trace, by ``.trace()``): ``jax.jit`` caches it for all of them.
+  Inside an outer ``jax_effects.jit`` the pass threads its effects; under
+  plain ``jax.jit``, at the top level or under an eager transformation,
+  JAX lowers them with their plain-jit lowering. Finding effects it tells
+  the core (``Core.effects_found``): in PURE this may be a call made
+  straight into ``jax.jit``'s C++ path.
+  """
   how = _called_with_values()
   if how == "eager":
     return core.fun()(*args, **kwargs)
@@ -85,20 +93,12 @@ def pure(core, args, kwargs):
     return replay(core, None, (), args, kwargs)
   closed, dyn, out_tree = core.traces.trace(args, kwargs)
   mode = _effects.get_ordering()
-  keys = _token_pass.runtime_chain_keys(closed.effects, mode)
-  if keys:  # unordered effects need the threaded path too
-    err = NeedsTokens(keys)
-    if getattr(strict, "on", False):
-      raise err
-    # Traced straight from jax.jit's C++ path (no frame of ours to catch
-    # NeedsTokens): later calls take the threaded path; this one keeps its
-    # effect equations, so JAX's own ordered effects order them (its slower
-    # dispatch, once), after this thread's effects dispatched so far.
-    core.learn(mode, err, fallback=True)
-    _barrier.wait_for_thread()
+  if _token_pass.chain_keys(closed.effects, mode):
+    core.effects_found()
     outs = jex_core.jaxpr_as_fun(closed)(*dyn)
-    return tree_util.tree_unflatten(out_tree, outs)
-  outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
+  else:   # (the pass re-binds it unchanged, or refuses an effect that a
+          # reduction's combiner hides from the equations' effects)
+    outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
   return tree_util.tree_unflatten(out_tree, outs)
 
 

@@ -157,14 +157,15 @@ class FastHookOwner(Protocol):
   """What a fast hook falls back to (``_dispatch.core.Core``)."""
   retry: type[Exception]   # a trace found another chain (``NeedsTokens``)
 
-  def call_fun(self, *args: Any, **kwargs: Any) -> Any:
-    """Under a trace: the user's function."""
+  def call_nested(self, *args: Any, **kwargs: Any) -> Any:
+    """Under a trace: a nested jit (under ``jax.disable_jit``: the
+    user's function)."""
 
   def call_threaded(self, *args: Any, **kwargs: Any) -> Any:
     """Every case the hook does not take: the general path."""
 
-  def learn(self, mode: str, err: Exception) -> None:
-    """Records the chains a :attr:`retry` names."""
+  def learn(self, mode: str, keys: tuple) -> None:
+    """Records the chains a :attr:`retry` names (its ``keys``)."""
 
   def per_device(self, mode: str, token: Any) -> None:
     """A per-device token was returned (a new signature)."""
@@ -183,18 +184,20 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
   and raises the errors of callbacks that ran inline in the call, the steps
   of :func:`dispatch` without their loops, branches and frames.
   Everything else goes to ``owner`` (:class:`FastHookOwner`): under a
-  trace, ``owner.call_fun`` (the user's function; under ``jax.disable_jit``
-  ``jitted`` calls it); in another mode, after a mode switch, with a
+  trace, ``owner.call_nested`` (a nested jit; under ``jax.disable_jit``
+  ``jitted`` calls the user's function); in another mode, after a mode switch, with a
   per-device token or an error pending (``ThreadTokens.fast_mode``),
   ``owner.call_threaded``; a trace that finds another chain raises
-  ``owner.retry``, given to ``owner.learn`` before ``call_threaded`` is
+  ``owner.retry``, whose ``keys`` go to ``owner.learn`` before ``call_threaded`` is
   called; a per-device token returned (a new signature) is stored and given
   to ``owner.per_device``. A computation over several CPU devices is launched under
   ``launch_lock`` (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  fun, general, retry = owner.call_fun, owner.call_threaded, owner.retry
-  learn = functools.partial(owner.learn, mode)
+  fun, general, retry = owner.call_nested, owner.call_threaded, owner.retry
+
+  def learn(err):
+    owner.learn(mode, err.keys)
   per_device = functools.partial(owner.per_device, mode)
   committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)

@@ -10,28 +10,31 @@ and the dispatch state, which decides what calling a ``PjitFunction`` calls
 ==========  =================================================================
 state       call target
 ==========  =================================================================
-FIRST       :meth:`Core.first_call`: the pure ``jax.jit``, learning (a trace
-            that finds an effect raises ``NeedsTokens``: the chains are
-            learnt and the call goes threaded)
-PURE        the pure ``jax.jit`` object itself: a plain ``jax.jit`` call, no
-            Python frame of ours
+FIRST       :meth:`Core.first_call`: traces :attr:`Core.plain`; a program
+            with effects learns its chains (:meth:`Core.learn`) and the call
+            goes threaded, one without is a plain call (PURE)
+PURE        :attr:`Core.plain` itself: a plain ``jax.jit`` call, no Python
+            frame of ours
 THREADED    :meth:`Core.call_threaded`: the general call path
             (``call_path.dispatch``)
 FAST        the current mode's fast hook (``call_path.fast_dispatch``): one
             ordered chain, scalar tokens
-FALLBACK    :meth:`Core.call_threaded`, after a PURE function's new signature
-            had effects: traced straight from ``jax.jit``'s C++ path, that
-            call ran them through JAX's ordered effects; the next threaded
-            call first waits for them
+FALLBACK    :meth:`Core.call_threaded`, after :attr:`Core.plain` traced a
+            program with effects in PURE (:meth:`Core.effects_found`):
+            possibly a call straight from ``jax.jit``'s C++ path, which ran
+            them through JAX's ordered effects; the next threaded call first
+            waits for them
 ==========  =================================================================
 
 Transitions, each through :meth:`Core.enter` under :attr:`Core.lock`: FIRST
--> PURE when a first call found no effect; any -> THREADED when a trace
-finds a chain (:meth:`Core.learn`) or a call returns a per-device token;
-PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general call
-finds the fast hook applies (FALLBACK first waits). A call under
-``jax.disable_jit()`` runs the user function directly and changes nothing;
-so does a threaded call under an enclosing trace, which threads its effects.
+-> PURE when a first call found no effect; any -> THREADED when a call
+learns a chain (from the first call's traced program, or a threaded trace's
+:class:`NeedsTokens`, raised to the call) or a call returns a per-device
+token; PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general
+call finds the fast hook applies (FALLBACK first waits). Under an enclosing
+trace every state binds :attr:`Core.plain`, a nested jit
+(:meth:`Core.call_nested`); under ``jax.disable_jit()`` the user function
+runs; neither changes the state.
 Its part of the token calling convention: which tokens a call passes
 (``keys``), see ``convention``.
 """
@@ -49,7 +52,7 @@ from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import convention as _convention
 from jax_effects._dispatch import trace_cache as _trace_cache
-from jax_effects._pass import inlined_jit as _inlined_jit
+from jax_effects._pass import token_pass as _token_pass
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
@@ -61,7 +64,6 @@ from jax_effects._runtime import threads as _threads
 FIRST, PURE, THREADED, FAST, FALLBACK = (
     "first", "pure", "threaded", "fast", "fallback")
 NeedsTokens = _bodies.NeedsTokens
-_RETRY = object()   # a first call that learnt: retried threaded
 
 
 class _Threaded:
@@ -88,8 +90,8 @@ class Core:
   """What every ``PjitFunction`` of one (function, options) learnt (see above).
 
   The owner of its fast hooks (``call_path.FastHookOwner``): a hook falls
-  back to :meth:`call_fun`/:meth:`call_threaded`, gives :meth:`learn` a
-  :attr:`retry` and :meth:`per_device` a per-device token.
+  back to :meth:`call_nested`/:meth:`call_threaded`, gives :meth:`learn` a
+  :attr:`retry`'s chains and :meth:`per_device` a per-device token.
   """
   #: Raised by a trace that finds a chain the call passed no token for.
   retry = NeedsTokens
@@ -105,8 +107,11 @@ class Core:
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
-    self.pure = _jax_api.jit(self.traceable(
-        functools.partial(_bodies.pure, self), None), **jit_kwargs)
+    #: ``jax.jit`` of the user function as ``jax.jit`` traces it, effects
+    #: kept (``bodies.plain``): the PURE target, and what a call under an
+    #: enclosing trace binds (a nested jit).
+    self.plain = _jax_api.jit(self.traceable(
+        functools.partial(_bodies.plain, self), None), **jit_kwargs)
     self.state = FIRST
     self.call: Callable = self.first_call
 
@@ -118,18 +123,40 @@ class Core:
     return fun
 
   def call_fun(self, *args, **kwargs):
-    """Under an enclosing trace or ``jax.disable_jit()``: the user function
-    itself (the enclosing ``jax_effects.jit`` or the eager impl rules take
-    care of the effects); traced, with this function's ``in_shardings`` and
-    ``out_shardings`` as sharding constraints, as a nested ``jax.jit``
-    applies them (``_pass.inlined_jit``)."""
-    ins = self.jit_kwargs.get("in_shardings")
-    outs = self.jit_kwargs.get("out_shardings")
-    if (ins is None and outs is None) or _compat.disable_jit_flag.value:
-      return self.fun()(*args, **kwargs)
-    args = _inlined_jit.constrain_arguments(
-        args, ins, _convention.argnums(self.jit_kwargs.get("static_argnums")))
-    return _inlined_jit.constrain_tree(self.fun()(*args, **kwargs), outs)
+    """Under ``jax.disable_jit()``: the user function itself (the eager
+    impl of each effect orders it)."""
+    return self.fun()(*args, **kwargs)
+
+  def call_nested(self, *args, **kwargs):
+    """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
+
+    The enclosing trace gets one ``jit`` equation of :attr:`plain` (effects
+    kept), which it transforms, caches and compiles as it does
+    ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
+    and threads its effects with the outer's tokens. Under a transformation
+    applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
+    the jit before the bind returns, its effects ordered by JAX's own
+    ordered effect (``effect._fallback_lowering``): around it the call
+    raises the thread's pending errors, waits for the effects the thread
+    dispatched before, then for the computation's (JAX's runtime token), so
+    the thread's later calls follow it, and raises the errors of its
+    callbacks (``design/errors.md``).
+    """
+    if _compat.disable_jit_flag.value:
+      return self.call_fun(*args, **kwargs)
+    if not _compat.eager_transformation():
+      return self.plain(*args, **kwargs)
+    state = _threads.thread_state()
+    if _errors.deferred:
+      _raising.raise_deferred(state)
+    _barrier.wait_for_thread()
+    out = self.plain(*args, **kwargs)
+    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
+    if token is not None:
+      token.block_until_ready()
+    if _errors.deferred:
+      _raising.raise_deferred(state)
+    return out
 
   def traceable(self, body: Callable, tokens: int | None):
     return _convention.Traceable(body, self.fun_ref, self.names,
@@ -138,7 +165,7 @@ class Core:
   def enter(self, state: str, mode: str | None = None) -> None:
     """Switches to ``state`` (FAST: ``mode``'s hook); under :attr:`lock`."""
     if state is PURE:
-      call = self.pure
+      call = self.plain
     elif state is FAST:
       call = self.modes[mode].fast
     elif state is FIRST:
@@ -189,19 +216,36 @@ class Core:
       else:
         threaded.fast = None
 
-  def learn(self, mode: str, err: NeedsTokens, fallback: bool = False):
-    """A trace in ``mode`` found chains the call passed no token for."""
+  def learn(self, mode: str, keys: tuple) -> None:
+    """A trace in ``mode`` found ``keys`` (the chains its program uses; a
+    caller's, from a ``Traced`` or a :class:`NeedsTokens`)."""
     threaded = self.threaded(mode)
     with self.lock:
-      if fallback:
-        self.enter(FALLBACK)
-      new = tuple(k for k in err.keys if k not in threaded.keys)
+      new = tuple(k for k in keys if k not in threaded.keys)
       if new:   # the jax.jit objects take len(keys) tokens: new ones for more
         threaded.keys += new
         threaded.jitted = {}
       self.refresh(mode)
       if self.state is not FALLBACK:
         self.enter(THREADED)
+
+  def effects_found(self) -> None:
+    """:attr:`plain` traced a program with effects (``bodies.plain``).
+
+    The one thing a trace tells the core: in PURE, calls go straight into
+    ``jax.jit``'s C++ path, where no frame of ours runs, so this trace may
+    be one such call's, about to run its effects through JAX's ordered
+    effects: it follows the thread's dispatched effects, and the next call
+    goes the general way (FALLBACK), which waits for it. Any other state
+    learns its chains from its own calls.
+    """
+    if self.state is not PURE:
+      return
+    with self.lock:
+      if self.state is not PURE:
+        return
+      self.enter(FALLBACK)
+    _barrier.wait_for_thread()
 
   def per_device(self, mode: str, token) -> None:
     """A call in ``mode`` returned a per-device token (a shard_map program)."""
@@ -214,39 +258,42 @@ class Core:
   # --- calls ---------------------------------------------------------------
 
   def first_call(self, *args, **kwargs):
-    """FIRST: the pure ``jax.jit``, strict, learning."""
-    if _compat.disable_jit_flag.value:   # eager: nothing to learn from
-      return self.call_fun(*args, **kwargs)
-    if _fork.forked_after_backend and _compat.at_top_level():
+    """FIRST: traces :attr:`plain`; with effects the call goes threaded,
+    else it is a plain ``jax.jit`` call (PURE)."""
+    if not _compat.compiled_dispatch():
+      return self.call_nested(*args, **kwargs)
+    if _fork.forked_after_backend:
       raise _fork.refused(   # (compiling would hang)
           f"calling jax_effects.jit({self.names['__name__']})")
     with self.first_call_guard:   # (JAX 0.8: one compile at a time)
       if self.state is not FIRST:   # decided by another thread meanwhile
         return self.call(*args, **kwargs)
-      if _errors.deferred and _compat.at_top_level():
+      if _errors.deferred:
         _raising.raise_deferred(_threads.thread_state())
-      previous = getattr(_bodies.strict, "on", False)
-      _bodies.strict.on = True
-      try:
-        out = self.pure(*args, **kwargs)
-      except NeedsTokens as err:
-        self.learn(_effects.get_ordering(), err)
-        out = _RETRY
-      finally:
-        _bodies.strict.on = previous
-      if out is _RETRY:
-        # Outside the handler: neither an error of the threaded call nor an
-        # exception a user callback handles gets NeedsTokens as __context__.
+      mode = _effects.get_ordering()
+      keys = self.chains(self.plain.trace(*args, **kwargs), mode)
+      if keys is not None:
+        self.learn(mode, keys)
         return self.call_threaded(*args, **kwargs)
       with self.lock:
         if self.state is FIRST:
           self.enter(PURE)
-      return out
+      # (the trace is jax.jit's: this call compiles it, it does not retrace)
+      return self.plain(*args, **kwargs)
+
+  @staticmethod
+  def chains(traced, mode: str) -> tuple | None:
+    """The runtime-token chains of a traced :attr:`plain` program, or None
+    when it has nothing to thread (no effect, no counter)."""
+    effects = traced.jaxpr.effects
+    if not _token_pass.chain_keys(effects, mode):
+      return None
+    return _token_pass.runtime_chain_keys(effects, mode)
 
   def call_threaded(self, *args, **kwargs):
     """THREADED, FALLBACK: the general call path."""
     if not _compat.compiled_dispatch():
-      return self.call_fun(*args, **kwargs)
+      return self.call_nested(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _threads.thread_state()
     if self.state is FALLBACK:   # after JAX's ordered effects: wait for them
@@ -264,7 +311,7 @@ class Core:
             state, mode, keys, threaded.per_device_sharding, jitted, args,
             kwargs, threaded.launch)
       except NeedsTokens as err:
-        self.learn(mode, err)
+        self.learn(mode, err.keys)
         continue
       if (token.sharding is not threaded.per_device_sharding
           and _per_device.kept_on_devices(token)):
@@ -281,7 +328,7 @@ class Core:
 
   def jax_jits(self) -> list:
     """Every ``jax.jit`` object of this core."""
-    return [self.pure, *(j for t in list(self.modes.values())
+    return [self.plain, *(j for t in list(self.modes.values())
                          for j in list(t.jitted.values()))]
 
   def clear_cache(self) -> None:

@@ -231,16 +231,13 @@ def trace(core, function, args, kwargs) -> Traced:
   previous_explicit = getattr(_bodies.explicit, "on", False)
   _bodies.explicit.on = True
   try:
-    if core.state in (_core.FIRST, _core.PURE):
-      previous = getattr(_bodies.strict, "on", False)
-      _bodies.strict.on = True
-      try:
-        return Traced(function, core.pure.trace(*args, **kwargs), None, ())
-      except _bodies.NeedsTokens as err:
-        core.learn(_effects.get_ordering(), err)
-      finally:
-        _bodies.strict.on = previous
     mode = _effects.get_ordering()
+    if core.state in (_core.FIRST, _core.PURE):
+      traced = core.plain.trace(*args, **kwargs)
+      keys = core.chains(traced, mode)
+      if keys is None:
+        return Traced(function, traced, None, ())
+      core.learn(mode, keys)
     while True:
       keys, jitted = core.keys_and_jit(mode, args)
       tokens = tuple(jax.ShapeDtypeStruct((), _errors.TOKEN_DTYPE)
@@ -248,7 +245,7 @@ def trace(core, function, args, kwargs) -> Traced:
       try:
         traced = jitted.trace(*tokens, *args, **kwargs)
       except _bodies.NeedsTokens as err:
-        core.learn(mode, err)
+        core.learn(mode, err.keys)
         continue
       return Traced(function, traced, mode, keys)
   finally:
