@@ -551,6 +551,18 @@ def enclosing_staging() -> str | None:
   return None
 
 
+def building_jaxpr() -> bool:
+  """True when a jaxpr is being built: the current trace, or a trace below
+  it (through ``parent_trace``: vmap/jvp traces), stages a jaxpr
+  (``jit``, ``make_jaxpr``, ``.trace()``, control flow)."""
+  trace = _trace_ctx.trace
+  while trace is not None:
+    if getattr(trace, "frame", None) is not None:
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 def eager_transformation() -> bool:
   """True when the innermost trace is a transformation applied eagerly.
 
@@ -610,13 +622,13 @@ def no_user_mesh():
 # ``trace_context()``: the ``jax.config`` values that change what tracing
 # produces (x64, the mesh, ...), JAX's own key for its trace caches; a
 # jax_effects.jit function's kept traces are keyed by it too
-# (``_dispatch.trace_cache``: its learnt state outlives a config change).
+# (``_dispatch.tracing.TraceCache``: its learnt state outlives a config change).
 # No public route; JAX 0.8-0.10.
 from jax._src.config import trace_context  # noqa: E402
 
 # ``register_cache(obj, for_what)``: ``jax.clear_caches()`` calls
 # ``obj.cache_clear()`` (held weakly). A jax_effects.jit function's kept
-# traces (``_dispatch.trace_cache``) are a staging cache like JAX's own
+# traces (``_dispatch.tracing.TraceCache``) are a staging cache like JAX's own
 # tracing caches, so they are dropped with them. No public route; JAX 0.8-0.10.
 from jax._src.util import register_cache  # noqa: E402
 

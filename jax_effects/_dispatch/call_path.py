@@ -1,7 +1,7 @@
 """The call path: one threaded call, from runtime tokens in to the token stored.
 
 Every call of a threaded ``jax.jit`` object (``function.PjitFunction``,
-``stages.Compiled``) goes through here. Its part of the token calling
+``function.Compiled``) goes through here. Its part of the token calling
 convention: the executable is ``g(t_1, ..., t_k, *args, **kwargs) ->
 (outputs, token)``; the call passes the calling thread's runtime token of
 each chain (``threads.ThreadTokens.runtime``), and the returned token becomes
@@ -56,9 +56,6 @@ general path.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Protocol
-
 from jax_effects import _compat
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import exit as _exit
@@ -71,6 +68,20 @@ from jax_effects._runtime import threads as _threads
 #: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
 #: ...): reserved.
 TOKENS_KW = "__jax_effects_runtime_tokens__"
+
+
+class NeedsTokens(Exception):
+  """A threaded trace found chains its call passed no runtime token for.
+
+  Raised out of ``jax.jit``'s trace (``tracing.threaded``) to the call,
+  which learns ``keys`` and calls again (``core.Core.call_threaded``,
+  ``function.trace``); :func:`dispatch` lets it through, nothing having
+  run; the fast hook hands the call to its general path.
+  """
+
+  def __init__(self, keys):
+    super().__init__(f"jax_effects: retrace with runtime tokens for {keys}")
+    self.keys = keys
 
 
 def _launch(site: _launch_lock.LaunchSite, call, tokens, args, kwargs):
@@ -153,26 +164,8 @@ _interrupts.interrupts_deferred_in(dispatch)
 _interrupts.interrupts_deferred_in(_launch)
 
 
-class FastHookOwner(Protocol):
-  """What a fast hook falls back to (``_dispatch.core.Core``)."""
-  retry: type[Exception]   # a trace found another chain (``NeedsTokens``)
-
-  def call_nested(self, *args: Any, **kwargs: Any) -> Any:
-    """Under a trace: a nested jit (under ``jax.disable_jit``: the
-    user's function)."""
-
-  def call_threaded(self, *args: Any, **kwargs: Any) -> Any:
-    """Every case the hook does not take: the general path."""
-
-  def learn(self, mode: str, keys: tuple) -> None:
-    """Records the chains a :attr:`retry` names (its ``keys``)."""
-
-  def per_device(self, mode: str, token: Any) -> None:
-    """A per-device token was returned (a new signature)."""
-
-
-def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
-                  site: _launch_lock.LaunchSite):
+def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
+                  general):
   """The dispatch hook of one function in its common case (``_dispatch.function``).
 
   Valid while the function threads one ordered chain ``key`` with scalar
@@ -183,22 +176,18 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
   interrupt lands right after the dispatch, see ``ThreadTokens.store_interrupted``)
   and raises the errors of callbacks that ran inline in the call, the steps
   of :func:`dispatch` without their loops, branches and frames.
-  Everything else goes to ``owner`` (:class:`FastHookOwner`): under a
-  trace, ``owner.call_nested`` (a nested jit; under ``jax.disable_jit``
-  ``jitted`` calls the user's function); in another mode, after a mode switch, with a
-  per-device token or an error pending (``ThreadTokens.fast_mode``),
-  ``owner.call_threaded``; a trace that finds another chain raises
-  ``owner.retry``, whose ``keys`` go to ``owner.learn`` before ``call_threaded`` is
-  called; a per-device token returned (a new signature) is stored and given
-  to ``owner.per_device``. A computation over several CPU devices is launched under
-  ``launch_lock`` (``site``: what this hook launched last).
+  Every other case goes to ``general(*args, **kwargs)``, the function's
+  general call (which learns what there is to learn): under a trace; in
+  another mode, after a mode switch, with a per-device token or an error
+  pending (``ThreadTokens.fast_mode``); after a trace that found another
+  chain (:class:`NeedsTokens`: nothing ran). A per-device token returned (a
+  new signature) is stored: it clears the thread's ``fast_mode``, so its
+  next call takes the general path, which learns the token's shape. A
+  computation over several CPU devices is launched under ``launch_lock``
+  (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  fun, general, retry = owner.call_nested, owner.call_threaded, owner.retry
-
-  def learn(err):
-    owner.learn(mode, err.keys)
-  per_device = functools.partial(owner.per_device, mode)
+  fun = general
   committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   local = _threads.local
@@ -227,8 +216,7 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
           with _launch_lock.launch_lock:
             out, token = (jitted(token, *args, **kwargs) if kwargs
                           else jitted(token, *args))
-      except retry as err:   # the trace found another chain
-        learn(err)
+      except NeedsTokens:   # the trace found another chain
         token = None
       except Exception as err:  # noqa: BLE001 - an execution error or not
         _raising.dispatch_failed(state, err)
@@ -240,7 +228,6 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
           if sharding is not state.last_sharding or state.last_token is None:
             if _per_device.kept_on_devices(token):   # a per-device token (a new signature)
               state.update((key,), token)
-              per_device(token)
               sharding = None
             else:   # another device set than the last dispatch's
               state.file_last()

@@ -1,10 +1,10 @@
 """The learnt state of one ``jax_effects.jit`` function, and the states its calls go through.
 
 A :class:`Core` belongs to one (function, ``jit`` options) and is shared by
-every ``PjitFunction`` of them (``registry``). It holds what calls learn: per
-ordering mode the chains passed as runtime tokens and the ``jax.jit``
-objects of ``g`` for them (``convention``, ``bodies``); the kept traces;
-and the dispatch state, which decides what calling a ``PjitFunction`` calls
+every ``PjitFunction`` of them (:func:`core_for`, below). It holds what
+calls learn: per ordering mode the chains passed as runtime tokens and the
+``jax.jit`` objects of ``g`` for them (``tracing``); the kept traces; and
+the dispatch state, which decides what calling a ``PjitFunction`` calls
 (:attr:`Core.call`):
 
 ==========  =================================================================
@@ -35,23 +35,45 @@ call finds the fast hook applies (FALLBACK first waits). Under an enclosing
 trace every state binds :attr:`Core.plain`, a nested jit
 (:meth:`Core.call_nested`); under ``jax.disable_jit()`` the user function
 runs; neither changes the state.
+
+Learning goes one way: a trace returns what it found to the call that made
+it (the first call's traced plain program; a threaded trace's
+``call_path.NeedsTokens``, raised to the call), and the call learns it
+(:meth:`Core.learn`); the hot path (the fast hook) is built from plain
+callables and falls back to :meth:`Core.call_threaded` for everything it
+does not do. The only thing a trace tells the core is
+:meth:`Core.effects_found` (see there).
+
+Sharing, as ``jax.jit``'s caches: ``jax.jit(f)`` written inline (a new
+object per call: in a loop, a lambda, a library) traces ``f`` once, because
+JAX keys its caches by the function and the options, holding the function
+weakly. Every ``PjitFunction`` of the same function object and equal
+options shares one core (:func:`core_for`), so a new ``PjitFunction`` of a
+known function starts where the last one left off. Identity of the
+function, as JAX's C++ cache: a bound method, a ``functools.partial`` or a
+lambda made anew for each call is a new function (and is traced again, as
+under ``jax.jit``). The registry holds the function weakly and drops its
+entry when it goes; the core holds it weakly too, so nothing here keeps a
+function alive (each ``PjitFunction`` holds it strongly). A function that
+cannot be weakly referenced, or options that cannot be hashed, get a core
+of their own, not shared.
+
 Its part of the token calling convention: which tokens a call passes
-(``keys``), see ``convention``.
+(``keys``), see ``tracing``.
 """
 from __future__ import annotations
 
 import functools
 import threading
 from typing import Any, Callable
+import weakref
 
 
 from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
-from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
-from jax_effects._dispatch import convention as _convention
-from jax_effects._dispatch import trace_cache as _trace_cache
+from jax_effects._dispatch import tracing as _tracing
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
@@ -63,7 +85,7 @@ from jax_effects._runtime import threads as _threads
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
     "first", "pure", "threaded", "fast", "fallback")
-NeedsTokens = _bodies.NeedsTokens
+NeedsTokens = _call_path.NeedsTokens
 
 
 class _Threaded:
@@ -72,7 +94,7 @@ class _Threaded:
   ``keys``: the ordered chains passed as runtime tokens, in order.
   ``per_device_sharding``: sharding of the per-device token returned last
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
-  ``len(keys)`` tokens, by ``convention.n_dynamic``; dropped when ``keys``
+  ``len(keys)`` tokens, by ``tracing.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
   whether launches take the launch lock (``_launch_lock``).
   """
@@ -87,45 +109,31 @@ class _Threaded:
 
 
 class Core:
-  """What every ``PjitFunction`` of one (function, options) learnt (see above).
-
-  The owner of its fast hooks (``call_path.FastHookOwner``): a hook falls
-  back to :meth:`call_nested`/:meth:`call_threaded`, gives :meth:`learn` a
-  :attr:`retry`'s chains and :meth:`per_device` a per-device token.
-  """
-  #: Raised by a trace that finds a chain the call passed no token for.
-  retry = NeedsTokens
+  """What every ``PjitFunction`` of one (function, options) learnt (see above)."""
 
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
     self.jit_kwargs = jit_kwargs
-    self.signature = _convention.signature(fun)
-    self.names = _convention.names_of(fun)
-    self.traces = _trace_cache.TraceCache(fun_ref)
+    self.signature = _tracing.signature(fun)
+    self.names = _tracing.names_of(fun)
+    self.traces = _tracing.TraceCache(fun_ref)
     #: Guards state changes and each mode's ``keys``/``jitted`` (a jax.jit
     #: is built for ``len(keys)`` tokens while threads learn concurrently).
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
     #: ``jax.jit`` of the user function as ``jax.jit`` traces it, effects
-    #: kept (``bodies.plain``): the PURE target, and what a call under an
+    #: kept (``tracing.plain``): the PURE target, and what a call under an
     #: enclosing trace binds (a nested jit).
-    self.plain = _jax_api.jit(self.traceable(
-        functools.partial(_bodies.plain, self), None), **jit_kwargs)
+    self.plain = _jax_api.jit(self.traceable(functools.partial(
+        _tracing.plain, self.traces, self.effects_found), None), **jit_kwargs)
     self.state = FIRST
     self.call: Callable = self.first_call
-
-  def fun(self) -> Callable:
-    fun = self.fun_ref()
-    if fun is None:
-      raise ReferenceError("jax_effects.jit: the function was garbage-"
-                           "collected")
-    return fun
 
   def call_fun(self, *args, **kwargs):
     """Under ``jax.disable_jit()``: the user function itself (the eager
     impl of each effect orders it)."""
-    return self.fun()(*args, **kwargs)
+    return self.traces.fun()(*args, **kwargs)
 
   def call_nested(self, *args, **kwargs):
     """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
@@ -159,8 +167,8 @@ class Core:
     return out
 
   def traceable(self, body: Callable, tokens: int | None):
-    return _convention.Traceable(body, self.fun_ref, self.names,
-                                 self.signature, tokens)
+    return _tracing.Traceable(body, self.fun_ref, self.names,
+                              self.signature, tokens)
 
   def enter(self, state: str, mode: str | None = None) -> None:
     """Switches to ``state`` (FAST: ``mode``'s hook); under :attr:`lock`."""
@@ -186,17 +194,17 @@ class Core:
   def keys_and_jit(self, mode: str, args: tuple = ()):
     """``(keys, jitted)``: ``mode``'s chains and the ``jax.jit`` of ``g``
     built for exactly ``len(keys)`` tokens, read together."""
-    n_dynamic = _convention.n_dynamic(self.jit_kwargs, args)
+    n_dynamic = _tracing.n_dynamic(self.jit_kwargs, args)
     threaded = self.threaded(mode)
     with self.lock:
       keys = threaded.keys
       jitted = threaded.jitted.get(n_dynamic)
       if jitted is None:
         k = len(keys)
-        body = functools.partial(_bodies.threaded, self, mode, k)
+        body = functools.partial(_tracing.threaded, self.traces, mode, keys)
         jitted = _jax_api.jit(self.traceable(body, k),
-                         **_convention.threaded_jit_kwargs(
-                             self.jit_kwargs, n_dynamic, k))
+                              **_tracing.threaded_jit_kwargs(
+                                  self.jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted
         self.refresh(mode)
     return keys, jitted
@@ -212,7 +220,8 @@ class Core:
           and threaded.per_device_sharding is None and jitted is not None
           and self.state is not FALLBACK):
         threaded.fast = _call_path.fast_dispatch(
-            self, mode, keys[0], jitted, site=threaded.launch)
+            mode, keys[0], jitted, site=threaded.launch,
+            general=self.call_threaded)
       else:
         threaded.fast = None
 
@@ -230,7 +239,7 @@ class Core:
         self.enter(THREADED)
 
   def effects_found(self) -> None:
-    """:attr:`plain` traced a program with effects (``bodies.plain``).
+    """:attr:`plain` traced a program with effects (``tracing.plain``).
 
     The one thing a trace tells the core: in PURE, calls go straight into
     ``jax.jit``'s C++ path, where no frame of ours runs, so this trace may
@@ -246,14 +255,6 @@ class Core:
         return
       self.enter(FALLBACK)
     _barrier.wait_for_thread()
-
-  def per_device(self, mode: str, token) -> None:
-    """A call in ``mode`` returned a per-device token (a shard_map program)."""
-    with self.lock:
-      self.threaded(mode).per_device_sharding = token.sharding
-      self.refresh(mode)
-      if self.state is not FALLBACK:
-        self.enter(THREADED)
 
   # --- calls ---------------------------------------------------------------
 
@@ -286,7 +287,7 @@ class Core:
     """The runtime-token chains of a traced :attr:`plain` program, or None
     when it has nothing to thread (no effect, no counter)."""
     effects = traced.jaxpr.effects
-    if not _token_pass.chain_keys(effects, mode):
+    if not _tracing.has_chains(effects, mode):
       return None
     return _token_pass.runtime_chain_keys(effects, mode)
 
@@ -338,3 +339,69 @@ class Core:
 
   def cache_size(self) -> int:
     return sum(j._cache_size() for j in self.jax_jits())
+
+
+# --- one core per (function, options) --------------------------------------------
+
+#: (id(fun), options key) -> (weak reference to fun, core)
+_cores: dict[tuple, tuple[weakref.ref, Core]] = {}
+_cores_lock = threading.Lock()
+
+
+def _freeze(value):
+  """A hashable stand-in for one ``jit`` option (TypeError if none)."""
+  if isinstance(value, (tuple, list)):
+    return (type(value), tuple(_freeze(v) for v in value))
+  if isinstance(value, dict):
+    return (dict, frozenset((k, _freeze(v)) for k, v in value.items()))
+  if isinstance(value, (set, frozenset)):
+    return (frozenset, frozenset(_freeze(v) for v in value))
+  hash(value)
+  return value
+
+
+def options_key(jit_kwargs: dict):
+  """Equal for equal ``jit`` options; None where one cannot be hashed."""
+  if not jit_kwargs:
+    return ()
+  try:
+    return frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
+  except TypeError:
+    return None
+
+
+def core_for(fun: Callable, jit_kwargs: dict) -> Core:
+  """The core of ``(fun, jit_kwargs)``: the shared one, or a new one
+  registered while ``fun`` lives (see the module docstring)."""
+  options = options_key(jit_kwargs)
+  key = (id(fun), options)
+  entry = _cores.get(key) if options is not None else None
+  if entry is not None and entry[0]() is fun:
+    return entry[1]
+  try:
+    ref = weakref.ref(fun, lambda r, key=key: _drop(key, r))
+  except TypeError:   # cannot be weakly referenced: not shared
+    return Core(lambda: fun, fun, jit_kwargs)
+  if options is None:
+    return Core(weakref.ref(fun), fun, jit_kwargs)
+  with _cores_lock:
+    entry = _cores.get(key)
+    if entry is not None and entry[0]() is fun:   # made by another thread
+      return entry[1]
+    core = Core(weakref.ref(fun), fun, jit_kwargs)
+    _cores[key] = (ref, core)
+    return core
+
+
+def _drop(key: tuple, ref: weakref.ref) -> None:
+  # A weakref callback (possibly inside garbage collection, on any thread):
+  # no lock. The entry is this function's while it dies: no other object
+  # can have its id before it is freed.
+  entry = _cores.get(key)
+  if entry is not None and entry[0] is ref:
+    _cores.pop(key, None)
+
+
+def registered() -> int:
+  """How many (function, options) cores are registered (for tests)."""
+  return len(_cores)
