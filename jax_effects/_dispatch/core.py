@@ -316,9 +316,11 @@ class Core:
         continue
       if (token.sharding is not threaded.per_device_sharding
           and _per_device.kept_on_devices(token)):
-        with self.lock:
+        with self.lock:   # (learnt here only: the fast hook comes here)
           threaded.per_device_sharding = token.sharding
           self.refresh(mode)
+          if self.state is FAST and self.call is not threaded.fast:
+            self.enter(THREADED)   # (its hook went)
       if threaded.fast is not None and self.call is not threaded.fast:
         with self.lock:
           if threaded.fast is not None and self.state is not FALLBACK:
