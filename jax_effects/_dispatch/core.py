@@ -150,7 +150,10 @@ class Core:
     the thread's later calls follow it, and raises the errors of its
     callbacks (``design/errors.md``).
     """
-    if _compat.disable_jit_flag.value:
+    if (_compat.disable_jit_flag.value
+        or _compat.enclosing_staging() == "pmap"):
+      # (pmap staged as itself, an option of JAX 0.8 and 0.9: inside it the
+      # function runs, so an effect refuses it naming itself, bind_effect)
       return self.call_fun(*args, **kwargs)
     if not _compat.eager_transformation():
       return self.plain(*args, **kwargs)
