@@ -75,7 +75,7 @@ class NeedsTokens(Exception):
 
   Raised out of ``jax.jit``'s trace (``tracing.threaded``) to the call,
   which learns ``keys`` and calls again (``core.Core.call_threaded``,
-  ``function.trace``); :func:`dispatch` lets it through, nothing having
+  ``PjitFunction.trace``); :func:`dispatch` lets it through, nothing having
   run; the fast hook hands the call to its general path.
   """
 
@@ -187,14 +187,13 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  fun = general
   committed, uncommitted = _compat.committed, _compat.uncommitted
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   local = _threads.local
 
   def call(*args, **kwargs):
     if trace.value is not eval_trace or axis_env.value is not top_axis_env:
-      return fun(*args, **kwargs)   # under a trace (_compat.at_top_level)
+      return general(*args, **kwargs)   # under a trace (a nested jit)
     try:
       state = local.state
     except AttributeError:   # the thread's first call
