@@ -631,6 +631,43 @@ def jax_runtime_tokens() -> list:
           *tokens.output_runtime_tokens.values()]
 
 
+def building_jaxpr() -> bool:
+  """True when a jaxpr is being built: the current trace, or a trace below
+  it (through ``parent_trace``: vmap/jvp traces), stages a jaxpr
+  (``jit``, ``make_jaxpr``, ``.trace()``, control flow)."""
+  trace = _trace_ctx.trace
+  while trace is not None:
+    if getattr(trace, "frame", None) is not None:
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
+def eager_transformation() -> bool:
+  """True when the innermost trace is a transformation applied eagerly.
+
+  That is a chain of transformation traces (``jvp``, ``vmap``,
+  ``linearize``, partial evaluation) linked by their ``parent_trace`` down
+  to the eval trace: a ``jit`` bound now is executed (compiled, dispatched)
+  before its bind returns. False at the top level (no trace), and when the
+  chain reaches a trace that builds a jaxpr (``jit``, ``make_jaxpr``,
+  control flow: it has a ``frame``) or a trace of unknown kind (one with no
+  ``parent_trace``): what is bound there runs later, if at all. The trace
+  classes and their ``parent_trace``/``frame`` attributes are the same on
+  JAX 0.8.3 to 0.10.x.
+  """
+  trace = _trace_ctx.trace
+  if trace is _eval_trace:
+    return False
+  while trace is not None:
+    if trace is _eval_trace:
+      return True
+    if getattr(trace, "frame", None) is not None:
+      return False
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 def jax_runtime_token(effect):
   """JAX's own runtime token of an ordered effect on this thread, if any.
 
@@ -665,13 +702,13 @@ def no_user_mesh():
 # ``trace_context()``: the ``jax.config`` values that change what tracing
 # produces (x64, the mesh, ...), JAX's own key for its trace caches; a
 # jax_effects.jit function's kept traces are keyed by it too
-# (``_dispatch.trace_cache``: its learnt state outlives a config change).
+# (``_dispatch.tracing.TraceCache``: its learnt state outlives a config change).
 # No public route; JAX 0.8-0.10.
 from jax._src.config import trace_context  # noqa: E402
 
 # ``register_cache(obj, for_what)``: ``jax.clear_caches()`` calls
 # ``obj.cache_clear()`` (held weakly). A jax_effects.jit function's kept
-# traces (``_dispatch.trace_cache``) are a staging cache like JAX's own
+# traces (``_dispatch.tracing.TraceCache``) are a staging cache like JAX's own
 # tracing caches, so they are dropped with them. No public route; JAX 0.8-0.10.
 from jax._src.util import register_cache  # noqa: E402
 

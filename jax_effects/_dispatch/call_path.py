@@ -69,8 +69,6 @@ general path.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Protocol
 
 import jax
 
@@ -88,6 +86,20 @@ from jax_effects._runtime import token_value as _token_value
 #: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
 #: ...): reserved.
 TOKENS_KW = "__jax_effects_runtime_tokens__"
+
+
+class NeedsTokens(Exception):
+  """A threaded trace found chains its call passed no runtime token for.
+
+  Raised out of ``jax.jit``'s trace (``tracing.threaded``) to the call,
+  which learns ``keys`` and calls again (``core.Core.call_threaded``,
+  ``PjitFunction.trace``); :func:`dispatch` lets it through, nothing having
+  run; the fast hook hands the call to its general path.
+  """
+
+  def __init__(self, keys):
+    super().__init__(f"jax_effects: retrace with runtime tokens for {keys}")
+    self.keys = keys
 
 
 def _launch(site: _launch_lock.LaunchSite, call, tokens, args, kwargs):
@@ -195,25 +207,8 @@ _interrupts.dispatching_frame(dispatch)
 _interrupts.dispatching_frame(_launch)
 
 
-class FastHookOwner(Protocol):
-  """What a fast hook falls back to (``_dispatch.core.Core``)."""
-  retry: type[Exception]   # a trace found another chain (``NeedsTokens``)
-
-  def call_fun(self, *args: Any, **kwargs: Any) -> Any:
-    """Under a trace: the user's function."""
-
-  def call_threaded(self, *args: Any, **kwargs: Any) -> Any:
-    """Every case the hook does not take: the general path."""
-
-  def learn(self, mode: str, err: Exception) -> None:
-    """Records the chains a :attr:`retry` names."""
-
-  def per_device(self, mode: str, token: Any) -> None:
-    """A per-device token was returned (a new signature)."""
-
-
-def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
-                  site: _launch_lock.LaunchSite):
+def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
+                  general):
   """The dispatch hook of one function in its common case (``_dispatch.function``).
 
   Valid while the function threads one ordered chain ``key`` with scalar
@@ -224,20 +219,17 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
   interrupt lands right after the dispatch, see ``ThreadTokens.store_interrupted``)
   and raises the errors of callbacks that ran inline in the call, the steps
   of :func:`dispatch` without their loops, branches and frames.
-  Everything else goes to ``owner`` (:class:`FastHookOwner`): under a
-  trace, ``owner.call_fun`` (the user's function; under ``jax.disable_jit``
-  ``jitted`` calls it); in another mode, after a mode switch, with a
-  per-device token or an error pending (``ThreadTokens.fast_mode``),
-  ``owner.call_threaded``; a trace that finds another chain raises
-  ``owner.retry``, given to ``owner.learn`` before ``call_threaded`` is
-  called; a per-device token returned (a new signature) is stored and given
-  to ``owner.per_device``. A computation over several CPU devices is launched under
-  ``launch_lock`` (``site``: what this hook launched last).
+  Every other case goes to ``general(*args, **kwargs)``, the function's
+  general call (which learns what there is to learn): under a trace; in
+  another mode, after a mode switch, with a per-device token or an error
+  pending (``ThreadTokens.fast_mode``); after a trace that found another
+  chain (:class:`NeedsTokens`: nothing ran). A per-device token returned (a
+  new signature) is stored: it clears the thread's ``fast_mode``, so its
+  next call takes the general path, which learns the token's shape. A
+  computation over several CPU devices is launched under ``launch_lock``
+  (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  fun, general, retry = owner.call_fun, owner.call_threaded, owner.retry
-  learn = functools.partial(owner.learn, mode)
-  per_device = functools.partial(owner.per_device, mode)
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   own = _errors.own
   interrupted = _interrupts.slots
@@ -246,7 +238,7 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
 
   def call(*args, **kwargs):
     if trace.value is not eval_trace or axis_env.value is not top_axis_env:
-      return fun(*args, **kwargs)   # under a trace (_compat.at_top_level)
+      return general(*args, **kwargs)   # under a trace (a nested jit)
     try:
       state = local.state
     except AttributeError:   # the thread's first call
@@ -274,8 +266,7 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
           with _launch_lock.launch_lock:
             out, token = (jitted(passed, *args, **kwargs) if kwargs
                           else jitted(passed, *args))
-      except retry as err:   # the trace found another chain
-        learn(err)
+      except NeedsTokens:   # the trace found another chain: nothing ran
         token = None
       except BaseException as err:  # noqa: BLE001 - an execution error or not
         _failed(state, keys, err)
@@ -285,9 +276,10 @@ def fast_dispatch(owner: FastHookOwner, mode: str, key, jitted, *,
           if sharding is not site.sharding:
             _launch_lock.launched(site, sharding)
           if not state.store_last(key, token, passed):
+            # (another device set than the last dispatch's, or a token
+            # kept on devices: a new signature; update clears fast_mode
+            # then, and the next call's general path learns its shape)
             state.update(keys, token, (passed,))
-            if _device_tokens.kept_on_devices(token):   # (a new signature)
-              per_device(token)
         except BaseException:
           state.store_interrupted(keys, token, (passed,))
           raise

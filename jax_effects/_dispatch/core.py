@@ -1,55 +1,79 @@
 """The learnt state of one ``jax_effects.jit`` function, and the states its calls go through.
 
 A :class:`Core` belongs to one (function, ``jit`` options) and is shared by
-every ``PjitFunction`` of them (``registry``). It holds what calls learn: per
-ordering mode the chains passed as runtime tokens and the ``jax.jit``
-objects of ``g`` for them (``convention``, ``bodies``); the kept traces;
-and the dispatch state, which decides what calling a ``PjitFunction`` calls
+every ``PjitFunction`` of them (:func:`core_for`, below). It holds what
+calls learn: per ordering mode the chains passed as runtime tokens and the
+``jax.jit`` objects of ``g`` for them (``tracing``); the kept traces; and
+the dispatch state, which decides what calling a ``PjitFunction`` calls
 (:attr:`Core.call`):
 
 ==========  =================================================================
 state       call target
 ==========  =================================================================
-FIRST       :meth:`Core.first_call`: the pure ``jax.jit``, learning (a trace
-            that finds an effect raises ``NeedsTokens``: the chains are
-            learnt and the call goes threaded)
-PURE        the pure ``jax.jit`` object itself: a plain ``jax.jit`` call, no
-            Python frame of ours
+FIRST       :meth:`Core.first_call`: traces :attr:`Core.plain`; a program
+            with effects learns its chains (:meth:`Core.learn`) and the call
+            goes threaded, one without is a plain call (PURE)
+PURE        :attr:`Core.plain` itself: a plain ``jax.jit`` call, no Python
+            frame of ours
 THREADED    :meth:`Core.call_threaded`: the general call path
             (``call_path.dispatch``)
 FAST        the current mode's fast hook (``call_path.fast_dispatch``): one
             ordered chain, scalar tokens
-FALLBACK    :meth:`Core.call_threaded`, after a PURE function's new signature
-            had effects: traced straight from ``jax.jit``'s C++ path, that
-            call ran them through JAX's ordered effects; the next threaded
-            call first waits for them
+FALLBACK    :meth:`Core.call_threaded`, after :attr:`Core.plain` traced a
+            program with effects in PURE (:meth:`Core.effects_found`):
+            possibly a call straight from ``jax.jit``'s C++ path, which ran
+            them through JAX's ordered effects; the next threaded call first
+            waits for them
 ==========  =================================================================
 
 Transitions, each through :meth:`Core.enter` under :attr:`Core.lock`: FIRST
--> PURE when a first call found no effect; any -> THREADED when a trace
-finds a chain (:meth:`Core.learn`) or a call returns a per-device token;
-PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general call
-finds the fast hook applies (FALLBACK first waits). A call under
-``jax.disable_jit()`` runs the user function directly and changes nothing;
-so does a threaded call under an enclosing trace, which threads its effects.
+-> PURE when a first call found no effect; any -> THREADED when a call
+learns a chain (from the first call's traced program, or a threaded trace's
+:class:`NeedsTokens`, raised to the call) or a call returns a per-device
+token; PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general
+call finds the fast hook applies (FALLBACK first waits). Under an enclosing
+trace every state binds :attr:`Core.plain`, a nested jit
+(:meth:`Core.call_nested`); under ``jax.disable_jit()`` the user function
+runs; neither changes the state.
+
+Learning goes one way: a trace returns what it found to the call that made
+it (the first call's traced plain program; a threaded trace's
+``call_path.NeedsTokens``, raised to the call), and the call learns it
+(:meth:`Core.learn`); the hot path (the fast hook) is built from plain
+callables and falls back to :meth:`Core.call_threaded` for everything it
+does not do. The only thing a trace tells the core is
+:meth:`Core.effects_found` (see there).
+
+Sharing, as ``jax.jit``'s caches: ``jax.jit(f)`` written inline (a new
+object per call: in a loop, a lambda, a library) traces ``f`` once, because
+JAX keys its caches by the function and the options, holding the function
+weakly. Every ``PjitFunction`` of the same function object and equal
+options shares one core (:func:`core_for`), so a new ``PjitFunction`` of a
+known function starts where the last one left off. Identity of the
+function, as JAX's C++ cache: a bound method, a ``functools.partial`` or a
+lambda made anew for each call is a new function (and is traced again, as
+under ``jax.jit``). The registry holds the function weakly and drops its
+entry when it goes; the core holds it weakly too, so nothing here keeps a
+function alive (each ``PjitFunction`` holds it strongly). A function that
+cannot be weakly referenced, or options that cannot be hashed, get a core
+of their own, not shared.
+
 Its part of the token calling convention: which tokens a call passes
-(``keys``), see ``convention``.
+(``keys``), see ``tracing``.
 """
 from __future__ import annotations
 
 import functools
 import threading
 from typing import Any, Callable
+import weakref
 
 
 from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
-from jax_effects._dispatch import bodies as _bodies
 from jax_effects._dispatch import call_path as _call_path
-from jax_effects._dispatch import convention as _convention
-from jax_effects._dispatch import trace_cache as _trace_cache
-from jax_effects._pass import inlined_jit as _inlined_jit
+from jax_effects._dispatch import tracing as _tracing
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
@@ -59,8 +83,7 @@ from jax_effects._runtime import threads as _threads
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
     "first", "pure", "threaded", "fast", "fallback")
-NeedsTokens = _bodies.NeedsTokens
-_RETRY = object()   # a first call that learnt: retried threaded
+NeedsTokens = _call_path.NeedsTokens
 
 
 class _Threaded:
@@ -69,14 +92,11 @@ class _Threaded:
   ``keys``: the ordered chains passed as runtime tokens, in order.
   ``per_device_sharding``: sharding of the per-device token returned last
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
-  ``len(keys)`` tokens, by ``convention.n_dynamic``; dropped when ``keys``
+  ``len(keys)`` tokens, by ``tracing.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
-  whether launches take the launch lock (``_launch_lock``). ``may_fail``: a
-  trace runs one of JAX's own host calls, which fail their execution when
-  they raise (``ThreadTokens.tokens_for``; no fast hook).
+  whether launches take the launch lock (``_launch_lock``).
   """
-  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch",
-               "may_fail")
+  __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
 
   def __init__(self):
     self.keys: tuple = ()
@@ -84,64 +104,77 @@ class _Threaded:
     self.jitted: dict[int | None, Any] = {}
     self.fast: Callable | None = None
     self.launch = _launch_lock.LaunchSite()
-    self.may_fail = False
 
 
 class Core:
-  """What every ``PjitFunction`` of one (function, options) learnt (see above).
-
-  The owner of its fast hooks (``call_path.FastHookOwner``): a hook falls
-  back to :meth:`call_fun`/:meth:`call_threaded`, gives :meth:`learn` a
-  :attr:`retry` and :meth:`per_device` a per-device token.
-  """
-  #: Raised by a trace that finds a chain the call passed no token for.
-  retry = NeedsTokens
+  """What every ``PjitFunction`` of one (function, options) learnt (see above)."""
 
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
     self.jit_kwargs = jit_kwargs
-    self.signature = _convention.signature(fun)
-    self.names = _convention.names_of(fun)
-    self.traces = _trace_cache.TraceCache(fun_ref)
+    self.signature = _tracing.signature(fun)
+    self.names = _tracing.names_of(fun)
+    self.traces = _tracing.TraceCache(fun_ref)
     #: Guards state changes and each mode's ``keys``/``jitted`` (a jax.jit
     #: is built for ``len(keys)`` tokens while threads learn concurrently).
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
-    self.pure = _jax_api.jit(self.traceable(
-        functools.partial(_bodies.pure, self), None), **jit_kwargs)
+    #: ``jax.jit`` of the user function as ``jax.jit`` traces it, effects
+    #: kept (``tracing.plain``): the PURE target, and what a call under an
+    #: enclosing trace binds (a nested jit).
+    self.plain = _jax_api.jit(self.traceable(functools.partial(
+        _tracing.plain, self.traces, self.effects_found), None), **jit_kwargs)
     self.state = FIRST
     self.call: Callable = self.first_call
 
-  def fun(self) -> Callable:
-    fun = self.fun_ref()
-    if fun is None:
-      raise ReferenceError("jax_effects.jit: the function was garbage-"
-                           "collected")
-    return fun
-
   def call_fun(self, *args, **kwargs):
-    """Under an enclosing trace or ``jax.disable_jit()``: the user function
-    itself (the enclosing ``jax_effects.jit`` or the eager impl rules take
-    care of the effects); traced, with this function's ``in_shardings`` and
-    ``out_shardings`` as sharding constraints, as a nested ``jax.jit``
-    applies them (``_pass.inlined_jit``)."""
-    ins = self.jit_kwargs.get("in_shardings")
-    outs = self.jit_kwargs.get("out_shardings")
-    if (ins is None and outs is None) or _compat.disable_jit_flag.value:
-      return self.fun()(*args, **kwargs)
-    args = _inlined_jit.constrain_arguments(
-        args, ins, _convention.argnums(self.jit_kwargs.get("static_argnums")))
-    return _inlined_jit.constrain_tree(self.fun()(*args, **kwargs), outs)
+    """Under ``jax.disable_jit()``: the user function itself (the eager
+    impl of each effect orders it)."""
+    return self.traces.fun()(*args, **kwargs)
+
+  def call_nested(self, *args, **kwargs):
+    """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
+
+    The enclosing trace gets one ``jit`` equation of :attr:`plain` (effects
+    kept), which it transforms, caches and compiles as it does
+    ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
+    and threads its effects with the outer's tokens. Under a transformation
+    applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
+    the jit before the bind returns, its effects ordered by JAX's own
+    ordered effect (``effect._fallback_lowering``): around it the call
+    raises the thread's pending errors, waits for the effects the thread
+    dispatched before, then for the computation's (JAX's runtime token), so
+    the thread's later calls follow it, and raises the errors of its
+    callbacks (``design/errors.md``).
+    """
+    if (_compat.disable_jit_flag.value
+        or _compat.enclosing_staging() == "pmap"):
+      # (pmap staged as itself, an option of JAX 0.8 and 0.9: inside it the
+      # function runs, so an effect refuses it naming itself, bind_effect)
+      return self.call_fun(*args, **kwargs)
+    if not _compat.eager_transformation():
+      return self.plain(*args, **kwargs)
+    state = _threads.thread_state()
+    if _errors.deferred:
+      _errors.raise_deferred(state)
+    _barrier.wait_for_thread()
+    out = self.plain(*args, **kwargs)
+    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
+    if token is not None:
+      _threads.settled(token)   # (a failure there is the computation's)
+    if _errors.deferred:
+      _errors.raise_deferred(state)
+    return out
 
   def traceable(self, body: Callable, tokens: int | None):
-    return _convention.Traceable(body, self.fun_ref, self.names,
-                                 self.signature, tokens)
+    return _tracing.Traceable(body, self.fun_ref, self.names,
+                              self.signature, tokens)
 
   def enter(self, state: str, mode: str | None = None) -> None:
     """Switches to ``state`` (FAST: ``mode``'s hook); under :attr:`lock`."""
     if state is PURE:
-      call = self.pure
+      call = self.plain
     elif state is FAST:
       call = self.modes[mode].fast
     elif state is FIRST:
@@ -162,17 +195,17 @@ class Core:
   def keys_and_jit(self, mode: str, args: tuple = ()):
     """``(keys, jitted)``: ``mode``'s chains and the ``jax.jit`` of ``g``
     built for exactly ``len(keys)`` tokens, read together."""
-    n_dynamic = _convention.n_dynamic(self.jit_kwargs, args)
+    n_dynamic = _tracing.n_dynamic(self.jit_kwargs, args)
     threaded = self.threaded(mode)
     with self.lock:
       keys = threaded.keys
       jitted = threaded.jitted.get(n_dynamic)
       if jitted is None:
         k = len(keys)
-        body = functools.partial(_bodies.threaded, self, mode, k)
+        body = functools.partial(_tracing.threaded, self.traces, mode, keys)
         jitted = _jax_api.jit(self.traceable(body, k),
-                         **_convention.threaded_jit_kwargs(
-                             self.jit_kwargs, n_dynamic, k))
+                              **_tracing.threaded_jit_kwargs(
+                                  self.jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted
         self.refresh(mode)
     return keys, jitted
@@ -186,19 +219,21 @@ class Core:
       keys = threaded.keys
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and threaded.per_device_sharding is None and jitted is not None
-          and self.state is not FALLBACK and not threaded.may_fail):
+          and self.state is not FALLBACK and not self.traces.may_fail):
+        # (no hook for a function whose computations may fail as a whole:
+        # its dispatches wait for them, ThreadTokens.tokens_for)
         threaded.fast = _call_path.fast_dispatch(
-            self, mode, keys[0], jitted, site=threaded.launch)
+            mode, keys[0], jitted, site=threaded.launch,
+            general=self.call_threaded)
       else:
         threaded.fast = None
 
-  def learn(self, mode: str, err: NeedsTokens, fallback: bool = False):
-    """A trace in ``mode`` found chains the call passed no token for."""
+  def learn(self, mode: str, keys: tuple) -> None:
+    """A trace in ``mode`` found ``keys`` (the chains its program uses; a
+    caller's, from a ``Traced`` or a :class:`NeedsTokens`)."""
     threaded = self.threaded(mode)
     with self.lock:
-      if fallback:
-        self.enter(FALLBACK)
-      new = tuple(k for k in err.keys if k not in threaded.keys)
+      new = tuple(k for k in keys if k not in threaded.keys)
       if new:   # the jax.jit objects take len(keys) tokens: new ones for more
         threaded.keys += new
         threaded.jitted = {}
@@ -206,61 +241,63 @@ class Core:
       if self.state is not FALLBACK:
         self.enter(THREADED)
 
-  def may_fail(self, mode: str) -> None:
-    """A trace in ``mode`` runs one of JAX's own host calls that fail their
-    execution (``_Threaded.may_fail``)."""
-    threaded = self.threaded(mode)
-    if not threaded.may_fail:
-      with self.lock:
-        threaded.may_fail = True
-        self.refresh(mode)
-        if self.state is FAST:
-          self.enter(THREADED)
+  def effects_found(self) -> None:
+    """:attr:`plain` traced a program with effects (``tracing.plain``).
 
-  def per_device(self, mode: str, token) -> None:
-    """A call in ``mode`` returned a per-device token (a shard_map program)."""
+    The one thing a trace tells the core: in PURE, calls go straight into
+    ``jax.jit``'s C++ path, where no frame of ours runs, so this trace may
+    be one such call's, about to run its effects through JAX's ordered
+    effects: it follows the thread's dispatched effects, and the next call
+    goes the general way (FALLBACK), which waits for it. Any other state
+    learns its chains from its own calls.
+    """
+    if self.state is not PURE:
+      return
     with self.lock:
-      self.threaded(mode).per_device_sharding = token.sharding
-      self.refresh(mode)
-      if self.state is not FALLBACK:
-        self.enter(THREADED)
+      if self.state is not PURE:
+        return
+      self.enter(FALLBACK)
+    _barrier.wait_for_thread()
 
   # --- calls ---------------------------------------------------------------
 
   def first_call(self, *args, **kwargs):
-    """FIRST: the pure ``jax.jit``, strict, learning."""
-    if _compat.disable_jit_flag.value:   # eager: nothing to learn from
-      return self.call_fun(*args, **kwargs)
-    if _fork.forked_after_backend and _compat.at_top_level():
+    """FIRST: traces :attr:`plain`; with effects the call goes threaded,
+    else it is a plain ``jax.jit`` call (PURE)."""
+    if not _compat.compiled_dispatch():
+      return self.call_nested(*args, **kwargs)
+    if _fork.forked_after_backend:
       raise _fork.refused(   # (compiling would hang)
           f"calling jax_effects.jit({self.names['__name__']})")
     with self.first_call_guard:   # (JAX 0.8: one compile at a time)
       if self.state is not FIRST:   # decided by another thread meanwhile
         return self.call(*args, **kwargs)
-      if _errors.deferred and _compat.at_top_level():
+      if _errors.deferred:
         _errors.raise_deferred(_threads.thread_state())
-      previous = getattr(_bodies.strict, "on", False)
-      _bodies.strict.on = True
-      try:
-        out = self.pure(*args, **kwargs)
-      except NeedsTokens as err:
-        self.learn(_effects.get_ordering(), err)
-        out = _RETRY
-      finally:
-        _bodies.strict.on = previous
-      if out is _RETRY:
-        # Outside the handler: neither an error of the threaded call nor an
-        # exception a user callback handles gets NeedsTokens as __context__.
+      mode = _effects.get_ordering()
+      keys = self.chains(self.plain.trace(*args, **kwargs), mode)
+      if keys is not None:
+        self.learn(mode, keys)
         return self.call_threaded(*args, **kwargs)
       with self.lock:
         if self.state is FIRST:
           self.enter(PURE)
-      return out
+      # (the trace is jax.jit's: this call compiles it, it does not retrace)
+      return self.plain(*args, **kwargs)
+
+  @staticmethod
+  def chains(traced, mode: str) -> tuple | None:
+    """The runtime-token chains of a traced :attr:`plain` program, or None
+    when it has nothing to thread (no effect, no counter)."""
+    effects = traced.jaxpr.effects
+    if not _tracing.has_chains(effects, mode):
+      return None
+    return _effects.runtime_chain_keys(effects, mode)
 
   def call_threaded(self, *args, **kwargs):
     """THREADED, FALLBACK: the general call path."""
     if not _compat.compiled_dispatch():
-      return self.call_fun(*args, **kwargs)
+      return self.call_nested(*args, **kwargs)
     mode = _effects.get_ordering()
     state = _threads.thread_state()
     if self.state is FALLBACK:   # after JAX's ordered effects: wait for them
@@ -273,21 +310,30 @@ class Core:
     threaded = self.threaded(mode)
     while True:
       keys, jitted = self.keys_and_jit(mode, args)
+      may_fail = self.traces.may_fail
       try:
-        may_fail = threaded.may_fail
         out, token = _call_path.dispatch(
             state, mode, keys, threaded.per_device_sharding, jitted, args,
             kwargs, threaded.launch, may_fail)
       except NeedsTokens as err:
-        self.learn(mode, err)
+        self.learn(mode, err.keys)
         continue
-      if threaded.may_fail and not may_fail:   # (learnt by this call's trace)
+      if self.traces.may_fail and not may_fail:
+        # (learnt by this call's own trace: its computation may fail as a
+        # whole, and the function's hook goes, ThreadTokens.tokens_for)
         state.mark_at_risk(keys)
+        with self.lock:
+          for mode_ in list(self.modes):
+            self.refresh(mode_)
+          if self.state is FAST:
+            self.enter(THREADED)
       if (token.sharding is not threaded.per_device_sharding
           and _device_tokens.kept_on_devices(token)):
-        with self.lock:
+        with self.lock:   # (learnt here only: the fast hook comes here)
           threaded.per_device_sharding = token.sharding
           self.refresh(mode)
+          if self.state is FAST and self.call is not threaded.fast:
+            self.enter(THREADED)   # (its hook went)
       if threaded.fast is not None and self.call is not threaded.fast:
         with self.lock:
           if threaded.fast is not None and self.state is not FALLBACK:
@@ -298,7 +344,7 @@ class Core:
 
   def jax_jits(self) -> list:
     """Every ``jax.jit`` object of this core."""
-    return [self.pure, *(j for t in list(self.modes.values())
+    return [self.plain, *(j for t in list(self.modes.values())
                          for j in list(t.jitted.values()))]
 
   def clear_cache(self) -> None:
@@ -308,3 +354,69 @@ class Core:
 
   def cache_size(self) -> int:
     return sum(j._cache_size() for j in self.jax_jits())
+
+
+# --- one core per (function, options) --------------------------------------------
+
+#: (id(fun), options key) -> (weak reference to fun, core)
+_cores: dict[tuple, tuple[weakref.ref, Core]] = {}
+_cores_lock = threading.Lock()
+
+
+def _freeze(value):
+  """A hashable stand-in for one ``jit`` option (TypeError if none)."""
+  if isinstance(value, (tuple, list)):
+    return (type(value), tuple(_freeze(v) for v in value))
+  if isinstance(value, dict):
+    return (dict, frozenset((k, _freeze(v)) for k, v in value.items()))
+  if isinstance(value, (set, frozenset)):
+    return (frozenset, frozenset(_freeze(v) for v in value))
+  hash(value)
+  return value
+
+
+def options_key(jit_kwargs: dict):
+  """Equal for equal ``jit`` options; None where one cannot be hashed."""
+  if not jit_kwargs:
+    return ()
+  try:
+    return frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
+  except TypeError:
+    return None
+
+
+def core_for(fun: Callable, jit_kwargs: dict) -> Core:
+  """The core of ``(fun, jit_kwargs)``: the shared one, or a new one
+  registered while ``fun`` lives (see the module docstring)."""
+  options = options_key(jit_kwargs)
+  key = (id(fun), options)
+  entry = _cores.get(key) if options is not None else None
+  if entry is not None and entry[0]() is fun:
+    return entry[1]
+  try:
+    ref = weakref.ref(fun, lambda r, key=key: _drop(key, r))
+  except TypeError:   # cannot be weakly referenced: not shared
+    return Core(lambda: fun, fun, jit_kwargs)
+  if options is None:
+    return Core(weakref.ref(fun), fun, jit_kwargs)
+  with _cores_lock:
+    entry = _cores.get(key)
+    if entry is not None and entry[0]() is fun:   # made by another thread
+      return entry[1]
+    core = Core(weakref.ref(fun), fun, jit_kwargs)
+    _cores[key] = (ref, core)
+    return core
+
+
+def _drop(key: tuple, ref: weakref.ref) -> None:
+  # A weakref callback (possibly inside garbage collection, on any thread):
+  # no lock. The entry is this function's while it dies: no other object
+  # can have its id before it is freed.
+  entry = _cores.get(key)
+  if entry is not None and entry[0] is ref:
+    _cores.pop(key, None)
+
+
+def registered() -> int:
+  """How many (function, options) cores are registered (for tests)."""
+  return len(_cores)

@@ -3,18 +3,19 @@
 A :class:`PjitFunction` (jax_effects' own, the drop-in for JAX's) is what
 ``jax_effects.jit(fun, **options)`` returns. It holds the user's function
 and options and the learnt state it shares with every ``PjitFunction`` of
-the same function object and equal options (a ``core.Core``, found in
-``registry``): ``jax_effects.jit(f)(x)`` written inline, a new object per
-call, reuses the trace and the executable as ``jax.jit(f)(x)`` does.
+the same function object and equal options (a ``core.Core``,
+``core.core_for``): ``jax_effects.jit(f)(x)`` written inline, a new object
+per call, reuses the trace and the executable as ``jax.jit(f)(x)`` does.
 Calling it calls the core's current call target (``__call__`` is a
-property returning it): the pure ``jax.jit`` object itself once the
+property returning it): the plain ``jax.jit`` object itself once the
 function is known to be pure, the fast hook in the common threaded case,
-else the core's first or general call (the states: ``core``). The calling convention of its ``jax.jit`` objects, ``g(t_1, ...,
-t_k, *args, **kwargs) -> (outputs, token)``: ``convention``.
+else the core's first or general call (the states: ``core``). The calling
+convention of its ``jax.jit`` objects, ``g(t_1, ..., t_k, *args,
+**kwargs) -> (outputs, token)``: ``tracing``.
 
 The rest of ``jax.jit``'s object: ``trace``/``lower``/``eval_shape`` learn
-as a call does and return ``jax.stages.Traced``/``Lowered`` (``stages``:
-JAX's stages of the ``jax.jit`` the call would use, minus the token);
+as a call does and return ``jax.stages.Traced``/``Lowered`` (below: JAX's
+stages of the ``jax.jit`` the call would use, minus the token);
 ``clear_cache``, ``__wrapped__``, ``__signature__`` (the function's, as
 ``inspect.signature(jax.jit(f), follow_wrapped=False)`` answers), a repr
 and a class name saying what it is (tools that detect jit-wrapped functions
@@ -23,6 +24,21 @@ copy/deepcopy/pickle (one of the same function and options: the same
 shared state, as ``jax.jit``'s caches are shared), use as a method (a
 bound ``types.MethodType``). :func:`describe` is the documented hook through
 which tests observe the state.
+
+Its stages: :class:`Traced`/:class:`Lowered` and ``Lowered.compile``'s
+:class:`Compiled` each wrap JAX's stage of whichever ``jax.jit`` object
+the call would use (the plain one, or the threaded ``g``) and show the
+user's arguments and outputs (``args_info``, ``in_tree``, ``out_info``,
+``input_shardings``, ...), never the token argument or result; cost and
+memory analysis and the text are those of the threaded computation.
+``Compiled.__call__`` runs the call path (``call_path.dispatch``) with the
+tokens of the chains it was compiled for. Lowering a function with effects
+for ``jax.export`` lowers its exported form instead (``exporting``). Each
+is an
+instance of JAX's class (``jax.stages.Traced``, ``Lowered``, ``Compiled``:
+libraries check for them) without being built as one: it defines or
+forwards to JAX's stage every public name of JAX's class
+(:func:`_forwarding`), so nothing of JAX's class runs on it.
 """
 from __future__ import annotations
 
@@ -33,14 +49,17 @@ import types
 from typing import (TYPE_CHECKING, Any, Callable, Generic, ParamSpec, TypeVar,
                     overload)
 
-from jax_effects._dispatch import convention as _convention
-from jax_effects._dispatch import core as _core
-from jax_effects._dispatch import registry as _registry
-from jax_effects._dispatch import stages as _stages
-from jax_effects._dispatch.stages import Lowered, Traced
+import jax
+from jax import tree_util
 
-TOKENS_KW = _convention.TOKENS_KW
-NeedsTokens = _core.NeedsTokens
+from jax_effects._core import effects as _effects
+from jax_effects._dispatch import call_path as _call_path
+from jax_effects._dispatch import core as _core
+from jax_effects._dispatch import tracing as _tracing
+from jax_effects._dispatch import exporting as _exporting
+from jax_effects._runtime import token_value as _token_value
+from jax_effects._runtime import launch_lock as _launch_lock
+from jax_effects._runtime import threads as _threads
 
 
 _P = ParamSpec("_P")
@@ -60,12 +79,11 @@ class PjitFunction(Generic[_P, _R]):
   def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
-    _convention.check_names(jit_kwargs)
+    _tracing.check_names(jit_kwargs)
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._jit_kwargs = jit_kwargs
-    self._core = _registry.core_for(
-        fun, jit_kwargs, lambda ref: _core.Core(ref, fun, jit_kwargs))
+    self._core = _core.core_for(fun, jit_kwargs)
 
   #: Calling it calls its core's current target (``core``): the
   #: ``jax.jit`` object itself once the function is known to be pure (no
@@ -99,7 +117,7 @@ class PjitFunction(Generic[_P, _R]):
     As ``jax.jit(f).trace``; the returned ``jax.stages.Traced`` shows the
     user's arguments and outputs (not the runtime-token argument and result).
     """
-    return _stages.trace(self._core, self, args, kwargs)
+    return _trace(self._core, self, args, kwargs)
 
   def lower(self, *args: Any, **kwargs: Any) -> Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -177,4 +195,215 @@ def describe(function: PjitFunction) -> Description:
   core = function._core
   return Description(state=core.state, keys=function.keys,
                      executables=core.cache_size(), traces=len(core.traces),
-                     shared=id(core), registered=_registry.registered())
+                     shared=id(core), registered=_core.registered())
+
+
+# --- stages ---------------------------------------------------------------------
+
+class _Stage:
+  """What a JAX stage shows about inputs and outputs, minus our token.
+
+  ``_inner`` is JAX's stage (``Traced``, ``Lowered`` or ``Compiled``) of the
+  pure ``jax.jit`` (``_mode`` None: nothing to strip) or of the threaded
+  ``g(*tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
+  here are JAX's.
+  """
+
+  def _strip_in(self, tree):
+    if self._mode is None:
+      return tree
+    args, kwargs = tree
+    return tuple(args[len(self._keys):]), kwargs
+
+  def _strip_out(self, tree):
+    return tree if self._mode is None else tree[0]
+
+  @property
+  def args_info(self):
+    return self._strip_in(self._inner.args_info)
+
+  @property
+  def in_tree(self):
+    return tree_util.tree_structure(self.args_info)
+
+  @property
+  def in_avals(self):
+    return self._strip_in(self._inner.in_avals)
+
+  @property
+  def donate_argnums(self):
+    n = 0 if self._mode is None else len(self._keys)
+    return tuple(i - n for i in self._inner.donate_argnums if i >= n)
+
+  @property
+  def out_info(self):
+    return self._strip_out(self._inner.out_info)
+
+  @property
+  def out_tree(self):
+    tree = self._inner.out_tree
+    return tree if self._mode is None else tree.children()[0]
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name in ("_inner", "_mode", "_keys"):
+      raise AttributeError(name)
+    return getattr(self._inner, name)
+
+
+def _forwarding(cls):
+  """Forwards to ``_inner`` every public name of ``cls``'s JAX base class
+  that ``cls`` does not define (JAX's methods would read slots that are not
+  set here)."""
+  jax_base = next(b for b in cls.__mro__ if b.__module__.startswith("jax."))
+  for name in dir(jax_base):
+    if name.startswith("_") or any(name in vars(b) for b in cls.__mro__
+                                   if b is not jax_base
+                                   and not b.__module__.startswith("jax.")
+                                   and b is not object):
+      continue
+    setattr(cls, name, property(
+        lambda self, name=name: getattr(self._inner, name)))
+  return cls
+
+
+@_forwarding
+class Traced(_Stage, jax.stages.Traced):
+  """A traced :class:`PjitFunction` (as ``jax.jit(f).trace(...)``).
+
+  ``.jaxpr`` is the token-threaded jaxpr (what is lowered); ``args_info``,
+  ``in_tree``, ``out_info``, ``out_avals`` show the user's arguments and
+  outputs.
+  """
+
+  def __init__(self, function, traced, mode, keys, args=(), kwargs=None):
+    self._function = function
+    self._inner = traced
+    self._mode = mode
+    self._keys = keys
+    self._args = args
+    self._kwargs = {} if kwargs is None else kwargs
+    self._export_traced = None   # (set by a lowering for jax.export)
+
+  @property
+  def jaxpr(self):
+    if self._export_traced is not None:   # (what jax.export lowered)
+      return self._export_traced.jaxpr
+    return self._inner.jaxpr
+
+  @property
+  def fun_name(self):
+    return self._inner.fun_name
+
+  @property
+  def out_avals(self):
+    return self._strip_out(self._inner.out_avals)
+
+  def __call__(self, *args, **kwargs):
+    """Runs the function (with its effects, through the dispatch hook)."""
+    return self._function(*args, **kwargs)
+
+  def lower(self, *, lowering_platforms=None, _private_parameters=None):
+    if self._mode is not None and getattr(_private_parameters, "for_export",
+                                          False):
+      return _exporting.lower(self, lowering_platforms, _private_parameters)
+    lowered = self._inner.lower(lowering_platforms=lowering_platforms,
+                                _private_parameters=_private_parameters)
+    return Lowered(self._function, lowered, self._mode, self._keys)
+
+
+@_forwarding
+class Lowered(_Stage, jax.stages.Lowered):
+  """A lowered :class:`PjitFunction`; ``.as_text()`` shows the threaded StableHLO."""
+
+  def __init__(self, function, lowered, mode, keys):
+    self._function = function
+    self._inner = lowered
+    self._mode = mode
+    self._keys = keys
+
+  def as_text(self, *args, **kwargs) -> str:
+    return self._inner.as_text(*args, **kwargs)
+
+  def compiler_ir(self, *args, **kwargs):
+    return self._inner.compiler_ir(*args, **kwargs)
+
+  def cost_analysis(self):
+    return self._inner.cost_analysis()
+
+  def compile(self, *args, **kwargs) -> "Compiled":
+    return Compiled(self._inner.compile(*args, **kwargs), self._mode,
+                    self._keys)
+
+
+@_forwarding
+class Compiled(_Stage, jax.stages.Compiled):
+  """A compiled :class:`PjitFunction`; calling it runs the dispatch hook.
+
+  ``input_shardings``/``input_formats`` and ``output_shardings``/
+  ``output_formats`` are those of the user's arguments and outputs.
+  """
+
+  def __init__(self, compiled, mode, keys):
+    self._inner = compiled
+    self._mode = mode
+    self._keys = keys
+    self._launch = _launch_lock.LaunchSite()
+
+  def as_text(self) -> str:
+    return self._inner.as_text()
+
+  def cost_analysis(self):
+    return self._inner.cost_analysis()
+
+  def memory_analysis(self):
+    return self._inner.memory_analysis()
+
+  def runtime_executable(self):
+    return self._inner.runtime_executable()
+
+  @property
+  def input_shardings(self):
+    return self._strip_in(self._inner.input_shardings)
+
+  @property
+  def input_formats(self):
+    return self._strip_in(self._inner.input_formats)
+
+  @property
+  def output_shardings(self):
+    return self._strip_out(self._inner.output_shardings)
+
+  @property
+  def output_formats(self):
+    return self._strip_out(self._inner.output_formats)
+
+  def __call__(self, *args, **kwargs):
+    if self._mode is None:
+      return self._inner(*args, **kwargs)
+    # compiled for scalar tokens (see PjitFunction.lower): no per-device sharding
+    out, _ = _call_path.dispatch(_threads.thread_state(), self._mode, self._keys,
+                       None, self._inner, args, kwargs, self._launch)
+    return out
+
+
+def _trace(core: _core.Core, function, args, kwargs) -> Traced:
+  """``function.trace(*args, **kwargs)`` (``core``: its learnt state): the
+  stage of whichever ``jax.jit`` a call would use, learning as a call does.
+  It traces under ``jax.disable_jit()`` too, as ``jax.jit``'s does."""
+  mode = _effects.get_ordering()
+  if core.state in (_core.FIRST, _core.PURE):
+    traced = core.plain.trace(*args, **kwargs)
+    keys = core.chains(traced, mode)
+    if keys is None:
+      return Traced(function, traced, None, ())
+    core.learn(mode, keys)
+  while True:
+    keys, jitted = core.keys_and_jit(mode, args)
+    tokens = tuple(jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE)
+                   for _ in keys)
+    try:
+      traced = jitted.trace(*tokens, *args, **kwargs)
+    except _call_path.NeedsTokens as err:
+      core.learn(mode, err.keys)
+      continue
+    return Traced(function, traced, mode, keys, args, kwargs)

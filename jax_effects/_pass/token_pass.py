@@ -147,10 +147,6 @@ def in_region(kind: str | None = None, mask=None):
     _context.kind, _context.masks = saved
 
 
-# Which chain an effect is on is the registry's (``_core.effects``:
-# ``chain_keys``, ``has_chain``, ``has_own_marker``); named here only for the
-# dispatch, which reads it from the pass.
-runtime_chain_keys = _effects.runtime_chain_keys
 
 
 # --- the interpreter -----------------------------------------------------------

@@ -36,7 +36,7 @@ makes a call, the first one's runs the effect).
 It has no eager rule of its own: it exists only inside a threaded
 computation. The one place it is evaluated outside one is JAX's
 de-optimized re-run of a computation that produced a NaN or Inf
-(``jax_debug_nans``/``jax_debug_infs``, see ``_dispatch.bodies.replay``),
+(``jax_debug_nans``/``jax_debug_infs``, see ``_dispatch.tracing.replay``),
 inside :func:`already_ran`: the effect ran in that computation, so it
 returns its token and carrier unchanged and zeros for its results.
 """

@@ -4,7 +4,7 @@
   or without (``design/architecture.md``, the `_dispatch/function, core, ...` entry).
 * ``jax_debug_nans``/``jax_debug_infs``: a NaN/Inf output raises
   ``FloatingPointError`` naming the operation (JAX's de-optimized re-run,
-  ``_dispatch.bodies.replay``); the call's effects ran once, in order, and
+  ``_dispatch.tracing.replay``); the call's effects ran once, in order, and
   later calls keep the order.
 * ``jax.transfer_guard("disallow")``: our runtime tokens make no transfer
   the guard refuses (``design/tokens.md``, the initial token); the user's

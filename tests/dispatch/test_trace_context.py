@@ -4,7 +4,7 @@
 trace depends on: NumPy rank and dtype promotion, default matmul precision,
 x64, ...), so a function first called under one setting and then inside
 ``with jax.numpy_rank_promotion("raise"):`` is traced again and raises. A
-``PjitFunction`` keeps traces of its own (``_dispatch.trace_cache``): they are
+``PjitFunction`` keeps traces of its own (``_dispatch.tracing.TraceCache``): they are
 keyed on the same context (``design/architecture.md``, the
 ``_dispatch/function`` entry). Oracle: the same function under ``jax.jit``.
 """

@@ -1,10 +1,9 @@
 """A nested ``jit``'s ``in_shardings``/``out_shardings`` hold when jax_effects
 inlines it (``jax_effects/_pass/inlined_jit.py``).
 
-Two places inline a jit that holds effects: the token-threading pass (a
-``jax.jit`` equation inside a ``jax_effects.jit`` function) and a
-``jax_effects.jit`` function with effects called under an enclosing trace
-(it runs its function directly). JAX's nested jit lays its arguments and
+The token-threading pass inlines a jit that holds effects (a ``jax.jit``
+equation inside a ``jax_effects.jit`` function, or the one a
+``jax_effects.jit`` function called inside binds). JAX's nested jit lays its arguments and
 results out as its shardings say; so must the inlined one. Oracle: the same
 nesting with JAX's ``jax.jit`` and ``jax.debug.print`` (the effect).
 Contract: ``design/architecture.md``, the ``_pass/token_pass`` entry (a

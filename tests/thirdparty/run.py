@@ -12,16 +12,19 @@ a suite could not run, else 0.
 
 Where the tests come from: chex and optax ship their tests in their source
 distributions, which are downloaded from the package index (``pip
-download``) for the *installed* version. equinox's and JAX's source
-distributions ship none: give a source tree of the installed version (a
-checkout of its release tag) with ``--src equinox=PATH`` / ``--src
-jax=PATH``, or the suite is reported as not run. Only the test files named
-in ``SUITES`` run (the parts of each suite that exercise ``jax.jit``; the
-whole of some suites takes hours on two cores).
+download``) for the *installed* version. equinox's, diffrax's and JAX's
+source distributions ship none: give a source tree of the installed
+version (a checkout of its release tag) with ``--src equinox=PATH`` /
+``--src diffrax=PATH`` / ``--src jax=PATH``, or the suite is reported as
+not run. Only the test files named in ``SUITES`` run (the parts of each
+suite that exercise ``jax.jit``; the whole of some suites takes hours on
+two cores); a suite marked ``one_process`` runs its files in one process,
+in their order (diffrax: a progress meter's effect, then the adjoints).
 
     python tests/thirdparty/run.py                       # every suite
     python tests/thirdparty/run.py --suite chex -n 2     # one suite
     python tests/thirdparty/run.py --src jax=~/src/jax --suite jax
+    python tests/thirdparty/run.py --src diffrax=~/src/diffrax --suite diffrax
     python tests/thirdparty/run.py --suite optax -- -k adam  # pytest args
 """
 from __future__ import annotations
@@ -52,6 +55,9 @@ class Suite:
   files: tuple         # test files, relative to the source tree's root
   sdist_has_tests: bool
   note: str = ""
+  # Its files run in one process, in the order given (no xdist workers):
+  # a later file's tests depend on what an earlier one left in the process.
+  one_process: bool = False
 
 
 SUITES = {
@@ -78,6 +84,10 @@ SUITES = {
             "tests/test_errors.py",
             "tests/test_debug.py",
         ), False, "a checkout of equinox's release tag"),
+        Suite("diffrax", "diffrax", (
+            "test/test_progress_meter.py",
+            "test/test_adjoint.py",
+        ), False, "a checkout of diffrax's release tag", one_process=True),
         Suite("jax", "jax", (
             "tests/debugging_primitives_test.py",
             "tests/python_callback_test.py",
@@ -187,7 +197,7 @@ def _run_pytest(suite: Suite, mode: str, cwd: pathlib.Path, files: list,
     empty = workdir / "pytest-none.ini"
     empty.write_text("[pytest]\n")
     cmd += ["-c", str(empty)]
-  if workers not in ("0", ""):
+  if workers not in ("0", "") and not suite.one_process:
     cmd += ["-n", workers]
   if mode == "replaced":
     env["PYTHONPATH"] = os.pathsep.join(
@@ -268,7 +278,8 @@ def main(argv=None) -> int:
                       help="run only these suites (repeatable)")
   parser.add_argument("--src", action="append", default=[],
                       metavar="NAME=PATH",
-                      help="a suite's source tree (needed for equinox, jax)")
+                      help="a suite's source tree (needed for equinox, "
+                      "diffrax, jax)")
   parser.add_argument("--mode", choices=(*MODES, "both"), default="both",
                       help="run only one side (the other side's results "
                       "from an earlier run in --workdir are compared)")

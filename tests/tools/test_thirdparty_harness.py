@@ -66,3 +66,37 @@ def test_runs_a_suite_plain_and_replaced(tmp_path):
   message = lines[lines.index("  " + lost) + 1]
   assert message.strip().startswith(
       "AssertionError: jax.jit was jax_effects.jit at import")
+
+
+def test_a_one_process_suite_runs_its_files_in_one_process_in_order(
+    tmp_path):
+  # diffrax's suite: its adjoint tests run after a progress meter's effect,
+  # in the same process (what jax.jit = jax_effects.jit must survive), even
+  # when the run asks for xdist workers. A stand-in distribution named
+  # diffrax (its metadata only) makes the suite count as installed.
+  site = tmp_path / "site" / "diffrax-0.7.2.dist-info"
+  site.mkdir(parents=True)
+  (site / "METADATA").write_text(
+      "Metadata-Version: 2.1\nName: diffrax\nVersion: 0.7.2\n")
+  src = tmp_path / "diffrax-src"
+  (src / "test").mkdir(parents=True)
+  mark = tmp_path / "first.pid"
+  (src / "test" / "test_progress_meter.py").write_text(textwrap.dedent(f"""
+      import os
+      def test_first():
+        open({str(mark)!r}, "w").write(str(os.getpid()))
+  """))
+  (src / "test" / "test_adjoint.py").write_text(textwrap.dedent(f"""
+      import os
+      def test_second():
+        assert open({str(mark)!r}).read() == str(os.getpid())
+  """))
+  work = tmp_path / "work"
+  out = run_python(RUN, "--suite", "diffrax", "--src", f"diffrax={src}",
+                   "--workdir", str(work), "-n", "2", "--mode", "plain",
+                   timeout=600, env={"PYTHONPATH": str(tmp_path / "site")})
+  assert out.returncode == 0, out.stdout + out.stderr
+  summary = json.loads((work / "summary.json").read_text())["diffrax"]
+  assert summary["version"] == "0.7.2"
+  counts = summary["runs"]["plain"]["counts"]
+  assert (counts["passed"], counts["failed"]) == (2, 0), out.stdout
