@@ -57,10 +57,11 @@ step                                   fast path
                                        thread (a call from a host callback)
 5. elsewhere-retry                     not needed: scalar tokens are
                                        uncommitted and follow the arguments
-6. store the token                     ``ThreadTokens.store_last`` (no
-                                       sharding hashed); the general
-                                       ``update`` when the device set changes;
-                                       no watch (one device)
+6. store the token                     an inlined copy of
+                                       ``ThreadTokens.update`` for one scalar
+                                       chain (no sharding hashed); the
+                                       general ``update`` when the device set
+                                       changes; no watch (one device)
 =====================================  =====================================
 
 A first call, a call under a trace, a trace that finds another chain
@@ -230,6 +231,8 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   (``site``: what this hook launched last).
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
+  committed, uncommitted = _compat.committed, _compat.uncommitted
+  seq_mask = _token_value.SEQ_MASK
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   own = _errors.own
   interrupted = _interrupts.slots
@@ -245,18 +248,19 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       return general(*args, **kwargs)
     if state.fast_mode != mode or errors or state.dispatching:
       return general(*args, **kwargs)
-    passed = state.runtime.get(key)
+    runtime = state.runtime
+    passed = runtime.get(key)
     if passed is None:   # (a chain starting: the general path)
       return general(*args, **kwargs)
-    if passed.is_ready():
+    if passed is not state.verified and passed.is_ready():
       try:
         # (ThreadTokens.tokens_for, inlined: a failed token goes to the
         # general path, which learns it; one still running is handed on)
         passed.block_until_ready()
       except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
         return general(*args, **kwargs)
-    state.begin_dispatch()   # (SIGINT now handled by interrupts)
-    try:
+    state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
+    try:                    # handled by interrupts)
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
         if site.serialize is not True or not _launch_lock.serialize_launch(site):
@@ -275,7 +279,19 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           sharding = token.sharding
           if sharding is not site.sharding:
             _launch_lock.launched(site, sharding)
-          if not state.store_last(key, token, passed):
+          if sharding is state.last_sharding:
+            # (ThreadTokens.update for this one scalar chain, inlined)
+            state.last_token = token
+            current = runtime.get(key)
+            if current is not passed:   # (a call made inside this one)
+              state.join(current)
+            stored = runtime[key] = (uncommitted(token) if committed(token)
+                                     else token)
+            seqs = state.seqs
+            seqs[key] = (seqs[key] + 1) & seq_mask
+            if token.is_ready():   # (ThreadTokens.verified)
+              state.verified = stored
+          else:
             # (another device set than the last dispatch's, or a token
             # kept on devices: a new signature; update clears fast_mode
             # then, and the next call's general path learns its shape)
@@ -284,7 +300,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           state.store_interrupted(keys, token, (passed,))
           raise
     finally:
-      state.end_dispatch()
+      state.dispatching = 0   # (ThreadTokens.end_dispatch)
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
     if interrupted and _interrupts.take(state):

@@ -66,6 +66,7 @@ from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._pass import token_pass as _token_pass
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._primitives import threaded as _threaded_primitive
 from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import threads as _threads
@@ -224,6 +225,10 @@ class TraceCache:
     #: execution when they raise (``token_pass.may_fail``): what the
     #: function's dispatches learn from it (``ThreadTokens.tokens_for``).
     self.may_fail = False
+    #: The host target's sites lowered for this function's programs, kept
+    #: while its jax.jit objects (and their executables) may run them
+    #: (``host_target.keep_sites_in``).
+    self.sites: set = set()
     self._lock = threading.Lock()
     _compat.register_cache(self, "jax_effects.jit kept traces")
 
@@ -237,6 +242,7 @@ class TraceCache:
   def clear(self) -> None:
     with self._lock:
       self._traces.clear()
+      self.sites = set()   # (jax.clear_caches: the executables go too)
 
   # JAX's cache protocol (``jax.clear_caches``, its cache statistics)
   cache_clear = clear
@@ -332,6 +338,7 @@ def plain(traces: TraceCache, on_effects: Callable[[], None], args, kwargs):
   if how == "replay":
     return replay(traces, None, (), (), args, kwargs)
   closed, dyn, out_tree = traces.trace(args, kwargs)
+  _host_target.keep_sites_in(traces)   # (what jax.jit lowers next)
   mode = _effects.get_ordering()
   if has_chains(closed.effects, mode):
     on_effects()
@@ -361,6 +368,7 @@ def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):
   if how == "replay":
     return replay(traces, mode, keys, runtime, args, kwargs)
   closed, dyn, out_tree = traces.trace(args, kwargs)
+  _host_target.keep_sites_in(traces)   # (what jax.jit lowers next)
   missing = tuple(
       key for key in _effects.runtime_chain_keys(closed.effects, mode)
       if key not in keys)

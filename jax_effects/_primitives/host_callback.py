@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -68,6 +67,19 @@ class HostCallback:
   counts_elements: bool = False
   cleanup: bool = False
   chain: Any = None
+  #: The effect as its front end bound it (``root``), which every form made
+  #: of it (batched, masked, on a chain: ``dataclasses.replace``) keeps:
+  #: what the host keeps for a lowered form lives as long as the effect
+  #: does (``host_target``), not as long as the form (made anew by a pass).
+  origin: Any = dataclasses.field(default=None, repr=False)
+
+  def __post_init__(self):
+    if self.origin is None:
+      object.__setattr__(self, "origin", self)
+
+  @property
+  def root(self) -> "HostCallback":
+    return self.origin
   spec: dict | str | None = None
 
   def __repr__(self):
@@ -82,20 +94,15 @@ class HostCallback:
     return check_results(self.description, results, avals)
 
 
-#: HostCallback -> {chain key: the same HostCallback on that chain}: one
-#: object per (effect, chain), living as long as the effect does (what the
-#: host keeps for a lowered effect is held by it: ``host_target``).
-_on_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def on_chain(host_callback: HostCallback, chain) -> HostCallback:
   """``host_callback`` with ``chain`` set (the token-threading pass), the
-  same object every time for the same effect and chain."""
+  same object every time for the same effect and chain (kept on the effect
+  itself: it lives as long as the effect does)."""
   if host_callback.chain is chain:
     return host_callback
-  by_chain = _on_chains.get(host_callback)
+  by_chain = host_callback.__dict__.get("_on_chains")
   if by_chain is None:
-    by_chain = _on_chains.setdefault(host_callback, {})
+    by_chain = host_callback.__dict__.setdefault("_on_chains", {})
   found = by_chain.get(chain)
   if found is None:
     found = by_chain.setdefault(

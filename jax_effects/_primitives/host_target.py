@@ -180,8 +180,9 @@ class Site:
     return None
 
 
-# NumPy scalars of the carrier and partition-id values seen (immutable).
-_int32s: dict[int, np.int32] = {}
+# NumPy scalars of the partition-id values seen (immutable; a carrier's
+# value names its execution, ``_runtime/token_value``: made anew each call,
+# never kept).
 _uint32s: dict[int, np.uint32] = {}
 
 
@@ -201,12 +202,14 @@ def _typed(fmt: str) -> memoryview:
   return view
 
 
-def _scalar(cache: dict, dtype):
-  """``read(address)``: a NumPy scalar (``cache``d by value) of a 0-d
-  ``dtype`` operand passed as a scalar (the carrier, a partition id)."""
+def _scalar(cache: dict | None, dtype):
+  """``read(address)``: a NumPy scalar (``cache``d by value, if given) of a
+  0-d ``dtype`` operand passed as a scalar (the carrier, a partition id)."""
   view = _typed(_SCALAR_FORMATS[dtype.name])
   shift = dtype.itemsize.bit_length() - 1
   make = dtype.type
+  if cache is None:
+    return lambda address: make(view[address >> shift])
 
   def read(address):
     v = view[address >> shift]
@@ -223,7 +226,7 @@ def _reader(aval, scalar: bool):
   else a NumPy array of its own (the host function may keep it)."""
   dtype, shape = aval
   if scalar and shape == () and dtype in (np.int32, np.uint32):
-    return _scalar(_int32s if dtype == np.int32 else _uint32s, dtype)
+    return _scalar(None if dtype == np.int32 else _uint32s, dtype)
   if dtype in _abi.SUB_BYTE:
     return lambda address: _abi.read_array(address, shape, dtype)
   count = int(np.prod(shape, dtype=np.int64))
@@ -378,7 +381,7 @@ _FRAME = struct.Struct("<8xQ56xQ32xQ16xQQ8xQ")
 
 
 def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
-            pinned=_pinned, carriers=_int32s, int32=np.int32,
+            pinned=_pinned, int32=np.int32,
             pids=_uint32s, uint32=np.uint32, array=np.array,
             frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
   """The FFI handler (see the module docstring): the address of an
@@ -411,10 +414,7 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
       return site.run(frame)
     host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
-    c = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]
-    carrier = carriers.get(c)
-    if carrier is None:
-      carrier = carriers[c] = int32(c)
+    carrier = int32(mem32[mem64[(mem64[argv] >> 3) + 3] >> 2])
     address = mem64[(mem64[argv + 1] >> 3) + 3]
     if view is not None:
       v = view[address >> shift]
@@ -601,7 +601,7 @@ def _site_for(side, avals_in, avals_out, for_export: bool) -> Site:
     raise NotExportable(description, why)
   text = _specs.dumps(spec)
   with _lock:
-    held = _holders.setdefault(side.host_callback, {})
+    held = _holders.setdefault(side.host_callback.root, {})
     site = held.get(text)
     if site is not None and _bound(site.key) is site:
       return site
@@ -646,6 +646,28 @@ class NotExportable(ValueError):
 _lowerings: dict = {}
 
 
+class _Owner(threading.local):
+  """Where the sites lowered on this thread are kept strongly: the kept
+  traces of the ``jax_effects.jit`` function whose program was traced last
+  on it (``keep_sites_in``, set by its bodies when ``jax.jit`` traces them;
+  the lowering follows on the same thread). ``jax.jit``'s C++ dispatch runs
+  an executable long after the Python objects of its lowering (and their
+  keepalives) may have gone, as long as the function's ``jax.jit`` objects
+  live: so do its sites. (A lowering of no function of ours, plain
+  ``jax.jit`` code, keeps them in the last one traced: longer than needed,
+  never shorter.)"""
+  holder = None   # (a weak reference to an object with ``sites``)
+
+
+_owner = _Owner()
+
+
+def keep_sites_in(owner) -> None:
+  """The sites lowered next on this thread are kept in ``owner.sites`` (a
+  set), while ``owner`` lives (held weakly here)."""
+  _owner.holder = weakref.ref(owner)
+
+
 def emit(ctx, side, operands, sharding) -> list:
   """Emits the custom call of ``side`` (a ``host_call.HostSide``) to
   :data:`TARGET` in ``ctx`` (whose avals are the call's: tokens included);
@@ -655,6 +677,10 @@ def emit(ctx, side, operands, sharding) -> list:
   site = _site_for(side, ctx.avals_in, ctx.avals_out, for_export)
   if not for_export:   # (jax.export refuses keepalives: rebuilt there)
     _compat.keep_alive_with_executable(ctx, site)
+    holder = _owner.holder
+    owner = None if holder is None else holder()
+    if owner is not None:
+      owner.sites.add(site)
   lower = _lowerings.get(TARGET)
   if lower is None:
     lower = _lowerings[TARGET] = jax.ffi.build_ffi_lowering_function(

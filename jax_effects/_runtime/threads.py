@@ -75,7 +75,8 @@ def settled(token) -> bool:
 
 class ThreadTokens:
   """The token state of one Python thread (see the module docstring)."""
-  __slots__ = ("runtime", "seqs", "at_risk", "joined", "output", "last_sharding",
+  __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined", "output",
+               "last_sharding",
                "last_token", "device_tokens", "fast_mode", "dispatching",
                "slot", "initial", "thread", "mode", "__weakref__")
 
@@ -91,6 +92,13 @@ class ThreadTokens:
     # Chain keys whose token is returned by a computation that may fail as
     # a whole (see tokens_for): handed on only once it has ended.
     self.at_risk: set = set()
+    # The runtime token last stored that was ready when its call returned:
+    # its computation ran inside the call (the CPU client ran it inline),
+    # and a failure there would have been raised by the call, so it is
+    # handed on without a check (tokens_for). (A computation that failed
+    # because an input did fails asynchronously: its token is not ready at
+    # return, and is checked.)
+    self.verified: Any = None
     # Tokens of calls made inside this thread's call in flight (from its
     # host callbacks), joined when it stored its own (see update): the next
     # dispatch waits for them.
@@ -99,7 +107,7 @@ class ThreadTokens:
     self.output: dict[Any, jax.Array] = {}
     # The sharding of the most recent dispatch's output token, and that token
     # when it is not in ``output`` yet: the fast hook stores it without
-    # hashing a sharding (store_last); it is filed into ``output`` when a
+    # hashing a sharding; it is filed into ``output`` when a
     # dispatch on other devices follows.
     self.last_sharding: Any = None
     self.last_token: jax.Array | None = None
@@ -197,8 +205,8 @@ class ThreadTokens:
     for key, token in zip(keys, read):
       if token is None:
         token = self._fresh(key)
-      elif ((key in self.at_risk or _is_done(token))
-            and not settled(token)):
+      elif token is not self.verified and (
+          (key in self.at_risk or _is_done(token)) and not settled(token)):
         failed += (key,)
         token = self._fresh(key)
       tokens.append(token)
@@ -302,6 +310,8 @@ class ThreadTokens:
             self._join_if_stored_meanwhile(key, read[i])
           store[key] = runtime
           seqs[key] = seq
+          if runtime is token and not self.device_tokens and _is_done(token):
+            self.verified = runtime   # (see verified)
           if at_risk:
             risky.add(key)
           elif risky:
@@ -321,7 +331,7 @@ class ThreadTokens:
   def _join_if_stored_meanwhile(self, key, passed) -> None:
     current = self.runtime.get(key)
     if current is not None and current is not passed:
-      self.joined.append(current)
+      self.join(current)
 
   def _refresh_fast(self) -> None:
     if self.device_tokens or self.joined or after_exit_handler:
@@ -336,26 +346,18 @@ class ThreadTokens:
       if _effects.get_ordering() != mode:
         self.fast_mode = None
 
-  def store_last(self, key, token, passed) -> bool:
-    """:meth:`update` of one scalar-token chain, as the fast hook stores it:
-    returns False (stored nothing) when the token is kept on devices or was
-    returned for another device set than the last dispatch's, where the
-    fast hook takes the general path's :meth:`update` instead. (The fast
-    hook inlines this method; keep the two the same.)"""
-    sharding = token.sharding
-    if sharding is not self.last_sharding:
-      return False
-    self.last_token = token
-    runtime = self.runtime
-    current = runtime.get(key)
-    if current is not passed and current is not None:
-      self.joined.append(current)   # (a call made inside this one: joined)
-      self.fast_mode = None
-    runtime[key] = (_compat.uncommitted(token) if _compat.committed(token)
-                    else token)
-    seqs = self.seqs
-    seqs[key] = (seqs.get(key, 0) + 1) & _token_value.SEQ_MASK
-    return True
+  def join(self, token) -> None:
+    """A call made inside this thread's call in progress stored ``token``
+    meanwhile (see :meth:`update`): the next dispatch waits for it."""
+    self.joined.append(token)
+    self.fast_mode = None
+
+  # The fast hook (``_dispatch.call_path.fast_dispatch``) keeps an inlined
+  # copy of :meth:`update` for one chain with scalar tokens on the device
+  # set of the last dispatch (``last_token``, ``runtime``, ``seqs``,
+  # ``verified``, :meth:`join` when needed) and of :meth:`begin_dispatch`/
+  # :meth:`end_dispatch` (``dispatching``): the one other writer of this
+  # state, measured by ``bench --check`` (row c/i); keep the two the same.
 
   def _file_last(self) -> None:
     """Moves the fast path's last output token into :attr:`output`."""

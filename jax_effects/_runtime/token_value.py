@@ -39,6 +39,8 @@ SEQ_SHIFT = SLOT_BITS
 SEQ_MASK = (1 << SEQ_BITS) - 1
 #: Slot and sequence number: everything but ``FAILED``.
 ID_MASK = np.int32((1 << (SLOT_BITS + SEQ_BITS)) - 1)
+#: One step of the sequence number.
+SEQ_ONE = np.int32(1 << SEQ_SHIFT)
 #: Carrier bit: an earlier effect of this chain in this execution failed.
 FAILED = np.int32(1 << (SLOT_BITS + SEQ_BITS))
 
@@ -69,5 +71,6 @@ def seq_after(a: int, b: int) -> bool:
 def advance(token):
   """The carrier a chain enters a computation with, from its runtime token
   (traced): the same slot, the next sequence number, no ``FAILED``."""
-  seq = ((token >> SEQ_SHIFT) + 1) & SEQ_MASK
-  return (token & SLOT_MASK) | (seq << SEQ_SHIFT)
+  # (one carry past the sequence number's bits goes into FAILED's and
+  # the sign's, both masked off: the wrap, and FAILED cleared, in two ops)
+  return (token + SEQ_ONE) & ID_MASK

@@ -244,8 +244,8 @@ def test_lower_chains_callbacks_through_the_carrier():
       r"\(([^)]*)\)(.*)", text)
   assert len(calls) == 3
   # The first callback takes the runtime-token argument, advanced to this
-  # execution (token_value.advance: its sequence number, an `or` of the
-  # argument's slot bits), as its carrier; the carrier operand of callback
+  # execution (token_value.advance: its sequence number, an `add` to the
+  # argument and an `and`), as its carrier; the carrier operand of callback
   # i+1 is the carrier result of callback i (the data dependency that
   # orders them), and the last one's is the token the computation returns.
   # No custom call takes or returns a !stablehlo.token (the carrier orders
@@ -253,12 +253,9 @@ def test_lower_chains_callbacks_through_the_carrier():
   signature = _main_signature(text)
   assert signature.startswith("%arg0: tensor<i32>")
   first_carrier = calls[0][1].split(",")[0].strip()
-  (advanced,) = re.findall(rf"{re.escape(first_carrier)} = stablehlo\.or "
-                           r"(%\w+), (%\w+)", text)
-  (slot_bits,) = [v for v in advanced
-                  if re.search(rf"{re.escape(v)} = stablehlo\.and %arg0,",
-                               text)]
-  assert slot_bits
+  (masked,) = re.findall(rf"{re.escape(first_carrier)} = stablehlo\.and "
+                         r"(%\w+), %\w+", text)
+  assert re.search(rf"{re.escape(masked)} = stablehlo\.add %arg0, ", text)
   prev = first_carrier
   for result, operands, rest in calls:
     assert "!stablehlo.token" not in rest

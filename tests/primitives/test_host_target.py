@@ -180,3 +180,37 @@ def test_a_metadata_query_with_unknown_struct_sizes_is_refused(monkeypatch):
   assert "(168, 32, 40, 24)" in ffi_abi.UNAVAILABLE
   assert f"JAX {jax.__version__}" in ffi_abi.UNAVAILABLE
   assert metadata[2:].tolist() == [0, 0, 0, 0]   # nothing written
+
+
+def test_calls_keep_no_memory_per_execution():
+  # Every execution's carrier holds its own identity (a new value each
+  # call, _runtime/token_value): nothing may be kept per value. 20,000
+  # calls leave what 2,000 left (a cache of carrier values grew ~75 bytes
+  # a call).
+  import gc
+  import tracemalloc
+
+  @je.jit
+  def f(x):
+    je.callback(lambda v: None, None, x)
+    return x
+
+  x = jnp.float32(1)
+
+  def run(n):
+    for _ in range(n):
+      f(x)
+    je.effects_barrier()
+    gc.collect()
+
+  run(2000)
+  tracemalloc.start()
+  try:
+    before = tracemalloc.take_snapshot()
+    run(20000)
+    after = tracemalloc.take_snapshot()
+  finally:
+    tracemalloc.stop()
+  grown = sum(s.size_diff for s in after.compare_to(before, "filename")
+              if s.size_diff > 0)
+  assert grown < 200_000, after.compare_to(before, "lineno")[:5]

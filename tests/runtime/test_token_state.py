@@ -202,7 +202,9 @@ def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
 
   def go():
     with _not_ready_input(devices) as gate:
-      f(g(gate.array))
+      failed = f(g(gate.array))
+    with pytest.raises(jax.errors.JaxRuntimeError):
+      np.asarray(failed)   # (its failure is known now)
     f(jnp.ones(1, jnp.int32))
     state = _threads.thread_state()
     je.effects_barrier()
