@@ -364,6 +364,20 @@ class Injected(Exception):
   XLA's message for a failed execution says whose it was."""
 
 
+#: NumPy print options under which :func:`call_values`' (8, 8) array is
+#: summarized (rows 0-2 and 5-7, columns 0-2 and 5-7: six devices' parts
+#: are shown), captured by the prints traced under them.
+SUMMARIZED = dict(threshold=10, edgeitems=3)
+
+
+def call_values(call: int) -> np.ndarray:
+  """Call ``call``'s (8, 8) ``int32`` input: ``call * 1000 + row * 10 +
+  column``, so every printed value names its call, and its device once the
+  rows are split over 8 devices."""
+  return (call * 1000 + np.arange(8)[:, None] * 10
+          + np.arange(8)[None, :]).astype(np.int32)
+
+
 def per_device_stage(mesh, host):
   """An identity stage over ``mesh`` (axis ``"i"``, leading dimension split)
   whose every device calls ``host(block)`` on its own block (a NumPy

@@ -21,15 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_effects as je
 
 import helpers
-from helpers import per_device_stage, run_scenario
+from helpers import call_values, per_device_stage, run_scenario
 
-SUMMARIZED = dict(threshold=10, edgeitems=3)
 SLOW_DEVICE = 3
-
-
-def _values(call: int) -> np.ndarray:
-  return (call * 1000 + np.arange(8)[:, None] * 10
-          + np.arange(8)[None, :]).astype(np.int32)
 
 
 def scenario_barrier_waits_for_slow_work(kind: str) -> dict:
@@ -60,9 +54,10 @@ def scenario_barrier_waits_for_slow_work(kind: str) -> dict:
     return block
 
   stage = per_device_stage(mesh, host)
-  put = lambda c: jax.device_put(_values(c), NamedSharding(mesh, P("i")))
-  with np.printoptions(**SUMMARIZED):
-    expected = {c: str(_values(c)) for c in range(5)}
+  put = lambda c: jax.device_put(call_values(c),
+                                 NamedSharding(mesh, P("i")))
+  with np.printoptions(**helpers.SUMMARIZED):
+    expected = {c: str(call_values(c)) for c in range(5)}
 
     @je.jit
     def f(x):
@@ -80,7 +75,7 @@ def scenario_barrier_waits_for_slow_work(kind: str) -> dict:
   t_dispatched, t_go_on = threading.Event(), threading.Event()
 
   def thread_t(then_more: bool):
-    with np.printoptions(**SUMMARIZED):
+    with np.printoptions(**helpers.SUMMARIZED):
       f(put(2))                 # its print waits for device 3's part
       helpers.wait_until(lambda: {(2, d) for d in range(8)} <= arrived,
                          "call 2 never reached its devices")
@@ -128,7 +123,7 @@ def scenario_barrier_waits_for_slow_work(kind: str) -> dict:
   for thread in (b, t):
     thread.join(30)
     assert not thread.is_alive(), f"{thread} hangs"
-  with np.printoptions(**SUMMARIZED):
+  with np.printoptions(**helpers.SUMMARIZED):
     f(put(3))
   for name, call in [("set_ordering", lambda: je.set_ordering("per_effect")),
                      ("final", lambda: je.effects_barrier(all_threads=True))]:

@@ -27,22 +27,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_effects as je
 
 import helpers
-from helpers import Injected, per_device_stage, run_scenario
-
-#: NumPy print options of the traced prints: an (8, 8) array is summarized
-#: (rows 0-2 and 5-7, columns 0-2 and 5-7: six devices' parts are shown).
-SUMMARIZED = dict(threshold=10, edgeitems=3)
+from helpers import Injected, call_values, per_device_stage, run_scenario
 
 
 def _mesh():
   return Mesh(np.array(jax.devices()), ("i",))
-
-
-def _values(call: int) -> np.ndarray:
-  """Call ``call``'s (8, 8) input: ``call * 1000 + row * 10 + column``, so
-  every printed value names its call and its device (the row)."""
-  return (call * 1000 + np.arange(8)[:, None] * 10
-          + np.arange(8)[None, :]).astype(np.int32)
 
 
 def _fails(plan: dict):
@@ -99,22 +88,24 @@ def scenario_own_execution_or_nothing(failing_device: int) -> dict:
   helpers.shorten_todays_give_up()
   mesh = _mesh()
   stage = per_device_stage(mesh, _fails({0: failing_device}))
-  put = lambda c: jax.device_put(_values(c), NamedSharding(mesh, P("i")))
+  put = lambda c: jax.device_put(call_values(c),
+                                 NamedSharding(mesh, P("i")))
   rec = _recording()
-  with np.printoptions(**SUMMARIZED):
+  with np.printoptions(**helpers.SUMMARIZED):
     @je.jit
     def f(x):
       y = stage(x)
       je.print("{}", y)      # pieces from every device, assembled on the host
       return y
 
-    expected = {c: str(_values(c)) for c in range(3)}
+    expected = {c: str(call_values(c)) for c in range(3)}
     out0 = f(put(0))        # the failing device fails before its piece
     out1 = f(put(1))        # dispatched while call 0 may still run
     barrier1 = _barrier()
     out2 = f(put(2))
     barrier2 = _barrier()
-  reads = [_read(out0), _read(out1, _values(1)), _read(out2, _values(2))]
+  reads = [_read(out0), _read(out1, call_values(1)),
+           _read(out2, call_values(2))]
   final = _barrier(all_threads=True)
   lines = _lines(rec)
   return dict(lines=lines, expected=expected, reads=reads,
@@ -152,7 +143,7 @@ def test_a_summarized_print_shows_its_own_execution_or_nothing(failing_device):
   assert "jax_effects:" not in got.stderr, got.stderr[-3000:]
 
 
-# --- 2. a failed token is never handed on ----------------------------------------
+# --- 2. a failed token is never handed on -------------------------------------
 
 def scenario_failed_token_not_handed_on(in_flight: bool) -> dict:
   helpers.shorten_todays_give_up()
@@ -218,7 +209,7 @@ def test_a_failed_token_is_never_handed_on(in_flight):
   assert "jax_effects:" not in got.stderr, got.stderr[-3000:]
 
 
-# --- 4. no unbounded wait ------------------------------------------------------
+# --- 4. no unbounded wait -----------------------------------------------------
 
 def scenario_no_unbounded_wait(where: str) -> dict:
   """Device 3 fails before its piece of a summarized print; an effect with
@@ -227,7 +218,8 @@ def scenario_no_unbounded_wait(where: str) -> dict:
   helpers.shorten_todays_give_up()
   mesh = _mesh()
   stage = per_device_stage(mesh, _fails({1: 3}))
-  put = lambda c: jax.device_put(_values(c), NamedSharding(mesh, P("i")))
+  put = lambda c: jax.device_put(call_values(c),
+                                 NamedSharding(mesh, P("i")))
   ran = []
   spec = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -236,7 +228,7 @@ def scenario_no_unbounded_wait(where: str) -> dict:
     return np.int32(v + 1)
 
   rec = _recording()
-  with np.printoptions(**SUMMARIZED):
+  with np.printoptions(**helpers.SUMMARIZED):
     @je.jit
     def f(x, u):
       y = stage(x)
@@ -288,7 +280,7 @@ def test_no_wait_outlives_a_known_failure(where):
   assert r["left"] == {}
 
 
-# --- 7. a failure handled from the result is not reported at exit ----------------
+# --- 7. a failure handled from the result is not reported at exit -------------
 
 def scenario_exit_after_handled_failure(variant: str) -> dict:
   helpers.shorten_todays_give_up()

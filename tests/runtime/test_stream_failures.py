@@ -19,14 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_effects as je
 
 import helpers
-from helpers import FlakyStream, per_device_stage, run_scenario
-
-SUMMARIZED = dict(threshold=10, edgeitems=3)
-
-
-def _values(call: int) -> np.ndarray:
-  return (call * 1000 + np.arange(8)[:, None] * 10
-          + np.arange(8)[None, :]).astype(np.int32)
+from helpers import (FlakyStream, call_values, per_device_stage,
+                     run_scenario)
 
 
 def scenario_failed_write(_: int) -> dict:
@@ -39,7 +33,8 @@ def scenario_failed_write(_: int) -> dict:
 
   stage = per_device_stage(mesh, slow)
   a, b = je.Effect("stream-a"), je.Effect("stream-b")
-  put = lambda c: jax.device_put(_values(c), NamedSharding(mesh, P("i")))
+  put = lambda c: jax.device_put(call_values(c),
+                                 NamedSharding(mesh, P("i")))
   reported = []
 
   def until_it_runs(call):
@@ -52,8 +47,8 @@ def scenario_failed_write(_: int) -> dict:
         reported.append(exc)
     raise AssertionError("a call keeps raising")
 
-  with np.printoptions(**SUMMARIZED):
-    expected = {c: f"a {_values(c)}" for c in (0, 1, 2)}
+  with np.printoptions(**helpers.SUMMARIZED):
+    expected = {c: f"a {call_values(c)}" for c in (0, 1, 2)}
 
     @je.jit
     def fa(x):
