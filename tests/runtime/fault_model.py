@@ -1,10 +1,11 @@
 """Model-based fault injection: random programs x random faults (issue 31).
 
-Each *case* is a small random program run on a few threads: calls of four
-compiled templates (several effect streams, small and summarized prints
-over 8 devices under automatic partitioning and in ``shard_map``,
-callbacks with and without results, a progress bar, ``fori_loop``s, JAX's
-own ``jax.debug.print``), barriers (own and all threads), ordering modes
+Each *case* is a small random program run on a few threads: calls of six
+compiled templates (:data:`TEMPLATES`: several effect streams, small and
+summarized prints over 8 devices under automatic partitioning and in
+``shard_map``, callbacks with and without results, a progress bar,
+``fori_loop``s, JAX's own ``jax.debug.print``, a callback that calls
+another compiled function), barriers (own and all threads), ordering modes
 (``set_ordering`` between phases and beside running work, ``ordering()``
 around calls), results read at once, later or never; with at most one
 fault injected through a public API:
@@ -23,7 +24,7 @@ implementation, :func:`check`) says what must be observed: every record
 (printed line, or callback call) of every call, in the order of its chain
 (the ``Effect``; one chain in ``"global"`` mode; per device in
 ``shard_map``), and the order of a thread's calls; the failed execution's
-records on each chain a prefix of its program's (an XLA failure), or up to
+lines on each chain a prefix of its program's (an XLA failure), or up to
 the failed effect (a callback error, a failed write); summarized prints
 whole or absent, never mixed (every printed value names its call and
 device); every callback error reported once, as itself, to its thread at a
@@ -33,6 +34,13 @@ results; barriers waiting for everything dispatched before them; nothing
 left in the runtime after the final all-threads barrier
 (``helpers.runtime_inventory``); no case running past :data:`CASE_BOUND_S`
 (a hang: the driver prints every thread's stack and exits).
+
+Where the contract leaves a choice, the model allows both: a failed
+execution's callbacks may run or be skipped (only its printed lines must
+form a prefix), a barrier may or may not wait for work dispatched while it
+waits. One choice is a switch: :data:`WRITE_ERROR_SKIPS_LATER_EFFECTS`.
+Not modelled here: interpreter exit (``test_failed_executions.py``,
+``test_barriers_wait.py``) and Ctrl-C (``test_interrupts.py``).
 
 The templates are compiled once per process; cases vary inputs, faults,
 threads, modes and interleavings. Run by ``test_fault_model.py`` in a
@@ -71,7 +79,10 @@ WRITE_ERROR_SKIPS_LATER_EFFECTS = True
 CASE_BOUND_S = 45
 FAULT_CLASSES = ("none", "xla-stage", "xla-partitioned", "slow",
                  "callback-error", "stdout")
-TEMPLATES = ("partitioned", "shard_map", "loop", "streams", "reentrant")
+TEMPLATES = ("partitioned", "summarized", "shard_map", "loop", "streams",
+             "reentrant")
+#: How often each template is drawn.
+WEIGHTS = (2, 2, 2, 2, 2, 1)
 #: The template of the call a ``reentrant`` call's callback makes (uid + 1):
 #: over 8 devices, so it runs asynchronously, after its callback returned.
 INNER = "shard_map"
@@ -141,6 +152,11 @@ def expected_records(template: str, u: int, mode: str) -> list[Rec]:
           Rec(f"<s1 {u} 2>", d, None, "s1.2", True),
           Rec(f"<c1 {u} d>", d, None, "c1d", False),
           Rec(f"<s1 {u} 3>", d, None, "s1.3", True)]
+    if template == "summarized":
+      a = _chain("A", mode)
+      return [
+          Rec(f"<S6 {u} {values_partitioned(u)}>", a, None, "S6", True),
+          Rec(f"<s6 {u} 1>", a, None, "s6.1", True)]
     if template == "shard_map":
       b = _chain("B", mode)
       out = []
@@ -176,7 +192,7 @@ def expected_records(template: str, u: int, mode: str) -> list[Rec]:
 
 def expected_result(template: str, u: int):
   import numpy as np
-  if template == "partitioned":
+  if template in ("partitioned", "summarized"):
     return values_partitioned(u)
   if template == "shard_map":
     return values_shard_map(u) + 2
@@ -222,10 +238,11 @@ def fault_sites(cls: str, template: str) -> list[str]:
   if cls == "xla-partitioned":
     return ["dbg"] if template == "partitioned" else []
   if cls == "callback-error":
-    return {"partitioned": ["c1d"], "shard_map": ["c2"], "loop": ["c3"],
-            "streams": ["c4"], "reentrant": []}[template]
+    return {"partitioned": ["c1d"], "summarized": [], "shard_map": ["c2"],
+            "loop": ["c3"], "streams": ["c4"], "reentrant": []}[template]
   if cls == "stdout":
     return {"partitioned": ["S1", "s1.1", "s1.2", "s1.3"],
+            "summarized": ["S6", "s6.1"],
             "shard_map": ["M2", "l2.0", "l2.1"],
             "loop": ["S3", "l3", "e3", "j3"],
             "streams": ["a4", "b4", "d4"], "reentrant": []}[template]
@@ -382,6 +399,13 @@ class Runner:
       je.print("<s1 {} 3>", u)
       return y
 
+    # summarized: automatic partitioning, the print alone on its chain
+    def summarized(u, x):
+      y = stage1_map(x)
+      je.print("<S6 {} {}>", u, y, effect=A)
+      je.print("<s6 {} 1>", u, effect=A)
+      return y
+
     # shard_map: per device
     def stage2(block):
       block = np.asarray(block)
@@ -456,6 +480,7 @@ class Runner:
 
     with np.printoptions(**OPTIONS):   # (captured when traced)
       self.functions = {"partitioned": je.jit(partitioned),
+                        "summarized": je.jit(summarized),
                         "shard_map": je.jit(shard_mapped),
                         "loop": je.jit(loop), "streams": je.jit(streams),
                         "reentrant": je.jit(reentrant)}
@@ -463,7 +488,7 @@ class Runner:
   def arguments(self, template: str, u: int) -> tuple:
     jax, np = self.jax, self.np
     uid = np.int32(u)
-    if template == "partitioned":
+    if template in ("partitioned", "summarized"):
       return uid, jax.device_put(values_partitioned(u), self.rows)
     if template == "shard_map":
       return uid, jax.device_put(values_shard_map(u), self.rows)
@@ -533,7 +558,7 @@ def generate(seed: int, classes: tuple[str, ...]) -> Case:
         elif roll < 0.17 and ops:
           ops.append(Op("barrier_all"))
         else:
-          op = Op("call", rng.choice(TEMPLATES), uid,
+          op = Op("call", rng.choices(TEMPLATES, WEIGHTS)[0], uid,
                   rng.choice(MODES) if rng.random() < 0.3 else None,
                   rng.choice(("now", "now", "later", "never")))
           uid += 2 if op.template == "reentrant" else 1
@@ -553,8 +578,9 @@ def generate(seed: int, classes: tuple[str, ...]) -> Case:
   if cls != "none" and targets:
     op, site = rng.choice(targets)
     fault = Fault(cls, op.uid, op.template, site=site)
-    if op.template == "shard_map" or (op.template == "partitioned"
-                                     and site in ("stage", "dbg")):
+    if op.template == "shard_map" or (
+        op.template in ("partitioned", "summarized")
+        and site in ("stage", "dbg")):
       fault.device = rng.randrange(N_DEVICES)
     if op.template == "loop" and site in ("stage", "c3", "l3"):
       fault.step = rng.randrange(4)
@@ -965,9 +991,10 @@ def warm_up(runner: Runner) -> list:
   for mode in MODES:
     ops = [Op("call", t, 0, None, "now") for t in
            ("partitioned", "shard_map", "loop", "streams", "shard_map",
-            "partitioned", "loop", "shard_map", "streams", "partitioned")]
+            "summarized", "partitioned", "loop", "shard_map", "streams",
+            "summarized", "reentrant", "partitioned")]
     for k, op in enumerate(ops):   # (uids no case uses)
-      op.uid = WARM_UP_UID + k + (20 if mode == "global" else 0)
+      op.uid = WARM_UP_UID + 2 * k + (40 if mode == "global" else 0)
     case = Case(seed, [Phase(mode, [ops])], None)
     obs = run_case(runner, case)
     found += check(case, obs)
