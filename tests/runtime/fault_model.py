@@ -681,10 +681,19 @@ def run_case(runner: Runner, case: Case) -> dict:
     for uid, out in later:
       read(key, uid, out)
 
+  def set_ordering(mode, key="main"):
+    # (only a switch waits for every thread's dispatched effects)
+    kind = ("set_ordering" if mode != je.get_ordering()
+            else "set_ordering-unchanged")
+    event("start", kind, key)
+    try:
+      je.set_ordering(mode)
+    except BaseException as exc:  # noqa: BLE001 - the observation
+      raised(kind, key, exc)
+    event("end", kind, key)
+
   for p, phase in enumerate(case.phases):
-    event("start", "set_ordering", "main")
-    je.set_ordering(phase.mode)
-    event("end", "set_ordering", "main")
+    set_ordering(phase.mode)
     go = threading.Event()
     failures = []
 
@@ -700,17 +709,17 @@ def run_case(runner: Runner, case: Case) -> dict:
     for t in threads:
       t.start()
     go.set()
-    if phase.beside:
+    if phase.beside == "set_ordering":
       time.sleep(0.005)
-      event("start", phase.beside, "main")
+      set_ordering(random.Random(case.seed + p).choice(MODES))
+    elif phase.beside == "barrier_all":
+      time.sleep(0.005)
+      event("start", "barrier_all", "main")
       try:
-        if phase.beside == "barrier_all":
-          je.effects_barrier(all_threads=True)
-        else:
-          je.set_ordering(random.Random(case.seed + p).choice(MODES))
+        je.effects_barrier(all_threads=True)
       except BaseException as exc:  # noqa: BLE001 - the observation
-        raised(phase.beside, "main", exc)
-      event("end", phase.beside, "main")
+        raised("barrier_all", "main", exc)
+      event("end", "barrier_all", "main")
     for t in threads:
       t.join(CASE_BOUND_S)
       if t.is_alive():
@@ -913,6 +922,8 @@ def check(case: Case, obs: dict) -> list[tuple[str, str]]:
     ends.setdefault((kind, key), []).append(i)
   returned = {uid: i for i, key, uid in marks.get("returned", [])}
   for (kind, key), ss in starts.items():
+    if kind == "set_ordering-unchanged":
+      continue
     for s, e in zip(ss, ends.get((kind, key), [])):
       if kind == "barrier":
         covered = [u for u, c in calls.items() if u in dispatched
