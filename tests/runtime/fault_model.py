@@ -692,6 +692,14 @@ def run_case(runner: Runner, case: Case) -> dict:
       raised(kind, key, exc)
     event("end", kind, key)
 
+  def barrier_all(kind):
+    event("start", kind, "main")
+    try:
+      je.effects_barrier(all_threads=True)
+    except BaseException as exc:  # noqa: BLE001 - the observation
+      raised(kind, "main", exc)
+    event("end", kind, "main")
+
   for p, phase in enumerate(case.phases):
     set_ordering(phase.mode)
     go = threading.Event()
@@ -714,24 +722,14 @@ def run_case(runner: Runner, case: Case) -> dict:
       set_ordering(random.Random(case.seed + p).choice(MODES))
     elif phase.beside == "barrier_all":
       time.sleep(0.005)
-      event("start", "barrier_all", "main")
-      try:
-        je.effects_barrier(all_threads=True)
-      except BaseException as exc:  # noqa: BLE001 - the observation
-        raised("barrier_all", "main", exc)
-      event("end", "barrier_all", "main")
+      barrier_all("barrier_all")
     for t in threads:
       t.join(CASE_BOUND_S)
       if t.is_alive():
         raise Hang(f"a thread of phase {p} did not finish")
     if failures:
       raise RuntimeError("the driver failed:\n" + "\n".join(failures))
-  event("start", "final", "main")
-  try:
-    je.effects_barrier(all_threads=True)
-  except BaseException as exc:  # noqa: BLE001 - the observation
-    raised("final", "main", exc)
-  event("end", "final", "main")
+  barrier_all("final")
   je.set_ordering("per_effect")
   for exc in errors:   # (their frames would keep the runtime's state alive)
     _drop_tracebacks(exc)
