@@ -9,7 +9,13 @@
 * :func:`run_python`, :func:`run_script`: Python in a fresh process (where
   exit, fork, XLA's start-up flags, stderr written by C++ or the process's
   network is at stake), bounded in time: every test that starts Python in a
-  subprocess does it through them.
+  subprocess does it through them; :func:`run_scenario` runs a function of
+  a test module there (8 devices, a watchdog that names a hang).
+* :func:`runtime_inventory`: what the runtime holds (errors, host jobs,
+  pieces of summarized prints, bars, exited threads' state), the one place
+  that knows where; faults through public APIs: :func:`per_device_stage`
+  (a ``pure_callback`` per device), :class:`FlakyStream` (a ``sys.stdout``
+  whose write raises once).
 """
 import os
 import subprocess
@@ -310,3 +316,204 @@ def run_script(source: str, *args: str, timeout: float = 300,
   (:func:`run_python`)."""
   return run_python("-c", textwrap.dedent(source), *args, timeout=timeout,
                     env=env)
+
+
+# --- faults injected through public APIs, and what the runtime holds ----------
+# (issue 31: tests/runtime/test_failed_executions.py and the files it names,
+# and the model-based test tests/runtime/fault_model.py)
+
+def runtime_inventory() -> dict[str, int]:
+  """What the runtime holds now, per registry: every count is 0 once every
+  execution has ended and an all-threads barrier has reported every error
+  (the contract of issue 31: nothing is kept for an execution that ended or
+  a thread that exited).
+
+  The one place that knows where the runtime keeps things: when the
+  runtime's owners change, re-point this function, not the tests.
+  """
+  from jax_effects._runtime import bars, errors, output, sequence, threads
+  holders = list(sequence.holders)
+  try:
+    import tqdm
+    tqdm_bars = len(getattr(tqdm.tqdm, "_instances", ()))
+  except ImportError:
+    tqdm_bars = 0
+  return {
+      # callback errors filed and not reported yet (kept or only counted)
+      "deferred_errors": (sum(map(len, list(errors.deferred.values())))
+                          + sum(list(errors._dropped.values()))),
+      # effects left to run on the host, and the slots that have any
+      "host_jobs": sum(map(len, list(sequence.queues.values()))),
+      "job_slots": (len(sequence.queues) + len(sequence._draining)
+                    + len(sequence._failed)),
+      # pieces of summarized prints (one entry per thread and device, empty
+      # or not) in every call site's meeting place
+      "piece_entries": sum(len(h.parts) for h in holders),
+      "open_bars": bars.open_bars(),
+      "tqdm_bars": tqdm_bars,
+      "held_output": sum(map(len, list(output._held.values()))),
+      # token state of threads that have exited, and their pending tokens
+      "exited_thread_states": sum(not s.alive() for s in threads.all_states()),
+      "orphan_tokens": len(threads.orphans()),
+  }
+
+
+def leftovers(inventory: dict[str, int]) -> dict[str, int]:
+  """The nonzero entries of :func:`runtime_inventory`'s result."""
+  return {k: v for k, v in inventory.items() if v}
+
+
+class Injected(Exception):
+  """The exception an injected fault raises; ``str`` names the fault, so
+  XLA's message for a failed execution says whose it was."""
+
+
+#: NumPy print options under which :func:`call_values`' (8, 8) array is
+#: summarized (rows 0-2 and 5-7, columns 0-2 and 5-7: six devices' parts
+#: are shown), captured by the prints traced under them.
+SUMMARIZED = dict(threshold=10, edgeitems=3)
+
+
+def call_values(call: int) -> np.ndarray:
+  """Call ``call``'s (8, 8) ``int32`` input: ``call * 1000 + row * 10 +
+  column``, so every printed value names its call, and its device once the
+  rows are split over 8 devices."""
+  return (call * 1000 + np.arange(8)[:, None] * 10
+          + np.arange(8)[None, :]).astype(np.int32)
+
+
+def per_device_stage(mesh, host):
+  """An identity stage over ``mesh`` (axis ``"i"``, leading dimension split)
+  whose every device calls ``host(block)`` on its own block (a NumPy
+  array) through
+  ``jax.pure_callback`` inside ``shard_map`` (left to JAX, not adopted):
+  ``host`` raising fails that device's computation (an XLA failure of the
+  whole execution), ``host`` sleeping makes that device slow. What is
+  computed from the stage's output comes after ``host`` on each device (a
+  data dependency), so an effect on it, or its part of a summarized print,
+  never runs before the fault on that device."""
+  def body(v):
+    return jax.pure_callback(lambda b: host(np.asarray(b)),
+                             jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+  return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+
+
+class FlakyStream:
+  """A ``sys.stdout`` replacement forwarding to ``target`` whose ``write``
+  raises :attr:`error` (an ``OSError``) once: for the first text containing
+  ``marker`` (never if None: a recorder). ``written`` is every text written
+  (the failed one excluded), one entry per ``write``."""
+
+  def __init__(self, target, marker: str | None = None):
+    self.target = target
+    self.marker = marker
+    self.error: OSError | None = None
+    self.written: list[str] = []
+    self._lock = threading.Lock()
+
+  def write(self, text: str) -> int:
+    with self._lock:
+      if (self.error is None and self.marker is not None
+          and self.marker in text):
+        self.error = OSError(f"injected write error on {self.marker!r}")
+        raise self.error
+      self.written.append(text)
+    return self.target.write(text)
+
+  def flush(self) -> None:
+    self.target.flush()
+
+  def isatty(self) -> bool:
+    return False
+
+
+def shorten_todays_give_up(seconds: float = 1.0) -> None:
+  """The runtime before issue 31's fix gave up on effects still waiting for
+  a device's part after a barrier had waited 60 s: shortened here so that a
+  test shows it in seconds. The contract has no such clock (a barrier waits
+  for running work however slow): where it is gone this does nothing."""
+  from jax_effects._runtime import barrier
+  if hasattr(barrier, "_PATIENCE_S"):
+    barrier._PATIENCE_S = seconds
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+  """Polls ``condition()`` until true; fails naming ``what`` after
+  ``timeout`` seconds (a bound on a wait, never a timing assertion)."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() > deadline:
+      raise AssertionError(f"{what} (waited {timeout} s)")
+    time.sleep(0.01)
+
+
+#: Seconds a scenario may run before its process dumps every thread's stack
+#: and exits (a hang); the subprocess's own time limit is a little longer.
+SCENARIO_BOUND_S = 60
+
+_SCENARIO_MAIN = """
+import faulthandler, importlib.util, json, sys
+bound, path, name, args, out = (float(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                json.loads(sys.argv[4]), sys.argv[5])
+faulthandler.dump_traceback_later(bound, exit=True)   # a hang: stacks, exit 1
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, {tests!r})
+spec = importlib.util.spec_from_file_location("scenario_module", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+result = getattr(module, name)(*args)
+with open(out, "w") as f:
+  json.dump(result, f)
+"""
+
+
+class Scenario:
+  """A finished :func:`run_scenario`: ``result`` (what the function
+  returned), ``stdout``, ``stderr``, ``returncode``."""
+
+  def __init__(self, result, proc):
+    self.result = result
+    self.stdout = proc.stdout
+    self.stderr = proc.stderr
+    self.returncode = proc.returncode
+
+  @property
+  def lines(self) -> list[str]:
+    return self.stdout.splitlines()
+
+
+def run_scenario(test_file: str, name: str, *args,
+                 bound: float = SCENARIO_BOUND_S,
+                 env: dict[str, str | None] | None = None) -> Scenario:
+  """Runs ``name(*args)`` (a function of the module ``test_file``, JSON
+  arguments and result) in a fresh process with 8 CPU devices, bounded in
+  time: after ``bound`` seconds (function and interpreter exit) the process
+  prints every thread's stack and exits, and the test fails naming the
+  hang. A fresh process keeps a runtime that the fault left broken (on the
+  code before issue 31's fix) away from the other tests."""
+  import json
+  import tempfile
+  tests = os.path.dirname(os.path.abspath(__file__))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "result.json")
+    try:
+      proc = run_python(
+          "-c", _SCENARIO_MAIN.format(tests=tests), str(bound),
+          os.path.abspath(test_file), name, json.dumps(list(args)), out,
+          timeout=bound + 30, env=env)
+    except subprocess.TimeoutExpired as exc:
+      raise AssertionError(
+          f"scenario {name}{args} hangs: still running after {bound + 30} s; "
+          f"stderr: {exc.stderr!r:.3000}") from None
+    if not os.path.exists(out):
+      hang = "Timeout (" in proc.stderr
+      raise AssertionError(
+          f"scenario {name}{args} "
+          + (f"hangs: not done within {bound} s (stacks below)" if hang
+             else f"died (status {proc.returncode}) before returning")
+          + f"\n--- stdout (end) ---\n{proc.stdout[-2000:]}"
+          f"\n--- stderr (end) ---\n{proc.stderr[-6000:]}")
+    with open(out) as f:
+      result = json.load(f)
+  return Scenario(result, proc)

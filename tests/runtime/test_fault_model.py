@@ -1,0 +1,72 @@
+"""The model-based fault-injection test of issue 31.
+
+Random small programs x random injected faults, each run checked against a
+plain-Python model of what must be observed: the programs, the faults, the
+model and its checks are ``fault_model.py`` (its docstring). The cases run
+in subprocesses (the templates compile once per process; a hang there is
+bounded by the driver's watchdog, which prints every thread's stack, and
+by the subprocess's time limit), split in :data:`PARTS` parts so that
+``pytest -n`` runs them side by side.
+
+Sizes: :data:`CASES` seeds (300; 3,000 with ``--run-slow``), fixed, so a
+run is reproducible. A failure lists each violating seed; replay one with
+``JAX_EFFECTS_FAULT_SEED=<seed> pytest tests/runtime/test_fault_model.py``
+(one part runs that seed, with its program printed), or by hand with
+``python tests/runtime/fault_model.py --seeds <seed>:<seed+1> --verbose``.
+"""
+import json
+import os
+
+import pytest
+
+import helpers
+
+CASES = helpers.scale(300, 3000)
+PARTS = helpers.scale(2, 8)
+MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                     "fault_model.py")
+REPLAY = os.environ.get("JAX_EFFECTS_FAULT_SEED")
+
+
+def _seeds(part: int) -> tuple[int, int]:
+  if REPLAY is not None:
+    seed = int(REPLAY)
+    return (seed, seed + 1) if part == 0 else (0, 0)
+  per = -(-CASES // PARTS)
+  return part * per, min(CASES, (part + 1) * per)
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_random_programs_under_random_faults_keep_the_contract(part,
+                                                               tmp_path):
+  a, b = _seeds(part)
+  if a == b:
+    pytest.skip("replaying one seed (JAX_EFFECTS_FAULT_SEED) in part 0")
+  out = tmp_path / "results.jsonl"
+  argv = [MODEL, "--seeds", f"{a}:{b}", "--out", str(out)]
+  if REPLAY is not None:
+    argv.append("--verbose")
+  proc = helpers.run_python(*argv, timeout=180 + 3 * (b - a))
+  lines = ([json.loads(line) for line in out.read_text().splitlines()]
+           if out.exists() else [])
+  hangs = [r for r in lines if r.get("hang")]
+  violating = [r for r in lines if r.get("violations")]
+  report = []
+  for r in hangs:
+    report.append(f"seed {r['seed']} HANGS (past the case's bound; fault "
+                  f"{r['fault']}); stacks on stderr below")
+  for r in violating[:12]:
+    report.append(f"seed {r['seed']} (fault {r.get('fault')}):")
+    report += [f"    {kind}: {detail[:400]}" for kind, detail in
+               r["violations"][:4]]
+  done = any(r.get("seed") == "done" for r in lines)
+  if not done and not hangs:
+    report.append(f"the driver died (status {proc.returncode}) after "
+                  f"{len([r for r in lines if isinstance(r.get('seed'), int)])}"
+                  " cases")
+  assert not report, (
+      f"{len(violating)} of seeds {a}:{b} violate the contract"
+      + (f", {len(hangs)} hang" if hangs else "") + ":\n" + "\n".join(report)
+      + "\nreplay: JAX_EFFECTS_FAULT_SEED=<seed> pytest "
+      "tests/runtime/test_fault_model.py (program and violations on stderr)"
+      + f"\n--- driver stderr (end) ---\n{proc.stderr[-8000:]}")
