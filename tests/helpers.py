@@ -331,30 +331,49 @@ def runtime_inventory() -> dict[str, int]:
   The one place that knows where the runtime keeps things: when the
   runtime's owners change, re-point this function, not the tests.
   """
-  from jax_effects._runtime import bars, errors, output, sequence, threads
-  holders = list(sequence.holders)
+  from jax_effects._runtime import (bars, errors, executions, host_jobs,
+                                    interrupts, output, threads)
+  # (a thread whose state outlived its end, in a caller's frame or a
+  # traceback, leaves its slot when the state goes; the runtime frees such
+  # slots at the next thread start or all-threads barrier: here, now)
+  threads.sweep()
   try:
     import tqdm
     tqdm_bars = len(getattr(tqdm.tqdm, "_instances", ()))
   except ImportError:
     tqdm_bars = 0
+  live = {s.slot for s in threads.all_states() if s.alive()}
+  with host_jobs.lock:
+    lanes = [lane for lanes in list(host_jobs.queues.values())
+             for lane in lanes]
+    sites = list(host_jobs._sites)
+    pieces = sum(len(e.by_device) for site in sites
+                 for e in list(site.parts.values()))
+    # (a live thread's site keeps the sequence number of its last
+    # execution there, to know a late piece stale; an ended thread's goes)
+    ended_entries = sum(1 for site in sites for slot in list(site.parts)
+                        if slot not in live)
   return {
       # callback errors filed and not reported yet (kept or only counted)
       "deferred_errors": (sum(map(len, list(errors.deferred.values())))
                           + sum(list(errors._dropped.values()))),
-      # effects left to run on the host, and the slots that have any
-      "host_jobs": sum(map(len, list(sequence.queues.values()))),
-      "job_slots": (len(sequence.queues) + len(sequence._draining)
-                    + len(sequence._failed)),
-      # pieces of summarized prints (one entry per thread and device, empty
-      # or not) in every call site's meeting place
-      "piece_entries": sum(len(h.parts) for h in holders),
+      # effects left to run on the host, and their lanes
+      "host_jobs": sum(len(lane.jobs) for lane in lanes),
+      "job_slots": len(host_jobs.queues) + len(host_jobs._draining),
+      # pieces of summarized prints waiting at call sites, and the entries
+      # kept there for threads that ended
+      "piece_entries": pieces + ended_entries,
       "open_bars": bars.open_bars(),
       "tqdm_bars": tqdm_bars,
       "held_output": sum(map(len, list(output._held.values()))),
       # token state of threads that have exited, and their pending tokens
       "exited_thread_states": sum(not s.alive() for s in threads.all_states()),
       "orphan_tokens": len(threads.orphans()),
+      # slots of ended threads not freed yet, computations watched, calls
+      # marked interrupted
+      "ended_slots": threads.held_slots(),
+      "watched_executions": executions.watched(),
+      "interrupted_calls": len(interrupts.slots),
   }
 
 

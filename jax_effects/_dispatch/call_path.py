@@ -25,8 +25,10 @@ in order:
    ``KeyboardInterrupt`` after a SIGINT (``interrupts``); a kept per-device
    token refused because the arguments put the computation elsewhere is
    replaced by its first device's copy and the launch retried;
-6. store the returned token (``ThreadTokens.update``, joining a token a
-   call made inside this one stored meanwhile), also when an interrupt
+6. store the returned token (``ThreadTokens.update``; a call made inside
+   this one, from its host callback, took the next sequence number
+   (``ThreadTokens.tokens_for``, nested): of its token and this one's the
+   later is kept, the other joined), also when an interrupt
    lands right after the launch (``ThreadTokens.store_interrupted``); a
    computation over several devices that may leave effects to run on the
    host is watched until it ends (``executions.watch``);
@@ -61,7 +63,9 @@ step                                   fast path
                                        ``ThreadTokens.update`` for one scalar
                                        chain (no sharding hashed); the
                                        general ``update`` when the device set
-                                       changes; no watch (one device)
+                                       changes or a call made inside this
+                                       one stored a token; no watch (one
+                                       device)
 =====================================  =====================================
 
 A first call, a call under a trace, a trace that finds another chain
@@ -137,8 +141,12 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     _errors.raise_deferred(state)   # before dispatching anything
   if state.mode != mode:   # after a mode switch: follow earlier dispatches
     state.switch_mode(mode)
-  tokens, read = state.tokens_for(keys, device_sharding)
-  outer = _errors.enter_call() if state.dispatching else None
+  nested = state.dispatching   # (a call from a host callback of its call)
+  tokens, read = state.tokens_for(keys, device_sharding, nested)
+  # This execution's identity (token_value), read before the launch: a call
+  # made inside it (from its host callback) moves the thread's copies.
+  seqs, seq = state.execution_seqs(keys), state.token_seq(keys)
+  outer = _errors.enter_call() if nested else None
   try:
     state.begin_dispatch()   # (SIGINT now: interrupts)
     try:
@@ -147,31 +155,31 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         out, token = _launch(site, call, tokens, args, kwargs)
       except ValueError as err:
         if not _placed_elsewhere(err, tokens):
-          _failed(state, keys, err)
+          _failed(state, seqs, err)
         elsewhere = True
       except BaseException as err:  # noqa: BLE001 - an execution error or not
-        _failed(state, keys, err)
+        _failed(state, seqs, err)
       if elsewhere:
         # A token kept on the devices of this function's last computation
         # (device_tokens.kept_on_devices), while this call's arguments put
         # the computation on others: JAX refused it before running anything.
         # Its first device's copy (or combination) goes instead.
-        tokens, read = state.tokens_for(keys, None)
+        tokens, read = state.tokens_for(keys, None, nested)
+        seqs, seq = state.execution_seqs(keys), state.token_seq(keys)
         try:
           out, token = _launch(site, call, tokens, args, kwargs)
         except BaseException as err:  # noqa: BLE001 - an execution error or not
-          _failed(state, keys, err)
-      seqs = (state.execution_seqs(keys)
-              if _host_jobs.sites_lowered() else None)
+          _failed(state, seqs, err)
       try:
         _launch_lock.launched(site, token.sharding)
-        state.update(keys, token, read, at_risk)
+        state.update(keys, token, read, at_risk, seq)
       except BaseException:
         # KeyboardInterrupt (SIGINT) landing in update, after the computation
         # was dispatched: its token is still stored, so what follows waits.
-        state.store_interrupted(keys, token, read, at_risk)
+        state.store_interrupted(keys, token, read, at_risk, seq)
         raise
-      if seqs and len(token.sharding.device_set) > 1:
+      if (seqs and len(token.sharding.device_set) > 1
+          and _host_jobs.sites_lowered()):
         _executions.watch_failure(state.slot, seqs, token)
     finally:
       state.end_dispatch()
@@ -188,17 +196,18 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   return out, token
 
 
-def _failed(state, keys, err: BaseException) -> None:
+def _failed(state, seqs: dict, err: BaseException) -> None:
   """Raises the error of a dispatch that failed (step 5): an XLA failure
-  frees what the host kept for the execution (``executions.failed``); after
-  a SIGINT during the call (``interrupts``) it is ``KeyboardInterrupt``."""
+  frees what the host kept for the execution (``seqs``: its identity,
+  ``executions.failed``); after a SIGINT during the call (``interrupts``)
+  it is ``KeyboardInterrupt``."""
   try:
     if _interrupts.slots and _interrupts.take(state):
-      _executions.failed(state.slot, state.execution_seqs(keys))
+      _executions.failed(state.slot, seqs)
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt from None
     if isinstance(err, jax.errors.JaxRuntimeError):
-      _executions.failed(state.slot, state.execution_seqs(keys))
+      _executions.failed(state.slot, seqs)
     _errors.dispatch_failed(err)
   finally:
     del err   # (no reference cycle through this frame: errors.reraise)
@@ -259,6 +268,8 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
         passed.block_until_ready()
       except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
         return general(*args, **kwargs)
+    seqs = state.seqs
+    seq = (seqs[key] + 1) & seq_mask   # (this execution's: token_value)
     state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
     try:                    # handled by interrupts)
       try:
@@ -273,31 +284,28 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       except NeedsTokens:   # the trace found another chain: nothing ran
         token = None
       except BaseException as err:  # noqa: BLE001 - an execution error or not
-        _failed(state, keys, err)
+        _failed(state, {key: seq}, err)
       if token is not None:
         try:
           sharding = token.sharding
           if sharding is not site.sharding:
             _launch_lock.launched(site, sharding)
-          if sharding is state.last_sharding:
+          if sharding is state.last_sharding and runtime.get(key) is passed:
             # (ThreadTokens.update for this one scalar chain, inlined)
             state.last_token = token
-            current = runtime.get(key)
-            if current is not passed:   # (a call made inside this one)
-              state.join(current)
             stored = runtime[key] = (uncommitted(token) if committed(token)
                                      else token)
-            seqs = state.seqs
-            seqs[key] = (seqs[key] + 1) & seq_mask
+            seqs[key] = seq
             if token.is_ready():   # (ThreadTokens.verified)
               state.verified = stored
           else:
             # (another device set than the last dispatch's, or a token
             # kept on devices: a new signature; update clears fast_mode
-            # then, and the next call's general path learns its shape)
-            state.update(keys, token, (passed,))
+            # then, and the next call's general path learns its shape; or
+            # a call made inside this one stored a token meanwhile)
+            state.update(keys, token, (passed,), seq=seq)
         except BaseException:
-          state.store_interrupted(keys, token, (passed,))
+          state.store_interrupted(keys, token, (passed,), seq=seq)
           raise
     finally:
       state.dispatching = 0   # (ThreadTokens.end_dispatch)

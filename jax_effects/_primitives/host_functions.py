@@ -92,7 +92,9 @@ def _behind(run, running, result_avals, skipped, chain):
 
   def behind(slot, seq, carrier, args):
     if result_avals:
-      _host_jobs.wait_turn(slot, chain, seq)
+      if not _host_jobs.wait_turn(slot, chain, seq):
+        # (its execution failed as a whole meanwhile: skipped)
+        return (np.bitwise_or(carrier, _errors.FAILED), *skipped)
       return run(carrier, args)
 
     def job() -> bool:
@@ -326,7 +328,8 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
           _host_jobs.submit(slot, chain, seq, _host_jobs.Job(functools.partial(
               job, args, fixed if table is None else table[int(args[-1])])))
           return zeros(args, c)
-        _host_jobs.wait_turn(slot, chain, seq)
+        if not _host_jobs.wait_turn(slot, chain, seq):
+          return zeros(args, np.bitwise_or(c, _errors.FAILED))
     if table is None:
       running = fixed
     else:

@@ -43,6 +43,7 @@ carrier operand and result like any other (``host_call``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import struct
@@ -53,10 +54,12 @@ from typing import Callable
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._core import effects as _effects
 from jax_effects._primitives import ffi_abi as _abi
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _specs
+from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import placement as _placement
 
 #: The custom-call target name (CPU).
@@ -440,6 +443,9 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
                       f"{exc}")
 
 
+_interrupts.entry_frame(_handle)
+
+
 def _cold(frame: int, key: bytes) -> Site:
   """The site of a key not bound in this process, rebuilt from the call's
   spec (and bound), or one whose effect fails with the reason it cannot be."""
@@ -492,6 +498,9 @@ def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
           f"executable outlived it, or the module came from another "
           f"process)")
     host_callback = _specs.rebuild_effect(effect)
+    host_callback = dataclasses.replace(
+        host_callback, chain=_decode_chain(site_spec.get("chain")),
+        cleanup=bool(site_spec.get("cleanup", False)))
   except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
     what = effect.get("what") or effect.get("local") or "a jax_effects effect"
     exc = err if isinstance(err, UnboundHostFunction) else (
@@ -509,6 +518,16 @@ def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
   site = Site(key, text, host_callback.description, host, avals_in, avals_out,
               _scalars(site_spec, avals_in, where))
   return site, failing
+
+
+def _encode_chain(chain):
+  """A chain key as data: an ``Effect``'s name, or None (unordered, or
+  not on a chain)."""
+  return chain.name if isinstance(chain, _effects.Effect) else None
+
+
+def _decode_chain(name):
+  return _effects.UNORDERED if name is None else _effects.Effect(name)
 
 
 def _results_avals(avals_out):
@@ -584,7 +603,11 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
           "out": [_specs.encode_aval(_physical(a)) for a in avals_out],
           "where": _encode_where(side.where), "passthrough": side.passthrough,
           "threaded": side.threaded, "entry": side.entry,
-          "operands": side.operands}
+          "operands": side.operands,
+          # (the chain names what the host keeps for an execution: two
+          # sites of one effect on two chains are two sites)
+          "chain": _encode_chain(host_callback.chain),
+          "cleanup": bool(host_callback.cleanup)}
   return {"v": _specs.VERSION, "effect": effect, "site": site}, why
 
 

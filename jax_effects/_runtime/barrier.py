@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from jax_effects import _compat
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
@@ -28,9 +29,13 @@ def _wait_host_jobs(all_threads: bool, states: list) -> None:
   """Waits for the effects left to run on the host once every device's part
   is there (``host_jobs``) of ``states``' threads (every thread's with
   ``all_threads``); called once their computations ended, so every device's
-  call has been made or its execution is known to have failed."""
+  call has been made or its execution is known to have failed (nothing of
+  theirs is to come: what was kept to skip a failed one's goes)."""
   if all_threads or states:   # (a thread with no state queued nothing)
-    _host_jobs.wait_idle(None if all_threads else (states[0].slot,))
+    slots = None if all_threads else (states[0].slot,)
+    _executions.settle()   # (what ended executions kept: freed now)
+    _host_jobs.wait_idle(slots)
+    _host_jobs.retire_slots(slots)
 
 
 def _settle_orphans(orphans: list) -> None:
@@ -120,9 +125,15 @@ def effects_barrier(all_threads: bool = False) -> None:
   _settle_orphans(orphans)
   _wait_host_jobs(all_threads, states)
   _jax_barrier()
+  # deferred errors: this thread's (every thread's and those of unknown
+  # origin with all_threads=True), taken before ended threads' slots are
+  # freed (a slot with an unreported error is kept)
+  report = _errors.pop_deferred(None if all_threads
+                                else tuple(state.slot for state in states))
   if all_threads:
     _threads.forget(dead)
-  # deferred errors: this thread's (every thread's and those of unknown
-  # origin with all_threads=True)
-  _errors.raise_pending(None if all_threads
-                        else tuple(state.slot for state in states))
+  if report is not None:
+    try:
+      raise report
+    finally:
+      report = None   # (no reference cycle through this frame)

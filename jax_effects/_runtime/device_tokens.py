@@ -84,6 +84,7 @@ def _combine_and_release(*shards):
 
 
 _combine_jit = _jax_api.jit(_combine)
+_advance_jit = _jax_api.jit(_token_value.advance)
 _combine_release_jit = _jax_api.jit(_combine_and_release)
 
 
@@ -103,3 +104,13 @@ def combine(token):
     return _compat.uncommitted(fn(*moved))
 
 
+
+
+def advanced(token):
+  """``token`` one sequence number on (``token_value.advance``), computed
+  on its devices once it is ready (so a computation given it still follows
+  the one that returned it); kept on its devices if it was
+  (:func:`kept_on_devices`), else uncommitted."""
+  with _compat.no_user_mesh():
+    out = _advance_jit(token)
+  return out if kept_on_devices(token) else _compat.uncommitted(out)

@@ -39,13 +39,15 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import host_jobs as _host_jobs
 
 
-def failed(slot: int, chains: dict) -> None:
+def failed(slot: int, chains: dict, ended: bool = True) -> None:
   """The execution of ``slot`` on ``chains`` (chain -> its sequence
   number there) failed: free what the host kept for it (idempotent:
-  several may learn of one failure)."""
+  several may learn of one failure). ``ended``: it has ended on every
+  device (else its later effects, still to come, are skipped until
+  ``host_jobs.retire``)."""
   if not chains:
     return
-  _host_jobs.cancel(slot, chains)
+  _host_jobs.cancel(slot, chains, ended)
   _bars.close_for(slot, tuple(chains))
 
 
@@ -76,16 +78,17 @@ class _Watch:
 
 
 def watch(token, on_end, early: bool = False) -> None:
-  """Calls ``on_end(failed)`` once the computation that returns ``token``
-  has ended (on every device: done, or failed), from the watcher thread;
-  with ``early``, as soon as one device's part has failed (its first
-  device may be waiting inside the computation for what the failure
-  cancels)."""
+  """Calls ``on_end(failed, running)`` once the computation that returns
+  ``token`` has ended (on every device: done, or failed; ``running``
+  False), from the watcher thread (or a barrier's :func:`settle`); with
+  ``early``, as soon as one device's part has failed (its first device may
+  be waiting inside the computation for what the failure cancels;
+  ``running`` says whether some part still runs)."""
   global _thread
   if isinstance(token, jax.Array):
     shards = [s.data for s in token.addressable_shards]
   else:   # (a NumPy initial token: ended)
-    on_end(False)
+    on_end(False, False)
     return
   with _lock:
     _watched.append(_Watch(shards, on_end, early))
@@ -96,9 +99,10 @@ def watch(token, on_end, early: bool = False) -> None:
     _lock.notify()
 
 
-def _state(item: _Watch) -> bool | None:
-  """True if a device's part failed (and the item asks early, or all
-  ended), False if all ended, None if running."""
+def _state(item: _Watch):
+  """``(failed, running)``: whether a device's part failed, and whether
+  some part still runs; None while it runs with no failure, or with one
+  that the item does not ask for early."""
   running = False
   failed = False
   for shard in item.shards:
@@ -109,11 +113,33 @@ def _state(item: _Watch) -> bool | None:
       shard.block_until_ready()
     except Exception:  # noqa: BLE001 - that device's part failed
       failed = True
-      if item.early:
-        return True
-  if running:
+  if running and not (failed and item.early):
     return None
-  return failed
+  return failed, running
+
+
+def _look(items) -> bool:
+  """Calls ``on_end`` of each of ``items`` whose computation has ended (or
+  failed, if asked early), once: an item is taken out of the watched list
+  by whoever looks first (the watcher, or a barrier: :func:`settle`).
+  Returns whether any was."""
+  any_done = False
+  for item in items:
+    state = _state(item)
+    if state is None:
+      continue
+    with _lock:
+      try:
+        _watched.remove(item)   # (identity: _Watch defines no __eq__)
+      except ValueError:
+        continue   # (taken by another look)
+    any_done = True
+    try:
+      item.on_end(*state)
+    except Exception:  # noqa: BLE001 - a bug of ours: keep watching
+      import traceback
+      traceback.print_exc()
+  return any_done
 
 
 def _run() -> None:
@@ -124,40 +150,49 @@ def _run() -> None:
         delay = 0.0005
         _lock.wait()
       items = list(_watched)
-    done = []
-    for item in items:
-      state = _state(item)
-      if state is not None:
-        done.append(item)
-        try:
-          item.on_end(state)
-        except Exception:  # noqa: BLE001 - a bug of ours: keep watching
-          import traceback
-          traceback.print_exc()
+    if _look(items):
+      delay = 0.0005
     with _lock:
-      if done:
-        _watched[:] = [w for w in _watched
-                       if not any(w is d for d in done)]
-        delay = 0.0005
       if _watched:
         _lock.wait(delay)
         delay = min(delay * 2, _POLL_S)
 
 
+def settle() -> None:
+  """Acts now on every watched computation that has ended (a barrier, once
+  the computations it waited for have: what they kept is freed before it
+  returns, not at the watcher's next look)."""
+  with _lock:
+    items = list(_watched)
+  _look(items)
+
+
 def watch_failure(slot: int, chains: dict, token) -> None:
   """Follows a computation over several devices on ``chains`` (chain ->
   sequence number) of ``slot``, where a call site assembles operands on
-  the host: :func:`failed` as soon as one device's part has failed."""
-  def on_end(failed_: bool) -> None:
+  the host: :func:`failed` as soon as one device's part has failed, and,
+  once every device's part has ended, what the host kept to skip its later
+  effects goes (``host_jobs.retire``)."""
+  def on_failure(failed_: bool, running: bool) -> None:
     if failed_:
-      failed(slot, chains)
-  watch(token, on_end, early=True)
+      failed(slot, chains, ended=not running)
+      if running:   # (its later effects, still to come, are skipped)
+        watch(token, on_end)
+    else:   # (ended: a job of it that failed no longer needs its lane)
+      _host_jobs.retire(slot, chains)
+
+  def on_end(failed_: bool, running: bool) -> None:
+    _host_jobs.retire(slot, chains)
+
+  watch(token, on_failure, early=True)
 
 
 def watched() -> int:
-  """Computations followed now (for tests)."""
+  """Computations followed now that have not ended (for tests: one that
+  ended leaves the watcher at its next look)."""
   with _lock:
-    return len(_watched)
+    items = list(_watched)
+  return sum(1 for item in items if _state(item) is None)
 
 
 @_fork.reset_in_child

@@ -35,6 +35,10 @@ HOST = "host"
 #: A dispatching frame of the call path, from the launch to the storing of
 #: the returned token.
 DISPATCH = "dispatch"
+#: The entry of a C callback (the FFI handler XLA calls): an exception
+#: raised in it before its ``try`` (a signal handler runs at its first
+#: bytecode) is printed and dropped by ctypes, and the call is taken as done.
+ENTRY = "entry"
 
 _kinds: dict[CodeType, str] = {}
 

@@ -83,13 +83,17 @@ class Job:
 
 class Lane:
   """The effects of one execution (``seq``) of a (slot, chain) left here.
-  ``failed``: a job of it failed: the rest are skipped."""
-  __slots__ = ("seq", "jobs", "failed")
+  ``failed``: a job of it failed, or the execution failed as a whole
+  (:func:`cancel`): the rest of its effects are skipped, also those that
+  arrive later (a cancelled execution's empty lane stays, last, until a
+  later execution's lane follows it or :func:`retire`)."""
+  __slots__ = ("seq", "jobs", "failed", "kept")
 
   def __init__(self, seq: int):
     self.seq = seq
     self.jobs: collections.deque = collections.deque()
     self.failed = False
+    self.kept = False   # (failed, and its execution may still be running)
 
 
 def _lane(lanes: list, seq: int, create: bool):
@@ -124,7 +128,10 @@ def waits(slot: int, chain, seq: int) -> bool:
     lanes = queues.get(key)
     if not lanes:
       return False
-    return not _earlier_than_all(lanes, seq)
+    if not _earlier_than_all(lanes, seq):
+      return True
+    lane = _lane(lanes, seq, create=False)
+    return lane is not None and lane.failed
 
 
 def _earlier_than_all(lanes, seq) -> bool:
@@ -140,6 +147,8 @@ def submit(slot: int, chain, seq: int, job: Job) -> None:
     if lane is None:   # (earlier than every lane: first)
       lane = Lane(seq)
       lanes.insert(0, lane)
+    if lane.failed:   # (its execution failed: skipped, as after a raise)
+      return
     lane.jobs.append(job)
   drain(slot, chain)
 
@@ -156,6 +165,8 @@ def drain(slot: int, chain) -> None:
       if lanes is None or key in _draining:
         return
       while lanes and not lanes[0].jobs:
+        if lanes[0].kept and len(lanes) == 1:
+          return   # (a cancelled execution's lane: kept, see Lane)
         lanes.pop(0)
         lock.notify_all()
       if not lanes:
@@ -179,60 +190,103 @@ def drain(slot: int, chain) -> None:
       local.lane = prev
       with lock:
         _draining.discard(key)
-        if failed:
-          lane.failed = True
+        if failed:   # (its later effects, still to come, are skipped)
+          lane.failed = lane.kept = True
         lock.notify_all()
 
 
-def wait_turn(slot: int, chain, seq: int) -> None:
+def wait_turn(slot: int, chain, seq: int) -> bool:
   """Blocks until an effect of execution ``seq`` may run (an effect with
   results: the program needs them now): the jobs before it have run (or
-  their executions are known to have failed)."""
+  their executions are known to have failed). False: its own execution
+  failed meanwhile (skip it)."""
   key = (slot, chain)
   with lock:
     while True:
       lanes = queues.get(key)
       if not lanes:
-        return
-      if _earlier_than_all(lanes, seq):
-        return
-      lane = _lane(lanes, seq, create=False)
-      if (lane is not None and lane is lanes[0] and not lane.jobs
-          and key not in _draining):
-        return
+        return True
+      own = _lane(lanes, seq, create=False)
+      if own is not None and own.failed:
+        return False
+      before = [lane for lane in lanes
+                if _token_value.seq_after(seq, lane.seq)]
+      if (key not in _draining and not _busy(before)
+          and (own is None or not own.jobs)):
+        return True
       lock.wait()
 
 
+def _busy(lanes) -> bool:
+  return any(lane.jobs for lane in lanes)
+
+
 def wait_idle(slots=None) -> None:
-  """Blocks until ``slots`` (every slot if None) have no lanes left: their
+  """Blocks until ``slots`` (every slot if None) have no jobs left: their
   jobs ran, or their executions are known to have failed (never on a
   clock, see the module docstring)."""
   with lock:
     while True:
-      pending = [k for k in queues if slots is None or k[0] in slots]
+      pending = [k for k, lanes in queues.items()
+                 if (slots is None or k[0] in slots)
+                 and (_busy(lanes) or k in _draining)]
       if not pending:
         return
       lock.wait()
 
 
-def cancel(slot: int, chains: dict) -> None:
+def cancel(slot: int, chains: dict, ended: bool = True) -> None:
   """Executions of ``slot`` failed (``chains``: chain -> sequence number):
   their jobs waiting for pieces that will never come are skipped and their
   pieces dropped (``executions.failed``)."""
   with lock:
     for chain, seq in chains.items():
-      lanes = queues.get((slot, chain))
-      if lanes:
-        for lane in lanes:
-          if lane.seq == seq:
-            for job in lane.jobs:
-              job.cancelled = True
+      lanes = queues.setdefault((slot, chain), [])
+      lane = _lane(lanes, seq, create=True)
+      if lane is None:   # (earlier than every lane, or the first)
+        lane = Lane(seq)
+        lanes.insert(0, lane)
+      lane.failed = True
+      lane.kept = not ended   # (else nothing of it can arrive any more)
+      for job in lane.jobs:
+        job.cancelled = True
+      if ended and not lane.jobs:
+        lanes.remove(lane)
+      if not lanes:
+        del queues[(slot, chain)]
       for site in list(_sites):
         if site.chain == chain:
           site.drop(slot, seq)
     lock.notify_all()
   for chain in chains:
     drain(slot, chain)
+
+
+def retire_slots(slots) -> None:
+  """Every execution of ``slots`` has ended (a barrier waited for them):
+  the lanes kept to skip a failed execution's later effects go."""
+  with lock:
+    for key in [k for k in queues if slots is None or k[0] in slots]:
+      lanes = queues[key]
+      lanes[:] = [lane for lane in lanes if lane.jobs or not lane.kept]
+      if not lanes:
+        del queues[key]
+    lock.notify_all()
+
+
+def retire(slot: int, chains: dict) -> None:
+  """The failed executions of ``slot`` (``chains``: chain -> sequence
+  number) have ended on every device: their kept lanes go."""
+  with lock:
+    for chain, seq in chains.items():
+      key = (slot, chain)
+      lanes = queues.get(key)
+      if lanes:
+        lanes[:] = [lane for lane in lanes
+                    if not (lane.seq == seq and lane.kept and not lane.jobs)]
+        if not lanes:
+          del queues[key]
+    lock.notify_all()
 
 
 def forget(slot: int) -> None:

@@ -21,6 +21,10 @@ is inside a call (``ThreadTokens.dispatching``):
 * in the call path between the launch and the storing of the returned token
   (``frames.DISPATCH``, the frame itself): marked, nothing raised there; the
   token is stored first;
+* in the entry of the C callback XLA calls (``frames.ENTRY``, the frame
+  itself, e.g. at its first bytecode, before its ``try``): marked, nothing
+  raised there (ctypes would drop it and take the callback as done, its
+  work not done); the host functions it calls raise it;
 * anywhere else (tracing, compiling, a callback of JAX's own running
   inline): marked, and raised at once, as Python's default handler does.
 
@@ -50,8 +54,9 @@ def _on_sigint(signum, frame):
     return
   slots.add(state.slot)
   marked, kind, top = _frames.innermost(frame)
-  if kind == _frames.DISPATCH and top:
-    return   # the call raises it once its token is stored (take)
+  if top and (kind == _frames.DISPATCH or kind == _frames.ENTRY):
+    return   # the call raises it once its token is stored (take); in an
+    #          entry, its host function raises it
   signal.default_int_handler(signum, frame)
 
 
@@ -75,6 +80,11 @@ def _install_sigint_handler() -> None:
       signal.signal(signal.SIGINT, _on_sigint)
   except (ValueError, OSError):  # not the main interpreter, no signals
     pass
+
+
+def entry_frame(function) -> None:
+  """Marks the entry of a C callback that XLA calls (``frames.ENTRY``)."""
+  _frames.mark(function.__code__, _frames.ENTRY)
 
 
 def dispatching_frame(function) -> None:

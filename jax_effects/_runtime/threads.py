@@ -180,7 +180,7 @@ class ThreadTokens:
 
   # --- the call path's state changes (``_dispatch.call_path``) -------------
 
-  def tokens_for(self, keys, device_sharding) -> tuple:
+  def tokens_for(self, keys, device_sharding, nested: bool = False) -> tuple:
     """``(tokens, read)``: the runtime tokens of ``keys`` to pass to the
     next computation, and the tokens read for them (for :meth:`update`).
 
@@ -194,7 +194,8 @@ class ThreadTokens:
     failure ends there and never fails the computations after it.
     ``device_sharding``: sharding of the token kept on devices the callee
     returned last time (None: the callee takes scalar tokens only); see
-    ``device_tokens.for_sharding``.
+    ``device_tokens.for_sharding``. ``nested``: a call made inside this
+    thread's call in flight (from its host callback): see :meth:`_past_outer`.
     """
     if self.joined:
       self._wait_joined()
@@ -209,6 +210,8 @@ class ThreadTokens:
           (key in self.at_risk or _is_done(token)) and not settled(token)):
         failed += (key,)
         token = self._fresh(key)
+      if nested:
+        token = self._past_outer(key, token)
       tokens.append(token)
     if failed:
       self.chains_failed(failed)
@@ -238,6 +241,20 @@ class ThreadTokens:
       return _placed(value)
     return value
 
+  def _past_outer(self, key, token):
+    """The token of ``key`` for a call made inside this thread's call in
+    flight (from its host callback), which has not stored its token yet:
+    the outer execution took ``token`` (if it is on this chain), so its
+    carriers hold the sequence number after ``token``'s. The inner one must
+    be another execution: its token is ``token`` one sequence number on
+    (computed on its devices, after it: still ordered after it), and the
+    host's copy follows. (On a chain the outer is not on, a number is
+    skipped: harmless.)"""
+    self.seqs[key] = (self.seqs.get(key, 0) + 1) & _token_value.SEQ_MASK
+    if isinstance(token, jax.Array):
+      return _device_tokens.advanced(token)
+    return self._fresh(key)   # (an initial token: no computation to follow)
+
   def _for_sharding(self, keys, tokens, sharding) -> list:
     """``tokens`` with each token kept on other devices than ``sharding``'s
     made one scalar (``device_tokens.for_sharding``), stored back."""
@@ -263,17 +280,22 @@ class ThreadTokens:
     self.dispatching -= 1
 
   def update(self, keys, token: jax.Array, read: tuple = (),
-             at_risk: bool = False) -> None:
+             at_risk: bool = False, seq: int | None = None) -> None:
     """Records ``token`` (returned by one executable given the tokens of
     ``keys``: ``read`` is what :meth:`tokens_for` returned with them) for
     ``keys`` and its devices. ``at_risk``: the computation runs one of JAX's
     own callbacks (see :meth:`tokens_for`).
 
+    ``seq``: the sequence number of ``token`` (:meth:`token_seq`, read
+    before the dispatch; by default read now).
+
     A call made during that dispatch from one of its host callbacks (on this
-    thread) has stored a later token of a chain meanwhile: that token is
-    joined (:attr:`joined`), so the next dispatch follows both. Raises
-    nothing: an error a callback deferred is raised by the thread's next call
-    before it dispatches, or its barrier.
+    thread) has stored a token of a chain meanwhile: the later of the two
+    (by sequence number) is kept, the other joined (:attr:`joined`), so the
+    next dispatch follows both, and the host's copy of the sequence number
+    stays that of the kept token. Raises nothing: an error a callback
+    deferred is raised by the thread's next call before it dispatches, or
+    its barrier.
     """
     output = self.output
     sharding = token.sharding
@@ -300,14 +322,12 @@ class ThreadTokens:
       else:
         runtime = _compat.uncommitted(token) if _compat.committed(token) else token
       store, seqs, risky = self.runtime, self.seqs, self.at_risk
-      # The device's token is the maximum of the chains' carriers
-      # (token_value): so is the host's copy of its sequence number.
-      seq = max(((seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
-                 for k in keys if k is not _effects.UNORDERED), default=None)
+      if seq is None:
+        seq = self.token_seq(keys)
       for i, key in enumerate(keys):
         if key is not _effects.UNORDERED:
-          if read:
-            self._join_if_stored_meanwhile(key, read[i])
+          if read and self._kept_meanwhile(key, read[i], runtime, seq):
+            continue
           store[key] = runtime
           seqs[key] = seq
           if runtime is token and not self.device_tokens and _is_done(token):
@@ -319,19 +339,35 @@ class ThreadTokens:
     self._refresh_fast()
 
   def execution_seqs(self, keys) -> dict:
-    """Chain -> the sequence number of the next execution of ``keys``."""
+    """Chain -> the sequence number of the next execution of ``keys`` (read
+    before its dispatch: a call made inside it moves them)."""
     return {k: (self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
+
+  def token_seq(self, keys) -> int | None:
+    """The sequence number of the token the next execution of ``keys``
+    returns: the maximum of its chains' carriers (``token_value``), as the
+    device computes it."""
+    return max(((self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
+                for k in keys if k is not _effects.UNORDERED), default=None)
 
   def mark_at_risk(self, keys) -> None:
     """The computation that returned ``keys``' tokens may fail as a whole
     (learnt by its own trace, after its dispatch: see :meth:`tokens_for`)."""
     self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
 
-  def _join_if_stored_meanwhile(self, key, passed) -> None:
+  def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
+    """Whether the token a call made inside this one stored for ``key``
+    meanwhile stays (it is the later: ``runtime``, this call's, is joined);
+    else it is joined, and this call's is stored (see :meth:`update`)."""
     current = self.runtime.get(key)
-    if current is not None and current is not passed:
-      self.join(current)
+    if current is None or current is passed:
+      return False
+    if _token_value.seq_after(self.seqs.get(key, 0), seq):
+      self.join(runtime)
+      return True
+    self.join(current)
+    return False
 
   def _refresh_fast(self) -> None:
     if self.device_tokens or self.joined or after_exit_handler:
@@ -385,7 +421,8 @@ class ThreadTokens:
     self.fast_mode = None
 
   def store_interrupted(self, keys, token, read=(),
-                        at_risk: bool = False) -> None:
+                        at_risk: bool = False,
+                        seq: int | None = None) -> None:
     """Stores a dispatched computation's token when an interrupt
     (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
     between the dispatch and :meth:`update`: the computation runs anyway, so
@@ -393,7 +430,7 @@ class ThreadTokens:
     the same token twice is harmless; if storing fails, the token is waited for.
     """
     try:
-      self.update(keys, token, read, at_risk)
+      self.update(keys, token, read, at_risk, seq)
     except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
       wait_quietly((token,))
 
