@@ -394,8 +394,10 @@ def _assembling_host(inner, site: _host_jobs.Site, layouts: list,
         parts = site.take(slot, seq)
       return bool(int(run(carrier, args, parts)[0]) & FAILED)
 
-    _host_jobs.submit(slot, chain, seq, _host_jobs.Job(
-        job, lambda: site.complete(slot, seq)))
+    if not _host_jobs.submit(slot, chain, seq, _host_jobs.Job(
+        job, lambda: site.complete(slot, seq))):
+      # (its execution failed: skipped, and so are its later effects here)
+      return (np.bitwise_or(carrier, FAILED), *zeros)
     return (carrier, *zeros)
 
   return host

@@ -105,7 +105,9 @@ def _behind(run, running, result_avals, skipped, chain):
       finally:
         site.running = prev
 
-    _host_jobs.submit(slot, chain, seq, _host_jobs.Job(job))
+    if not _host_jobs.submit(slot, chain, seq, _host_jobs.Job(job)):
+      # (its execution failed: skipped, and so are its later effects here)
+      return (np.bitwise_or(carrier, _errors.FAILED), *skipped)
     return (carrier, *skipped)
 
   return behind

@@ -4,9 +4,10 @@ A thread's dispatched effects are done when its pending tokens (``threads``:
 the latest output token of each device set and the runtime token of each
 stream) are ready and the effects left to run on the host (``host_jobs``)
 have run. :func:`effects_barrier` waits for them (every thread's, exited
-ones included, with ``all_threads=True``) and for JAX's own runtime tokens
-(effects under plain ``jax.jit``), as long as they take: it never gives up
-on work that is still running. Then it raises the callback errors not
+ones included, with ``all_threads=True``, and then what those computations
+dispatched meanwhile from host callbacks on XLA's threads) and for JAX's own
+runtime tokens (effects under plain ``jax.jit``), as long as they take: it
+never gives up on work that is still running. Then it raises the callback errors not
 reported yet, once (``design/errors.md``). A computation that failed as a
 whole (an XLA failure) is not reported here: it is its call's, raised by
 the call or carried by its results, as under ``jax.jit``; the barrier only
@@ -41,6 +42,26 @@ def _wait_host_jobs(all_threads: bool, states: list) -> None:
 def _settle_orphans(orphans: list) -> None:
   for token in orphans:
     _threads.settled(token)
+
+
+def _wait_later_dispatches(waited: list) -> None:
+  """An all-threads barrier, once it has waited for what every thread had
+  dispatched when it started: waits for what was dispatched meanwhile from
+  inside those computations (a call a host callback made on one of XLA's
+  threads, which dispatches on that thread's own state: it is done before
+  the computation that ran the callback ends), until a look finds nothing
+  new. (``waited``: the tokens waited for so far, kept alive while their
+  identities are compared.)"""
+  seen = {id(t) for t in waited}
+  while True:
+    new = [t for state in _threads.all_states() for t in state.pending()
+           if id(t) not in seen]
+    new += [t for t in _threads.orphans() if id(t) not in seen]
+    if not new:
+      return
+    seen.update(id(t) for t in new)
+    waited += new
+    _threads.wait_quietly(new)
 
 
 def _jax_barrier() -> None:
@@ -78,9 +99,11 @@ def quiet_barrier(all_threads: bool) -> None:
     states, orphans = _threads.all_states(), _threads.orphans()
   else:
     states, orphans = [_threads.thread_state()], []
-  for state in states:
-    _threads.wait_quietly(state.pending())
+  waited = [t for state in states for t in state.pending()]
+  _threads.wait_quietly(waited)
   _settle_orphans(orphans)
+  if all_threads:
+    _wait_later_dispatches(waited + orphans)
   _wait_host_jobs(all_threads, states)
   _jax_barrier()
 
@@ -117,12 +140,17 @@ def effects_barrier(all_threads: bool = False) -> None:
     state = getattr(_threads.local, "state", None)
     states, orphans = ([] if state is None else [state]), []
   own = getattr(_threads.local, "state", None)
+  waited = []
   for state in states:
+    pending = state.pending()
+    waited += pending
     if state is own:
       state.settle()   # (a failed computation: its call's, see above)
     else:   # (another thread's state is written by that thread only)
-      _threads.wait_quietly(state.pending())
+      _threads.wait_quietly(pending)
   _settle_orphans(orphans)
+  if all_threads:
+    _wait_later_dispatches(waited + orphans)
   _wait_host_jobs(all_threads, states)
   _jax_barrier()
   # deferred errors: this thread's (every thread's and those of unknown

@@ -170,21 +170,22 @@ def settle() -> None:
 def watch_failure(slot: int, chains: dict, token) -> None:
   """Follows a computation over several devices on ``chains`` (chain ->
   sequence number) of ``slot``, where a call site assembles operands on
-  the host: :func:`failed` as soon as one device's part has failed, and,
-  once every device's part has ended, what the host kept to skip its later
-  effects goes (``host_jobs.retire``)."""
-  def on_failure(failed_: bool, running: bool) -> None:
+  the host: :func:`failed` as soon as one device's part has failed;
+  once every device's part has ended without failing, what the host kept
+  to skip the later effects of a job that failed goes
+  (``host_jobs.retire``)."""
+  def on_end(failed_: bool, running: bool) -> None:
     if failed_:
-      failed(slot, chains, ended=not running)
-      if running:   # (its later effects, still to come, are skipped)
-        watch(token, on_end)
+      # Its later effects, still to come, are skipped (its lanes stay, as
+      # tombstones). Never "ended" here: XLA may mark every device's
+      # results failed while a device still runs its part (seen on JAX
+      # 0.8-0.10 under load); a barrier, the chain's next execution or the
+      # slot's end retires them (host_jobs).
+      failed(slot, chains, ended=False)
     else:   # (ended: a job of it that failed no longer needs its lane)
       _host_jobs.retire(slot, chains)
 
-  def on_end(failed_: bool, running: bool) -> None:
-    _host_jobs.retire(slot, chains)
-
-  watch(token, on_failure, early=True)
+  watch(token, on_end, early=True)
 
 
 def watched() -> int:

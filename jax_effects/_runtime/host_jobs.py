@@ -32,10 +32,18 @@ long as they take and every wait inside a computation ends once a failure
 is known. A job that fails defers its error as any callback does; the jobs
 of the same execution queued behind it are skipped, as the later effects of
 a chain are after a failure (never those of other chains or executions).
+A failed execution over several devices leaves its lane as a *tombstone*
+(``Lane.kept``): XLA may mark every device's results failed while one
+device still runs its part, so "ended" is never learnt from a failed
+token; an effect of it that still arrives is skipped, and its host function
+returns its carrier ``FAILED``, so the execution's later effects on that
+device are skipped by the carrier itself. A tombstone goes at the chain's
+next execution's first job, a barrier of its thread, or its slot's end.
 What a thread kept here goes when its slot is freed.
 
 Part in the token calling convention: none (the carrier passes through a
-call whose effect is left here unchanged; its identity names the lane).
+call whose effect is left here unchanged, or comes back ``FAILED`` when its
+execution failed; its identity names the lane).
 """
 from __future__ import annotations
 
@@ -138,8 +146,11 @@ def _earlier_than_all(lanes, seq) -> bool:
   return _token_value.seq_after(lanes[0].seq, seq)
 
 
-def submit(slot: int, chain, seq: int, job: Job) -> None:
-  """Queues ``job`` in the lane of execution ``seq`` and runs what can run."""
+def submit(slot: int, chain, seq: int, job: Job) -> bool:
+  """Queues ``job`` in the lane of execution ``seq`` and runs what can run.
+  False: its execution has failed, the job is skipped (as after a raise;
+  the caller marks its carrier ``FAILED``, so the execution's later
+  effects on that device are skipped by the carrier itself)."""
   key = (slot, chain)
   with lock:
     lanes = queues.setdefault(key, [])
@@ -147,10 +158,11 @@ def submit(slot: int, chain, seq: int, job: Job) -> None:
     if lane is None:   # (earlier than every lane: first)
       lane = Lane(seq)
       lanes.insert(0, lane)
-    if lane.failed:   # (its execution failed: skipped, as after a raise)
-      return
+    if lane.failed:
+      return False
     lane.jobs.append(job)
   drain(slot, chain)
+  return True
 
 
 def drain(slot: int, chain) -> None:
@@ -201,14 +213,16 @@ def wait_turn(slot: int, chain, seq: int) -> bool:
   their executions are known to have failed). False: its own execution
   failed meanwhile (skip it)."""
   key = (slot, chain)
+  own = None   # (kept across waits: a failed lane may leave the queue)
   with lock:
     while True:
       lanes = queues.get(key)
-      if not lanes:
-        return True
-      own = _lane(lanes, seq, create=False)
+      if own is None and lanes:
+        own = _lane(lanes, seq, create=False)
       if own is not None and own.failed:
         return False
+      if not lanes:
+        return True
       before = [lane for lane in lanes
                 if _token_value.seq_after(seq, lane.seq)]
       if (key not in _draining and not _busy(before)
@@ -247,10 +261,11 @@ def cancel(slot: int, chains: dict, ended: bool = True) -> None:
         lane = Lane(seq)
         lanes.insert(0, lane)
       lane.failed = True
-      lane.kept = not ended   # (else nothing of it can arrive any more)
+      if not ended:   # (else nothing of it can arrive any more; once kept,
+        lane.kept = True   # kept: another learner's "ended" is no surer)
       for job in lane.jobs:
         job.cancelled = True
-      if ended and not lane.jobs:
+      if not lane.kept and not lane.jobs:
         lanes.remove(lane)
       if not lanes:
         del queues[(slot, chain)]

@@ -438,11 +438,16 @@ class ThreadTokens:
     """The computation holding ``keys``' tokens failed (an XLA failure,
     learnt from its token or raised by its dispatch): those chains start
     afresh, and what the execution held on the host is freed
-    (``executions.failed``)."""
+    (``executions.failed``; over several devices, one may still run its
+    part: what skips its later effects stays, see ``executions``)."""
+    ended = True
     for key in keys:
-      self.runtime.pop(key, None)
+      token = self.runtime.pop(key, None)
+      if token is not None and _device_tokens.kept_on_devices(token):
+        ended = False
     self.fast_mode = None
-    _executions.failed(self.slot, {k: self.seqs.get(k, 0) for k in keys})
+    _executions.failed(self.slot, {k: self.seqs.get(k, 0) for k in keys},
+                       ended)
 
   def settle(self) -> list:
     """Waits for every computation this thread dispatched; the chains of

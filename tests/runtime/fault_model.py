@@ -31,7 +31,10 @@ device); every callback error reported once, as itself, to its thread at a
 defined point (the call, a later call that then runs nothing, its barrier,
 an all-threads barrier); an XLA failure only by its call or by reading its
 results; barriers waiting for everything dispatched before them; nothing
-left in the runtime after the final all-threads barrier
+left in the runtime after the final all-threads barrier; a call a host
+callback makes in its thread's place when the callback runs on that thread
+(the outer call ran inline), else as a call of the thread the callback
+runs on (one of XLA's), which an all-threads barrier still waits for
 (``helpers.runtime_inventory``); no case running past :data:`CASE_BOUND_S`
 (a hang: the driver prints every thread's stack and exits).
 
@@ -335,6 +338,12 @@ class Runner:
     self.jax, self.np, self.je = jax, np, je
     self.log = Log()
     self.fault: Fault | None = None
+    # call uid -> the thread that dispatches it; the inner calls whose
+    # callback ran on another thread (one of XLA's: the outer call ran
+    # asynchronously), which are that thread's calls (design/errors.md,
+    # "Calls made inside a call")
+    self.dispatchers: dict[int, int] = {}
+    self.inner_elsewhere: set[int] = set()
     self.mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("i",))
     self.rows = NamedSharding(self.mesh, P("i"))
     self.device0 = jax.devices()[0]
@@ -463,6 +472,8 @@ class Runner:
     # reentrant: one device, a callback that calls another compiled function
     def cb5(u):
       record(f"<c5 {int(u)}>")
+      if self.dispatchers.get(int(u)) != threading.get_ident():
+        self.inner_elsewhere.add(int(u) + 1)
       self.call(INNER, int(u) + 1)     # dispatched here, runs after
 
     def reentrant(u):
@@ -655,6 +666,7 @@ def run_case(runner: Runner, case: Case) -> dict:
                                    mode=op.mode or process_mode,
                                    parent=op.uid)
         event("call", key, op.uid)
+        runner.dispatchers[op.uid] = threading.get_ident()
         try:
           if op.mode:
             with je.ordering(op.mode):
@@ -738,6 +750,11 @@ def run_case(runner: Runner, case: Case) -> dict:
   gc.collect()
   left = helpers.leftovers(helpers.runtime_inventory())
   runner.fault = None
+  for u in runner.inner_elsewhere:   # (another thread's call: see Runner)
+    if u in calls:
+      calls[u]["thread"] = ("xla", u)
+  runner.inner_elsewhere.clear()
+  runner.dispatchers.clear()
   return dict(entries=list(log.entries), calls=calls, left=left,
               left_before=left_before, errors=errors)
 
@@ -987,6 +1004,27 @@ def check(case: Case, obs: dict) -> list[tuple[str, str]]:
   return out
 
 
+def _dump_runtime(out) -> None:
+  """What the runtime holds at a hang (lanes, watched computations, each
+  thread's sequence numbers), read without its locks (it may hold them)."""
+  try:
+    from jax_effects._runtime import executions, host_jobs, threads
+    for key, lanes in list(host_jobs.queues.items()):
+      print(f"lanes {key}: " + ", ".join(
+          f"seq {lane.seq} jobs {len(lane.jobs)}"
+          + (" failed" if lane.failed else "") + (" kept" if lane.kept else "")
+          for lane in list(lanes)), file=out)
+    print(f"draining {sorted(map(str, host_jobs._draining))}", file=out)
+    for item in list(executions._watched):
+      print(f"watched early={item.early}: " + str(
+          [(s.is_ready()) for s in item.shards]), file=out)
+    for state in threads.all_states():
+      print(f"slot {state.slot}: seqs {dict(state.seqs)} dispatching "
+            f"{state.dispatching}", file=out)
+  except Exception as exc:  # noqa: BLE001 - a diagnostic
+    print(f"(runtime dump failed: {exc!r})", file=out)
+
+
 def _key(k):
   return tuple(k) if isinstance(k, list) else k
 
@@ -1054,6 +1092,7 @@ def main(argv=None) -> int:
     print(f"HANG in case {case.seed if case else 'warm-up'}:\n"
           + (case.describe() if case else ""), file=sys.__stderr__)
     faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    _dump_runtime(sys.__stderr__)
     os._exit(3)
 
   real_stdout, real_stderr = sys.stdout, sys.stderr

@@ -220,7 +220,9 @@ def test_a_failed_token_is_never_handed_on(in_flight):
 def scenario_no_unbounded_wait(where: str) -> dict:
   """Device 3 fails before its piece of a summarized print; an effect with
   results waits behind the print: in the same execution, or in the
-  thread's next call (single-device, inline)."""
+  thread's next call (single-device, inline). ``...-after-a-call-from-a-
+  callback``: the thread's chain has had a call made from a host callback
+  (inline) before: the execution is still named as its carriers name it."""
   helpers.shorten_todays_give_up()
   mesh = _mesh()
   stage = per_device_stage(mesh, _fails({1: 3}))
@@ -239,7 +241,7 @@ def scenario_no_unbounded_wait(where: str) -> dict:
     def f(x, u):
       y = stage(x)
       je.print("f {}", y)
-      if where == "same-execution":
+      if where.startswith("same-execution"):
         # (its result unused: a result used on the devices is broadcast by
         # a collective, which the failed device would never join: XLA
         # aborts the process then, under jax.jit too)
@@ -254,6 +256,20 @@ def scenario_no_unbounded_wait(where: str) -> dict:
 
     f(put(0), jnp.int32(-1))
     g(jnp.int32(0))
+    if where.endswith("after-a-call-from-a-callback"):
+      @je.jit
+      def inner(v):
+        je.print("inner {}", v)
+        return v
+
+      @je.jit
+      def outer(v):
+        je.callback(lambda w: inner(w), None, v)   # (inline: ready input)
+        je.print("outer {}", v)
+        return v
+
+      for k in range(3):
+        outer(jnp.int32(k))
     je.effects_barrier()
     rec.written.clear()
     ran.clear()
@@ -267,7 +283,9 @@ def scenario_no_unbounded_wait(where: str) -> dict:
               left=helpers.leftovers(helpers.runtime_inventory()))
 
 
-@pytest.mark.parametrize("where", ["next-call", "same-execution"])
+@pytest.mark.parametrize("where", [
+    "next-call", "same-execution",
+    "same-execution-after-a-call-from-a-callback"])
 def test_no_wait_outlives_a_known_failure(where):
   # Issue 31, case 4. Before the fix: the callback with results (in g, run
   # inline by g's call) waited for f's print forever: g never returned
