@@ -357,16 +357,21 @@ class ThreadTokens:
     self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
-    """Whether the token a call made inside this one stored for ``key``
-    meanwhile stays (it is the later: ``runtime``, this call's, is joined);
-    else it is joined, and this call's is stored (see :meth:`update`)."""
+    """Whether what a call made inside this one left for ``key`` meanwhile
+    stays (see :meth:`update`): when it took a later sequence number than
+    this call's (``seq``), this call's token (``runtime``) is joined and the
+    host's copy stays the later one, with its token, or with none if that
+    call failed as a whole (the chain starts afresh after both: never with
+    a number either execution had). Else a token it stored is joined and
+    this call's is stored."""
     current = self.runtime.get(key)
-    if current is None or current is passed:
+    if current is passed:
       return False
     if _token_value.seq_after(self.seqs.get(key, 0), seq):
       self.join(runtime)
       return True
-    self.join(current)
+    if current is not None:
+      self.join(current)
     return False
 
   def _refresh_fast(self) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 import helpers
 import jax_effects as je
+from jax_effects._core import effects as _effects
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_value as _token_value
 
@@ -147,6 +148,48 @@ def test_execution_identity_is_the_one_the_device_computes():
   # (f f g: a=3, b=3; f: a=4; g g: a=b=6; f: a=7)
   assert got[a][1] == 7
   assert got[b][1] == 6
+
+
+def test_execution_identity_survives_calls_made_inside_a_call():
+  # A call made from a host callback of the thread's own call in flight is
+  # an execution of its own (the next sequence number after the outer
+  # one's): afterwards the host's copy is still the device's (before the
+  # fix both took the same number and the copy ran one ahead, so a failed
+  # execution was later cancelled under another's name).
+  @je.jit
+  def inner(x):
+    je.print("inner {}", x)
+    return x
+
+  seen = []
+
+  def host(x):
+    seen.append(int(x))
+    inner(x + 100)
+
+  @je.jit
+  def outer(x):
+    je.callback(host, None, x)
+    je.print("outer {}", x)
+    return x
+
+  def go():
+    out = []
+    for k in range(3):
+      outer(jnp.int32(k))
+      state = _threads.thread_state()
+      value = int(np.asarray(state.runtime[_effects.DEFAULT]))
+      out.append((_token_value.seq_of(value),
+                  state.seqs[_effects.DEFAULT]))
+    je.effects_barrier()
+    return out
+
+  got = helpers.in_thread(go)
+  assert seen == [0, 1, 2]
+  for device_seq, mirrored in got:
+    assert device_seq == mirrored, got
+  # each round: the outer execution, then the inner one after it
+  assert [d for d, _ in got] == [2, 4, 6], got
 
 
 def test_a_call_made_inside_a_call_is_joined(effects_capture):
