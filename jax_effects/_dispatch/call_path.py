@@ -145,7 +145,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   tokens, read = state.tokens_for(keys, device_sharding, nested)
   # This execution's identity (token_value), read before the launch: a call
   # made inside it (from its host callback) moves the thread's copies.
-  seqs, seq = state.execution_seqs(keys), state.token_seq(keys)
+  seqs, seq = state.execution(keys)
   outer = _errors.enter_call() if nested else None
   try:
     state.begin_dispatch()   # (SIGINT now: interrupts)
@@ -165,7 +165,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         # the computation on others: JAX refused it before running anything.
         # Its first device's copy (or combination) goes instead.
         tokens, read = state.tokens_for(keys, None, nested)
-        seqs, seq = state.execution_seqs(keys), state.token_seq(keys)
+        seqs, seq = state.execution(keys)
         try:
           out, token = _launch(site, call, tokens, args, kwargs)
         except BaseException as err:  # noqa: BLE001 - an execution error or not

@@ -82,6 +82,22 @@ def _setting_site(fn, running):
   return placed
 
 
+def _waiting(value: int, chain):
+  """The slow path's gate, taken when jobs wait somewhere or some thread's
+  call is interrupted (``value``: the carrier's): raises
+  ``KeyboardInterrupt`` in a computation of an interrupted slot (it ends
+  there: see :class:`FailedBit`); ``(slot, seq)`` when the effect must wait
+  behind its chain's jobs (``_runtime.host_jobs``); else None."""
+  slot = _token_value.slot_of(value)
+  interrupted = _interrupts.slots
+  if interrupted and slot in interrupted:
+    raise KeyboardInterrupt
+  seq = _token_value.seq_of(value)
+  if _host_jobs.queues and _host_jobs.waits(slot, chain, seq):
+    return slot, seq
+  return None
+
+
 def _behind(run, running, result_avals, skipped, chain):
   """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
   (``_runtime.host_jobs``) runs after them: as a job of its own (with its
@@ -208,18 +224,13 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
 
   chain = host_callback.chain
   behind = _behind(run, running, result_avals, skipped_results, chain)
-  queues, waits = _host_jobs.queues, _host_jobs.waits
-  interrupted = _interrupts.slots
+  queues, interrupted = _host_jobs.queues, _interrupts.slots
 
   def slow(carrier, args):
     # Jobs wait somewhere, or some thread's call is interrupted.
-    value = index(carrier)
-    slot = value & SLOT_MASK
-    if interrupted and slot in interrupted:
-      raise KeyboardInterrupt   # (ends the computation: see FailedBit)
-    seq = _token_value.seq_of(value)
-    if queues and waits(slot, chain, seq):
-      return behind(slot, seq, carrier, args)
+    at = _waiting(index(carrier), chain)
+    if at is not None:
+      return behind(*at, carrier, args)
     return run(carrier, args)
 
   if n_operands == 1 and not result_avals:
@@ -261,15 +272,11 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
 
   def host(carrier, *args):
     if queues or interrupted:
-      value = index(carrier)
-      slot = value & SLOT_MASK
-      if interrupted and slot in interrupted:
-        raise KeyboardInterrupt   # (ends the computation: see FailedBit)
-      seq = _token_value.seq_of(value)
-      if queues and waits(slot, chain, seq):
+      at = _waiting(index(carrier), chain)
+      if at is not None:
         behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
                          result_avals, skipped_results, chain)
-        return behind(slot, seq, carrier, args)
+        return behind(*at, carrier, args)
     if index(carrier) & FAILED:
       received, carrier = carrier, rule.on_failed(carrier)
       if carrier is None:
@@ -287,8 +294,7 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
     del running
     return (carrier,)
 
-  queues, waits = _host_jobs.queues, _host_jobs.waits
-  interrupted = _interrupts.slots
+  queues, interrupted = _host_jobs.queues, _interrupts.slots
   return host
 
 
@@ -320,16 +326,17 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
   def host(*args):
     if (queues or interrupted) and carrier_at is not None:
       c = args[carrier_at]
-      value = int(c if not c.ndim else c.max())
-      slot = value & rule.SLOT_MASK
-      if interrupted and slot in interrupted:
-        raise KeyboardInterrupt   # (ends the computation: see FailedBit)
-      seq = _token_value.seq_of(value)
-      if queues and waits(slot, chain, seq):
+      at = _waiting(int(c if not c.ndim else c.max()), chain)
+      if at is not None:
+        slot, seq = at
+        # (False from either: its execution failed: skipped, and so are its
+        # later effects here)
         if not result_avals:
-          _host_jobs.submit(slot, chain, seq, _host_jobs.Job(functools.partial(
-              job, args, fixed if table is None else table[int(args[-1])])))
-          return zeros(args, c)
+          if _host_jobs.submit(slot, chain, seq, _host_jobs.Job(
+              functools.partial(job, args, fixed if table is None
+                                else table[int(args[-1])]))):
+            return zeros(args, c)
+          return zeros(args, np.bitwise_or(c, _errors.FAILED))
         if not _host_jobs.wait_turn(slot, chain, seq):
           return zeros(args, np.bitwise_or(c, _errors.FAILED))
     if table is None:
@@ -368,8 +375,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
         site.running = prev
     return (*args[:passthrough], *results)
 
-  queues, waits = _host_jobs.queues, _host_jobs.waits
-  interrupted = _interrupts.slots
+  queues, interrupted = _host_jobs.queues, _interrupts.slots
 
   def job(args, place) -> bool:
     # (an effect behind a thread's waiting jobs, see _behind)

@@ -286,7 +286,7 @@ class ThreadTokens:
     ``keys`` and its devices. ``at_risk``: the computation runs one of JAX's
     own callbacks (see :meth:`tokens_for`).
 
-    ``seq``: the sequence number of ``token`` (:meth:`token_seq`, read
+    ``seq``: the sequence number of ``token`` (:meth:`execution`, read
     before the dispatch; by default read now).
 
     A call made during that dispatch from one of its host callbacks (on this
@@ -323,7 +323,7 @@ class ThreadTokens:
         runtime = _compat.uncommitted(token) if _compat.committed(token) else token
       store, seqs, risky = self.runtime, self.seqs, self.at_risk
       if seq is None:
-        seq = self.token_seq(keys)
+        seq = self.execution(keys)[1]
       for i, key in enumerate(keys):
         if key is not _effects.UNORDERED:
           if read and self._kept_meanwhile(key, read[i], runtime, seq):
@@ -344,12 +344,13 @@ class ThreadTokens:
     return {k: (self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
 
-  def token_seq(self, keys) -> int | None:
-    """The sequence number of the token the next execution of ``keys``
-    returns: the maximum of its chains' carriers (``token_value``), as the
-    device computes it."""
-    return max(((self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
-                for k in keys if k is not _effects.UNORDERED), default=None)
+  def execution(self, keys) -> tuple:
+    """``(seqs, seq)`` of the next execution of ``keys``: its identity
+    (:meth:`execution_seqs`) and the sequence number of the token it returns,
+    the maximum of its chains' carriers (``token_value``), as the device
+    computes it."""
+    seqs = self.execution_seqs(keys)
+    return seqs, max(seqs.values(), default=None)
 
   def mark_at_risk(self, keys) -> None:
     """The computation that returned ``keys``' tokens may fail as a whole
