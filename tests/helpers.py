@@ -83,6 +83,17 @@ class Boom(Exception):
   """Raised by test callbacks."""
 
 
+def failing_jit(message: str):
+  """A plain ``jax.jit`` function whose computation fails as a whole in XLA
+  (a ``jax.pure_callback`` raising ``Boom(message)``): its results carry
+  the failure."""
+  def boom(x):
+    raise Boom(message)
+
+  return jax.jit(lambda x: jax.pure_callback(
+      boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+
+
 class FailingRecorder:
   """A callback recording its arguments as an int tuple (the *key*); every
   ``fail_every``-th call (none if 0) raises ``Boom(key)`` instead, kept in

@@ -68,11 +68,7 @@ def test_failed_token_learnt_at_the_next_dispatch_restarts_the_chain(
   # A computation that cannot be known to fail (no host call of JAX's own)
   # fails because its input did: the next call, dispatched after that is
   # known, does not get the failed token.
-  def boom(x):
-    raise helpers.Boom("upstream")
-
-  upstream = jax.jit(lambda x: jax.pure_callback(
-      boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+  upstream = helpers.failing_jit("upstream")
 
   @je.jit
   def f(x):
@@ -232,11 +228,7 @@ def test_a_call_made_inside_a_call_is_joined(effects_capture):
 def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
   # After any failure the thread's stored tokens are good once it
   # dispatches again: nothing failed stays in its state.
-  def boom(x):
-    raise helpers.Boom("x")
-
-  g = jax.jit(lambda x: jax.pure_callback(
-      boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+  g = helpers.failing_jit("x")
 
   @je.jit
   def f(x):
