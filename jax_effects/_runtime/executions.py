@@ -63,6 +63,8 @@ def slot_freed(slot: int) -> None:
 _lock = threading.Condition()
 _watched: list = []   # [_Watch]
 _thread: threading.Thread | None = None
+#: Set by :func:`stop` while it ends the watcher thread.
+_stopping = False
 #: Seconds between two looks at the computations watched (a look is an
 #: ``is_ready`` per device); the first looks come sooner.
 _POLL_S = 0.01
@@ -92,7 +94,7 @@ def watch(token, on_end, early: bool = False) -> None:
     return
   with _lock:
     _watched.append(_Watch(shards, on_end, early))
-    if _thread is None:
+    if _thread is None and not _stopping:
       _thread = threading.Thread(target=_run, name="jax_effects-watcher",
                                  daemon=True)
       _thread.start()
@@ -146,16 +148,42 @@ def _run() -> None:
   delay = 0.0005
   while True:
     with _lock:
-      while not _watched:
+      while not _watched and not _stopping:
         delay = 0.0005
         _lock.wait()
+      if _stopping:
+        return
       items = list(_watched)
     if _look(items):
       delay = 0.0005
     with _lock:
-      if _watched:
+      if _watched and not _stopping:
         _lock.wait(delay)
         delay = min(delay * 2, _POLL_S)
+
+
+def stop() -> None:
+  """Ends the watcher thread and waits until it has (interpreter exit,
+  once everything dispatched has ended: ``exit``). A daemon thread inside
+  a jaxlib call that releases the GIL (``block_until_ready``) when the
+  interpreter finalizes is ended by CPython from within jaxlib's C++, which
+  aborts the process ("FATAL: exception not rethrown"); so none may be left
+  there. What is still watched stays for a barrier's :func:`settle`; a
+  later :func:`watch` starts a new thread."""
+  global _thread, _stopping
+  with _lock:
+    thread = _thread
+    if thread is None or thread is threading.current_thread():
+      return
+    _stopping = True
+    _lock.notify_all()
+  try:
+    thread.join()
+  finally:
+    with _lock:
+      _stopping = False
+      if _thread is thread:
+        _thread = None
 
 
 def settle() -> None:
@@ -200,7 +228,8 @@ def watched() -> int:
 def _reset_after_fork() -> None:
   """A forked child follows none of the parent's computations, and has no
   watcher thread (it starts one when it needs one)."""
-  global _lock, _thread
+  global _lock, _thread, _stopping
   _lock = threading.Condition()
   _watched.clear()
   _thread = None
+  _stopping = False

@@ -14,6 +14,10 @@ itself: once this handler has run (``threads.after_exit_handler``), every
 ``jax_effects`` dispatch takes the general call path, which, once the
 computation is launched, waits for everything dispatched and reports like
 this handler (:func:`report_late`): printed, exit status 1.
+
+Once everything is awaited, the watcher thread is ended and joined
+(``executions.stop``), here and after each late dispatch: a daemon thread
+inside jaxlib when the interpreter finalizes aborts the process.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import traceback
 
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import threads as _threads
 
@@ -79,6 +84,7 @@ def _wait_at_exit() -> None:
   reports = _unreported()
   if reports:
     _report_and_exit(reports)
+  _executions.stop()   # (none of ours may be inside jaxlib at finalization)
   _threads.after_exit_handler = True
   _threads.mode_changed(all_threads=True)   # (later dispatches: general path)
 
@@ -95,3 +101,4 @@ def report_late(state: _threads.ThreadTokens) -> None:
   reports = _unreported()
   if reports:
     _report_and_exit(reports)
+  _executions.stop()   # (the one this dispatch may have started)

@@ -73,3 +73,56 @@ def test_pending_effects_of_several_threads_complete_at_exit(join):
     first = [i for i in per_thread[t] if i % 3 == 0]
     second = [i for i in per_thread[t] if i % 3 != 0]
     assert first == sorted(first) and second == sorted(second)
+
+
+LATE_HANDLER_SCRIPT = textwrap.dedent("""
+    import atexit, threading
+
+    def ours_alive():
+      return sorted(t.name for t in threading.enumerate()
+                    if t.name.startswith("jax_effects"))
+
+    def late():   # registered first: runs after jax_effects' exit handler
+      print("after the exit handler:", ours_alive())
+      f(put(2))   # a late dispatch (reported by itself)
+      print("after a late dispatch:", ours_alive())
+
+    atexit.register(late)
+
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_effects as je
+
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    put = lambda c: jax.device_put(np.arange(64.0) + c,
+                                   NamedSharding(mesh, P("i")))
+
+    @je.jit
+    def f(x):
+      je.print("{}", x)   # summarized, on the host, from 8 devices: watched
+      return x
+
+    np.set_printoptions(threshold=8, edgeitems=2)
+    f(put(0))
+    f(put(1))
+    je.effects_barrier()
+    print("before exit:", ours_alive())
+""")
+
+
+def test_no_thread_of_ours_is_left_running_into_finalization():
+  # A daemon thread of ours inside a jaxlib call that releases the GIL
+  # when the interpreter finalizes is ended by CPython from inside jaxlib's
+  # C++: the process aborts ("FATAL: exception not rethrown", status -6;
+  # seen in CI, rarely, with the watcher in ``block_until_ready``). So the
+  # exit handler ends the watcher, and a late dispatch ends the one it
+  # started before it returns.
+  proc = run_script(LATE_HANDLER_SCRIPT, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines == ["[ 0.  1. ... 62. 63.]", "[ 1.  2. ... 63. 64.]",
+                   "before exit: ['jax_effects-watcher']",
+                   "after the exit handler: []", "[ 2.  3. ... 64. 65.]",
+                   "after a late dispatch: []"], proc.stdout
