@@ -69,6 +69,72 @@ def bind_equation(eqn, invals):
   return eqn.primitive.bind(*invals, **bind_params)
 
 
+# The trace that stages a jaxpr and its tracers, and constant folding
+# (JAX 0.8-0.10, the same on all three): re-emitting an equation as it is,
+# without re-running its abstract evaluation, is what ``jax.jit``'s inlining
+# does (``pe.inline_jaxpr_into_trace``, the loop copied below); no public
+# API re-emits an equation. It makes the token pass cost a copy, not a
+# trace, per equation it leaves unchanged (``_core.jaxpr_eval``).
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+
+
+def equation_copier(jaxpr):
+  """``copy(eqn, invals)`` re-emitting an equation of ``jaxpr`` unchanged
+  into the current trace, as ``jax.jit``'s inlining does (the same
+  equation, new binders, no abstract evaluation), or None when nothing can
+  be: the current trace does not stage a jaxpr, or ``jaxpr`` uses
+  high-level types. ``copy`` returns the outputs (one value unless the
+  primitive has multiple results), or None for an equation it leaves to
+  :func:`bind_equation`: an input from another trace, or whose type is not
+  the equation's, only constants as inputs (bound, they fold eagerly), an
+  effect on an input, a mutable reference made or used."""
+  trace = _core.trace_ctx.trace
+  if type(trace) is not _pe.DynamicJaxprTrace or getattr(
+      jaxpr, "is_high", False):
+    return None
+  tracer_type = _pe.DynamicJaxprTracer
+  literal_type = _core.Literal
+  input_effect = _effects.JaxprInputEffect
+  fold = _pe.try_constant_folding
+  emit = trace.emit_eqn
+
+  def copy(eqn, invals):
+    if getattr(eqn.primitive, "ref_allocating", False):
+      return None   # (JAX evaluates these afresh: mutable references)
+    src = eqn.source_info
+    tracers = []
+    staged = False
+    for v, x in zip(eqn.invars, invals):
+      if type(v) is literal_type:
+        tracers.append(tracer_type(trace, v.aval, v, src))
+        continue
+      if type(x) is tracer_type and x._trace is trace:
+        staged = True
+      elif isinstance(x, _core.Tracer):
+        return None
+      else:
+        x = trace.to_jaxpr_tracer(x, src)
+      if x.aval != v.aval or v.aval.has_qdd:
+        return None
+      tracers.append(x)
+    if not staged:
+      return None
+    effects = eqn.effects
+    if effects and any(isinstance(e, input_effect) for e in effects):
+      return None
+    out_avals = [v.aval for v in eqn.outvars]
+    consts = fold(eqn.primitive, tracers, eqn.params, out_avals)
+    if consts is not None:
+      outs = [trace.new_const(c, source_info=src, aval=aval)
+              for c, aval in zip(consts, out_avals)]
+    else:
+      outs = emit(tracers, out_avals, eqn.primitive, eqn.params, effects,
+                  src, eqn.ctx)
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+  return copy
+
+
 def varying_axes(aval) -> frozenset:
   """The manual mesh axes over which a value inside ``shard_map`` varies.
 

@@ -5,7 +5,11 @@ The two jaxpr interpreters of jax_effects (the token-threading pass,
 ``_primitives.control_flow_batching``) walk a jaxpr the same way and differ only in what
 they do with an equation: :func:`eval_jaxpr` is that walk, with the
 equation's source info and context in effect, and a ``handle(eqn, invals)``
-that returns its outputs (:func:`rebind` re-emits it unchanged).
+that returns its outputs (:func:`rebind` re-emits it unchanged). An
+equation the caller leaves unchanged is copied into the trace instead of
+re-bound where it can be (``_compat.equation_copier``, as ``jax.jit``'s
+inlining does): the pass then costs a copy, not a trace, per such equation
+(a fresh process's first call from JAX's persistent cache pays it).
 
 :data:`CALLEES` names the call-like primitives (a callee jaxpr run as it is:
 ``jit``, ``checkpoint``, ``closed_call``, custom derivatives and batching,
@@ -53,11 +57,17 @@ def rebind(eqn, invals):
 
 def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                args: Sequence[Any],
-               handle: Callable[[Any, list], Any]) -> list:
+               handle: Callable[[Any, list], Any],
+               unchanged: Callable[[Any], bool] | None = None) -> list:
   """Evaluates ``jaxpr`` in the current trace; ``handle(eqn, invals)``
   returns each equation's output(s) (one value unless the primitive has
-  multiple results)."""
+  multiple results). An equation for which ``unchanged(eqn)`` holds (its
+  handler would :func:`rebind` it) is copied into the trace instead where
+  it can be (``_compat.equation_copier``): the same equation, without
+  re-running its abstract evaluation (several times cheaper)."""
   env: dict = {}
+  copy = (_compat.equation_copier(jaxpr) if unchanged is not None
+          else None)
 
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -68,10 +78,14 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     env[v] = x
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=eqn.source_info.name_stack), \
-        eqn.ctx.manager:
-      outs = handle(eqn, invals)
+    outs = None
+    if copy is not None and unchanged(eqn):   # type: ignore[misc]
+      outs = copy(eqn, invals)
+    if outs is None:
+      with source_info_util.user_context(
+          eqn.source_info.traceback,
+          name_stack=eqn.source_info.name_stack), eqn.ctx.manager:
+        outs = handle(eqn, invals)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):

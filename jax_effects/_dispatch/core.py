@@ -275,7 +275,8 @@ class Core:
       if _errors.deferred:
         _errors.raise_deferred(_threads.thread_state())
       mode = _effects.get_ordering()
-      keys = self.chains(self.plain.trace(*args, **kwargs), mode)
+      keys = self.chains(_tracing.program_effects(
+          self.traces, self.plain, args, kwargs), mode)
       if keys is not None:
         self.learn(mode, keys)
         return self.call_threaded(*args, **kwargs)
@@ -286,10 +287,9 @@ class Core:
       return self.plain(*args, **kwargs)
 
   @staticmethod
-  def chains(traced, mode: str) -> tuple | None:
-    """The runtime-token chains of a traced :attr:`plain` program, or None
+  def chains(effects, mode: str) -> tuple | None:
+    """The runtime-token chains of a program with JAX ``effects``, or None
     when it has nothing to thread (no effect, no counter)."""
-    effects = traced.jaxpr.effects
     if not _tracing.has_chains(effects, mode):
       return None
     return _effects.runtime_chain_keys(effects, mode)

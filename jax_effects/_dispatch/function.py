@@ -393,7 +393,7 @@ def _trace(core: _core.Core, function, args, kwargs) -> Traced:
   mode = _effects.get_ordering()
   if core.state in (_core.FIRST, _core.PURE):
     traced = core.plain.trace(*args, **kwargs)
-    keys = core.chains(traced, mode)
+    keys = core.chains(traced.jaxpr.effects, mode)
     if keys is None:
       return Traced(function, traced, None, ())
     core.learn(mode, keys)

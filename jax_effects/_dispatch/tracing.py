@@ -25,7 +25,8 @@ Nothing here learns. A threaded trace that finds a chain its call passed
 no runtime token for raises ``call_path.NeedsTokens`` out of ``jax.jit``'s
 trace, to the call, which learns the chain and calls again through a
 ``jax.jit`` object for the new number of tokens; a first call learns from
-the traced plain program. The one thing a trace tells its function is
+a trace of the plain program, stopped once effects are found
+(:func:`program_effects`). The one thing a trace tells its function is
 that a plain program had effects (:func:`plain`'s ``on_effects``): a
 function known to be pure is called straight through ``jax.jit``'s C++
 path, where no frame of ours runs.
@@ -58,12 +59,12 @@ from typing import Callable
 
 import jax
 from jax import tree_util
-from jax.extend import core as jex_core
 import jax.numpy as jnp
 
 from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
+from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import host_target as _host_target
@@ -341,12 +342,49 @@ def plain(traces: TraceCache, on_effects: Callable[[], None], args, kwargs):
   _host_target.keep_sites_in(traces)   # (what jax.jit lowers next)
   mode = _effects.get_ordering()
   if has_chains(closed.effects, mode):
+    if _discovery.traces is traces:
+      raise FoundEffects(closed.effects)
     on_effects()
-    outs = jex_core.jaxpr_as_fun(closed)(*dyn)
+    outs = _jaxpr_eval.eval_jaxpr(closed.jaxpr, closed.consts, dyn,
+                                  _jaxpr_eval.rebind, _token_pass.unchanged)
   else:   # (the pass re-binds it unchanged, or refuses an effect that a
           # reduction's combiner hides from the equations' effects)
     outs, _ = _token_pass.thread_program(closed, dyn, {}, mode)
   return tree_util.tree_unflatten(out_tree, outs)
+
+
+class FoundEffects(Exception):
+  """Raised out of a plain trace that :func:`program_effects` started, at
+  the effects it found (``effects``: the program's JAX effects)."""
+
+  def __init__(self, effects):
+    super().__init__("jax_effects: a plain trace found effects (internal)")
+    self.effects = effects
+
+
+class _Discovery(threading.local):
+  traces: TraceCache | None = None
+
+
+_discovery = _Discovery()
+
+
+def program_effects(traces: TraceCache, plain_jit, args, kwargs):
+  """The JAX effects of the program that ``plain_jit`` (the plain
+  ``jax.jit`` object of ``traces``) traces for ``(args, kwargs)``, from a
+  ``.trace()`` of it that stops once it knows there are effects to
+  thread: the threaded trace comes next, and re-emitting the program into
+  the plain jaxpr first would be work thrown away (a first call's cost
+  from a warm persistent cache). The user function's own trace is kept
+  (``traces``) for the threaded trace."""
+  saved = _discovery.traces
+  _discovery.traces = traces
+  try:
+    return plain_jit.trace(*args, **kwargs).jaxpr.effects
+  except FoundEffects as found:
+    return found.effects
+  finally:
+    _discovery.traces = saved
 
 
 def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):

@@ -171,7 +171,18 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         raise refusal(eqn)
       return rule(eqn, invals, chains, mode)
     return _jaxpr_eval.rebind(eqn, invals)
-  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
+  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle, unchanged)
+
+
+def unchanged(eqn) -> bool:
+  """Whether the pass re-emits ``eqn`` as it is (no effect of a chain in
+  it, nothing a rule or a refusal looks at): it is copied, not re-traced."""
+  effects = eqn.effects
+  return not (
+      eqn.primitive is _effect.effect_p
+      or eqn.primitive in _adopted.PRIMITIVES
+      or (effects and _effects.has_chain(effects))
+      or eqn.primitive.name in HIDES_EFFECTS)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):

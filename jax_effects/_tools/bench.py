@@ -48,7 +48,10 @@ Measurements (per call unless noted):
     ``jax.debug.print`` under ``jax.jit``, with a ``jax_effects.print``):
     the time until a call returns against the time until its output is
     ready, and a loop of steps with host work as long as the device work
-    after each dispatch: how much of it the device work hides.
+    after each dispatch: how much of it the device work hides;
+(o) the first call in a fresh process from a warm persistent compilation
+    cache, a ~2,000-equation function with three prints against the
+    print-free one (``bench_cache``).
 ``--quick`` scales the sizes down (its report says which were measured).
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -72,6 +75,7 @@ import time
 from typing import Any, Callable
 
 from jax_effects._tools import bench_big
+from jax_effects._tools import bench_cache
 
 N_DEVICES = 8
 
@@ -882,7 +886,16 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
                                        "jax.jit"),
     "n_overlap_ours_print": ("=", None, "the same, jax_effects.print"),
     **bench_big.TARGETS,
+    **bench_cache.TARGETS,
 }
+
+def _warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
+  samples, report = bench_cache.bench_warm_cache(rounds, steps)
+  results = {f"o_first_call_{v}": _summary_ms(times)
+             for v, times in samples.items()}
+  results.update(report)
+  return results, bench_cache.ratios(samples)
+
 
 def machine() -> dict:
   import jax
@@ -959,7 +972,8 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjklmn",                      help="which measurements to run, e.g. 'abcd' or 'h' "
+  parser.add_argument("--only", default="abcdefghjklmno",
+                      help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
   args = parser.parse_args(argv)
@@ -999,6 +1013,7 @@ def main(argv=None) -> int:
                                       max(3, rounds // 3),
                                       max(4, calls // 20)),
           _ratio, _summary)),
+      ("o", lambda: _warm_cache(max(3, rounds // 6), 200 if quick else 700)),
   ]
   for letters, run in steps:
     if not only & set(letters):

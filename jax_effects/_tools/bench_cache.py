@@ -1,0 +1,126 @@
+"""Row (o) of ``python -m jax_effects bench``: a first call from a warm cache.
+
+JAX's persistent compilation cache keeps a function with effects
+(``design/host_target.md``); what a fresh process still pays on its first
+call is tracing, the token pass and lowering (JAX keys the cache by the
+lowered module), then loading the executable. This row measures that
+first call, each in a fresh process sharing one cache directory, for a
+function of ~2,000 equations (elementwise steps: tracing-bound, the worst
+case for the pass) in three variants:
+
+* ``o_jax``: print-free, through ``jax.jit``;
+* ``o_plain``: print-free, through ``jax_effects.jit``;
+* ``o_prints``: with three ordered ``jax_effects.print``s, through
+  ``jax_effects.jit``.
+
+One cold process per variant fills the cache (its first call, reported);
+then each round runs one warm process per variant, in an order that
+rotates, and a ratio is the median over rounds of the ratio within a
+round. Target: ``o_prints`` / ``o_jax`` <= 1.2 (issue 32). The child checks
+its own output (the three lines, in order) and that it was a cache hit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+TARGETS = {
+    "o_prints/jax": ("<=", 1.2, "first call from a warm persistent cache, "
+                     "~2,000 equations with 3 prints / print-free jax.jit"),
+    "o_plain/jax": ("=", None, "first call from a warm persistent cache, "
+                    "print-free: ours / jax.jit"),
+}
+
+VARIANTS = ("jax", "plain", "prints")
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    variant, steps, cache_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    import jax.numpy as jnp
+    import jax_effects as je
+
+    marks = (0, steps // 2, steps - 1)
+
+    def body(x):
+      for i in range(steps):   # three equations a step
+        x = jnp.sin(x) * 1.0001 + jnp.cos(x * 0.5)
+        if variant == "prints" and i in marks:
+          je.print("step {} x0 = {}", i, x[0])
+      return x
+
+    f = jax.jit(body) if variant == "jax" else je.jit(body)
+    x = jnp.arange(8.0)
+    jax.block_until_ready(x)
+    t0 = time.perf_counter()
+    y = f(x)
+    jax.block_until_ready(y)
+    je.effects_barrier()
+    t1 = time.perf_counter()
+    sys.stdout.flush()
+    print(json.dumps({"first_call_s": t1 - t0}), file=sys.stderr)
+""")
+
+
+def _run_child(variant: str, steps: int, cache_dir: str) -> dict:
+  proc = subprocess.run(
+      [sys.executable, "-c", _CHILD, variant, str(steps), cache_dir],
+      capture_output=True, text=True, timeout=600,
+      env={k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_COMPILATION_CACHE")})
+  if proc.returncode != 0:
+    raise RuntimeError(f"bench (o) child {variant} failed: "
+                       f"{proc.stderr[-2000:]}")
+  result = json.loads(proc.stderr.strip().splitlines()[-1])
+  lines = proc.stdout.splitlines()
+  expected = ([f"step {i} x0 = " for i in (0, steps // 2, steps - 1)]
+              if variant == "prints" else [])
+  if len(lines) != len(expected) or not all(
+      line.startswith(e) for line, e in zip(lines, expected)):
+    raise RuntimeError(f"bench (o) child {variant} printed {lines!r}")
+  return result
+
+
+def _entries(cache_dir: str) -> set[str]:
+  return {name for name in os.listdir(cache_dir) if name.endswith("-cache")}
+
+
+def bench_warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
+  """``(samples, report)``: per variant, the first call's seconds in each
+  warm round; the report has the cold first calls too."""
+  samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+  with tempfile.TemporaryDirectory() as tmp:
+    # (one cache each: the print-free variants lower to the same module)
+    dirs = {v: os.path.join(tmp, v) for v in VARIANTS}
+    cold = {v: _run_child(v, steps, dirs[v])["first_call_s"]
+            for v in VARIANTS}
+    entries = {v: _entries(dirs[v]) for v in VARIANTS}
+    for r in range(rounds):
+      order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+      for v in order:
+        samples[v].append(_run_child(v, steps, dirs[v])["first_call_s"])
+    for v in VARIANTS:
+      if _entries(dirs[v]) != entries[v]:   # (a warm process compiled)
+        raise RuntimeError(f"bench (o): a warm process of {v} missed the "
+                           "cache")
+  report = {
+      "o_cold_first_call_ms": {v: t * 1e3 for v, t in cold.items()},
+      "o_equations": 3 * steps,
+  }
+  return samples, report
+
+
+def ratios(samples: dict) -> dict:
+  def ratio(num: str, den: str) -> float:
+    return statistics.median(a / b for a, b in zip(samples[num],
+                                                   samples[den]))
+  return {"o_prints/jax": ratio("prints", "jax"),
+          "o_plain/jax": ratio("plain", "jax")}
