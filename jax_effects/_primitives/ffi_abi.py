@@ -16,9 +16,13 @@ means to read and write that memory fast:
   but the addresses indexed.
 * :func:`handler_capsule`: a Python function ``handler(frame_address) ->
   error_address`` as the C function pointer XLA registers
-  (``jax.ffi.pycapsule``); the handler answers XLA's registration-time
-  metadata query with :func:`answer_metadata` (the API version the frame
-  layout is read with, after checking the struct sizes).
+  (``jax.ffi.pycapsule``): the compiled entry (``_trampoline.c``, built by
+  ``pip install .`` where a C compiler exists; it also runs the common
+  site itself, reading the frame at this module's word indices), else a
+  ctypes callback (:data:`ENTRY`); the handler answers XLA's
+  registration-time metadata query with :func:`answer_metadata` (the API
+  version the frame layout is read with, after checking the struct
+  sizes).
 * :func:`check_frame` (once per process, on the first call: the API table's
   version and the struct sizes of the frame) and :func:`error` (an
   ``XLA_FFI_Error`` made with the API's own ``XLA_FFI_Error_Create``).
@@ -209,12 +213,48 @@ def answer_metadata(frame: int) -> bool:
   return True
 
 
-def handler_capsule(handler: Callable[[int], int]):
+def _compiled_entry():
+  """The compiled entry (``_trampoline``, built by ``pip install .`` where
+  a C compiler exists), or None: not built, or ``JAX_EFFECTS_FFI_ENTRY``
+  is ``ctypes`` (the fallback, forced: tests run both)."""
+  if os.environ.get("JAX_EFFECTS_FFI_ENTRY", "") == "ctypes":
+    return None
+  try:
+    from jax_effects._primitives import _trampoline
+  except ImportError:
+    return None
+  return _trampoline.entry
+
+
+#: How XLA enters the handler: "compiled" (``_trampoline.c``) or "ctypes".
+ENTRY = "compiled" if _compiled_entry() is not None else "ctypes"
+
+
+def handler_capsule(handler: Callable[[int], int], common=None):
   """``handler`` (called with the frame's address, returning an error's
-  address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``. The
-  handler answers XLA's metadata query itself (a frame whose
+  address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``: through
+  the compiled entry where it was built (:data:`ENTRY`), else a ctypes
+  callback. The handler answers XLA's metadata query itself (a frame whose
   ``extension_start`` is set: :func:`answer_metadata`): no frame of ours
-  between XLA and it on every call."""
+  between XLA and it on every call.
+
+  ``common``: ``(sites, empty, partitions, raised)``, what the compiled
+  entry reads to run a common site itself (``_trampoline.c``): the
+  handler's sites (key -> weak reference to a site whose ``compiled`` is
+  ``(host, shape, dtype, nbytes, per_device)`` or None), ``numpy.empty``,
+  the partition ids met (int -> ``numpy.uint32``), and ``raised(exc) ->
+  error address`` for an exception out of a host function. The layout
+  words it reads at are this module's."""
+  compiled = _compiled_entry()
+  if compiled is not None:
+    from jax_effects._primitives import _trampoline
+    address = compiled(handler)
+    if common is not None:
+      words = (F_EXTENSION, F_ARGV, F_RETV, F_NATTRS, F_ATTR_TYPES, F_ATTRV,
+               B_DATA, ATTR_STRING)
+      _trampoline.configure(words, *common)
+    _kept.append(handler)
+    return jax.ffi.pycapsule(address)
   cfunc = _HANDLER(handler)
   _kept.append((handler, cfunc))
   return jax.ffi.pycapsule(ctypes.cast(cfunc, ctypes.c_void_p).value)

@@ -109,8 +109,10 @@ def _register() -> None:
     if _unavailable is None:
       import jax
       try:
-        jax.ffi.register_ffi_target(TARGET, _abi.handler_capsule(_handle),
-                                    platform="cpu", api_version=1)
+        capsule = _abi.handler_capsule(
+            _handle, (_sites, np.empty, _uint32s, _raised))
+        jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
+                                    api_version=1)
       except Exception as err:  # noqa: BLE001 - XLA refused the handler
         _unavailable = _abi.UNAVAILABLE or (
             f"XLA refused jax_effects' FFI host target: {err}")
@@ -135,7 +137,7 @@ class Site:
   function) called with the operands read from the frame, its results
   written back (:meth:`run`, specialised when first run)."""
   __slots__ = ("key", "spec", "what", "host", "avals_in", "avals_out",
-               "scalars", "run", "inline", "__weakref__")
+               "scalars", "run", "inline", "compiled", "__weakref__")
 
   def __init__(self, key: bytes, spec: str, what: str, host: Callable,
                avals_in: list, avals_out: list, scalars: frozenset):
@@ -150,6 +152,8 @@ class Site:
     # (host, view, shift, dtype, count, shape) of the common site, which the
     # handler runs itself once checked (:func:`_inline`); else None.
     self.inline = None
+    # The same for the compiled entry (:func:`_compiled`).
+    self.compiled = None
 
   def _first_run(self, frame: int) -> int:
     problem = _abi.check_frame(frame) or self._check(frame)
@@ -157,6 +161,7 @@ class Site:
       raise SiteMismatch(problem)
     self.run = _runner(self)
     self.inline = _inline(self)
+    self.compiled = _compiled(self.inline)
     return self.run(frame)
 
   def _check(self, frame: int) -> str | None:
@@ -330,6 +335,33 @@ def _inline(site: Site):
           None if len(shape) == 1 else shape, per_device)
 
 
+def _compiled(inline) -> tuple | None:
+  """What the compiled entry (``ffi_abi.ENTRY``, ``_trampoline.c``) needs to
+  run a common site itself: ``(host, shape, dtype, nbytes, per_device)``,
+  the operand made as ``numpy.empty(shape, dtype)`` and its ``nbytes``
+  copied in (the bits as they are, a NaN's payload too); None where
+  :func:`_inline` is."""
+  if inline is None:
+    return None
+  host, view, _, dtype, count, shape, per_device = inline
+  if view is not None:
+    shape = ()
+  elif shape is None:
+    shape = (count,)
+  return (host, tuple(shape), dtype, count * dtype.itemsize, per_device)
+
+
+def _raised(exc: BaseException) -> int:
+  """The XLA error for an exception out of a host function that the
+  compiled entry ran (an interrupt, or a bug of ours: users' errors are
+  deferred), as :func:`_handle` makes it."""
+  try:
+    return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
+                      f"{exc}")
+  except BaseException:  # noqa: BLE001 - never out of a C callback
+    return 0
+
+
 def _bind(key: bytes, site: Site) -> None:
   """Binds ``key`` to ``site`` (weakly; under the lock)."""
   def dropped(ref, key=key, lock=_lock, sites=_sites):
@@ -384,7 +416,7 @@ _FRAME = struct.Struct("<8xQ56xQ32xQ16xQQ8xQ")
 
 
 def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
-            pinned=_pinned, int32=np.int32,
+            pinned=_pinned,
             pids=_uint32s, uint32=np.uint32, array=np.array,
             frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
   """The FFI handler (see the module docstring): the address of an
@@ -417,7 +449,8 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
       return site.run(frame)
     host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
-    carrier = int32(mem32[mem64[(mem64[argv] >> 3) + 3] >> 2])
+    carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int, as
+    # the compiled entry passes it: the host functions read it by index)
     address = mem64[(mem64[argv + 1] >> 3) + 3]
     if view is not None:
       v = view[address >> shift]

@@ -1,0 +1,148 @@
+"""The two entries of the FFI host target run the same host calls alike.
+
+XLA enters jax_effects' handler through the compiled entry
+(``_primitives/_trampoline.c``, built by ``pip install .`` where a C
+compiler exists), which runs the common site itself (one operand, no
+result), or through a ctypes callback (the fallback: no compiler, or
+``JAX_EFFECTS_FFI_ENTRY=ctypes``). Each entry runs the same program in a
+fresh process; what every host function received (dtype, shape, the exact
+bytes, NaN payloads included, writable), the partition ids of per-device
+calls, the printed text and the errors raised must be what the program
+sent, call after call (the first call of a site goes through the Python
+handler, the later ones through the common path).
+"""
+import importlib.util
+import json
+
+import pytest
+
+from helpers import run_script
+
+SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_effects as je
+from jax_effects._primitives import ffi_abi
+
+seen = []
+
+def record(v):
+  seen.append([str(v.dtype), list(v.shape), v.tobytes().hex(),
+               bool(v.flags.writeable) if v.ndim else None])
+
+operands = []
+for name in ("bool", "int8", "uint16", "int32", "float16", "bfloat16",
+             "float32", "float64", "complex64", "float8_e4m3fn"):
+  dtype = jnp.dtype(getattr(jnp, name))
+  for shape in ((), (5,), (2, 3)):
+    n = int(np.prod(shape))
+    values = (np.arange(n) % 5 - (0 if dtype == np.bool_ or
+              jnp.issubdtype(dtype, jnp.unsignedinteger) else 2))
+    operands.append(values.astype(dtype).reshape(shape))
+# NaNs with payloads: their bits, as they are
+operands.append(np.array(0x7FC00123, np.uint32).view(np.float32).reshape(()))
+operands.append(np.array([0x7FF8000000000ABC, 0], np.uint64).view(np.float64))
+
+@je.jit
+def f(x):
+  je.callback(record, None, x)
+  return x
+
+jax.config.update("jax_enable_x64", True)
+for x in operands:
+  for _ in range(3):
+    f(x)
+je.effects_barrier()
+
+mesh = Mesh(np.array(jax.devices()), ("i",))
+
+@je.jit
+def per_device(x):
+  def body(b):
+    je.callback(lambda v: seen.append(["device", v.tolist()]), None, b)
+    return b
+  return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+
+for k in range(3):
+  per_device(jnp.arange(4.0) + 10 * k)
+  je.effects_barrier()
+
+@je.jit
+def printing(x):
+  je.print("x = {}", x)
+  return x
+
+for k in range(3):
+  printing(jnp.float32(k) / 4)
+je.effects_barrier()
+
+def fails(v):
+  raise ValueError(f"no {float(v)}")
+
+@je.jit
+def failing(x):
+  je.callback(fails, None, x)
+  je.callback(record, None, x + 1)   # (skipped after the failure)
+  return x
+
+errors = []
+for k in range(3):
+  try:   # (raised by the call, or by the barrier if it ran asynchronously)
+    failing(jnp.float32(k))
+    je.effects_barrier()
+  except ValueError as exc:
+    errors.append(str(exc))
+sys.stdout.flush()
+print(json.dumps({"entry": ffi_abi.ENTRY, "seen": seen, "errors": errors}),
+      file=sys.stderr)
+"""
+
+
+def _expected_records():
+  """What ``record`` receives for ``operands``, computed here."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  out = []
+  for name in ("bool", "int8", "uint16", "int32", "float16", "bfloat16",
+               "float32", "float64", "complex64", "float8_e4m3fn"):
+    dtype = jnp.dtype(getattr(jnp, name))
+    for shape in ((), (5,), (2, 3)):
+      n = int(np.prod(shape))
+      values = (np.arange(n) % 5 - (0 if dtype == np.bool_ or
+                jnp.issubdtype(dtype, jnp.unsignedinteger) else 2))
+      x = values.astype(dtype).reshape(shape)
+      out += [[str(dtype), list(shape), x.tobytes().hex(),
+               True if shape else None]] * 3
+  nan32 = np.array(0x7FC00123, np.uint32).view(np.float32).reshape(())
+  nan64 = np.array([0x7FF8000000000ABC, 0], np.uint64).view(np.float64)
+  out += [["float32", [], nan32.tobytes().hex(), None]] * 3
+  out += [["float64", [2], nan64.tobytes().hex(), True]] * 3
+  del jax
+  return out
+
+
+def _compiled_built() -> bool:
+  return importlib.util.find_spec(
+      "jax_effects._primitives._trampoline") is not None
+
+
+@pytest.mark.parametrize("entry", ["default", "ctypes"])
+def test_both_entries_run_host_calls_alike(entry):
+  env = {"JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
+  proc = run_script(SCRIPT, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stderr.strip().splitlines()[-1])
+  assert got["entry"] == ("compiled" if entry == "default" and
+                          _compiled_built() else "ctypes")
+  records = [r for r in got["seen"] if r[0] != "device"]
+  assert records == _expected_records()
+  devices = [r[1] for r in got["seen"] if r[0] == "device"]
+  assert sorted(devices) == sorted([[10.0 * k + d] for k in range(3)
+                                    for d in range(4)])
+  assert proc.stdout.splitlines() == ["x = 0.0", "x = 0.25", "x = 0.5"]
+  assert got["errors"] == ["no 0.0", "no 1.0", "no 2.0"]
