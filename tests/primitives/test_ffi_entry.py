@@ -11,12 +11,12 @@ calls, the printed text and the errors raised must be what the program
 sent, call after call (the first call of a site goes through the Python
 handler, the later ones through the common path).
 """
-import importlib.util
 import json
+import textwrap
 
 import pytest
 
-from helpers import run_script
+from helpers import run_python
 
 SCRIPT = """
 import json, sys
@@ -97,8 +97,10 @@ for k in range(3):
   except ValueError as exc:
     errors.append(str(exc))
 sys.stdout.flush()
-print(json.dumps({"entry": ffi_abi.ENTRY, "seen": seen, "errors": errors}),
-      file=sys.stderr)
+import importlib.util
+built = importlib.util.find_spec("jax_effects._primitives._trampoline")
+print(json.dumps({"entry": ffi_abi.ENTRY, "built": built is not None,
+                  "seen": seen, "errors": errors}), file=sys.stderr)
 """
 
 
@@ -126,19 +128,17 @@ def _expected_records():
   return out
 
 
-def _compiled_built() -> bool:
-  return importlib.util.find_spec(
-      "jax_effects._primitives._trampoline") is not None
-
-
 @pytest.mark.parametrize("entry", ["default", "ctypes"])
-def test_both_entries_run_host_calls_alike(entry):
+def test_both_entries_run_host_calls_alike(entry, tmp_path):
   env = {"JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
-  proc = run_script(SCRIPT, env=env, timeout=600)
+  # (run elsewhere than the checkout: the installed package, with its
+  # compiled entry where it was built, is the one a test run imports)
+  proc = run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=600,
+                    cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads(proc.stderr.strip().splitlines()[-1])
-  assert got["entry"] == ("compiled" if entry == "default" and
-                          _compiled_built() else "ctypes")
+  assert got["entry"] == ("compiled" if entry == "default" and got["built"]
+                          else "ctypes")
   records = [r for r in got["seen"] if r[0] != "device"]
   assert records == _expected_records()
   devices = [r[1] for r in got["seen"] if r[0] == "device"]
