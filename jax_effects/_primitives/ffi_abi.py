@@ -214,20 +214,22 @@ def answer_metadata(frame: int) -> bool:
 
 
 def _compiled_entry():
-  """The compiled entry (``_trampoline``, built by ``pip install .`` where
-  a C compiler exists), or None: not built, or ``JAX_EFFECTS_FFI_ENTRY``
-  is ``ctypes`` (the fallback, forced: tests run both)."""
+  """The compiled entry's module (``_trampoline``, built by ``pip install
+  .`` where a C compiler exists), or None: not built, or
+  ``JAX_EFFECTS_FFI_ENTRY`` is ``ctypes`` (the fallback, forced: tests run
+  both). Read once, at import."""
   if os.environ.get("JAX_EFFECTS_FFI_ENTRY", "") == "ctypes":
     return None
   try:
     from jax_effects._primitives import _trampoline
   except ImportError:
     return None
-  return _trampoline.entry
+  return _trampoline
 
 
+_TRAMPOLINE = _compiled_entry()
 #: How XLA enters the handler: "compiled" (``_trampoline.c``) or "ctypes".
-ENTRY = "compiled" if _compiled_entry() is not None else "ctypes"
+ENTRY = "compiled" if _TRAMPOLINE is not None else "ctypes"
 
 
 def handler_capsule(handler: Callable[[int], int], common=None):
@@ -245,14 +247,12 @@ def handler_capsule(handler: Callable[[int], int], common=None):
   the partition ids met (int -> ``numpy.uint32``), and ``raised(exc) ->
   error address`` for an exception out of a host function. The layout
   words it reads at are this module's."""
-  compiled = _compiled_entry()
-  if compiled is not None:
-    from jax_effects._primitives import _trampoline
-    address = compiled(handler)
+  if _TRAMPOLINE is not None:
+    address = _TRAMPOLINE.entry(handler)
     if common is not None:
       words = (F_EXTENSION, F_ARGV, F_RETV, F_NATTRS, F_ATTR_TYPES, F_ATTRV,
                B_DATA, ATTR_STRING)
-      _trampoline.configure(words, *common)
+      _TRAMPOLINE.configure(words, *common)
     _kept.append(handler)
     return jax.ffi.pycapsule(address)
   cfunc = _HANDLER(handler)

@@ -352,9 +352,9 @@ def _compiled(inline) -> tuple | None:
 
 
 def _raised(exc: BaseException) -> int:
-  """The XLA error for an exception out of a host function that the
-  compiled entry ran (an interrupt, or a bug of ours: users' errors are
-  deferred), as :func:`_handle` makes it."""
+  """The XLA error for an exception out of the handler or a host function
+  (an interrupt, or a bug of ours: users' errors are deferred): what
+  :func:`_handle` returns, and the compiled entry for a site it ran."""
   try:
     return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
                       f"{exc}")
@@ -472,8 +472,7 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
     mem32[mem64[(mem64[retv >> 3] >> 3) + 3] >> 2] = out[0]
     return 0
   except BaseException as exc:  # noqa: BLE001 - never out of a C callback
-    return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
-                      f"{exc}")
+    return _raised(exc)
 
 
 _interrupts.entry_frame(_handle)
