@@ -11,6 +11,7 @@ calls, the printed text and the errors raised must be what the program
 sent, call after call (the first call of a site goes through the Python
 handler, the later ones through the common path).
 """
+import inspect
 import json
 import textwrap
 
@@ -34,18 +35,8 @@ def record(v):
   seen.append([str(v.dtype), list(v.shape), v.tobytes().hex(),
                bool(v.flags.writeable) if v.ndim else None])
 
-operands = []
-for name in ("bool", "int8", "uint16", "int32", "float16", "bfloat16",
-             "float32", "float64", "complex64", "float8_e4m3fn"):
-  dtype = jnp.dtype(getattr(jnp, name))
-  for shape in ((), (5,), (2, 3)):
-    n = int(np.prod(shape))
-    values = (np.arange(n) % 5 - (0 if dtype == np.bool_ or
-              jnp.issubdtype(dtype, jnp.unsignedinteger) else 2))
-    operands.append(values.astype(dtype).reshape(shape))
-# NaNs with payloads: their bits, as they are
-operands.append(np.array(0x7FC00123, np.uint32).view(np.float32).reshape(()))
-operands.append(np.array([0x7FF8000000000ABC, 0], np.uint64).view(np.float64))
+{OPERANDS}
+operands = _operands()
 
 @je.jit
 def f(x):
@@ -104,12 +95,13 @@ print(json.dumps({"entry": ffi_abi.ENTRY, "built": built is not None,
 """
 
 
-def _expected_records():
-  """What ``record`` receives for ``operands``, computed here."""
-  import jax
+def _operands():
+  """The operands the program sends, in order (its source is the script's
+  too): every dtype in three shapes, then NaNs with payloads (their bits,
+  as they are)."""
   import jax.numpy as jnp
   import numpy as np
-  out = []
+  operands = []
   for name in ("bool", "int8", "uint16", "int32", "float16", "bfloat16",
                "float32", "float64", "complex64", "float8_e4m3fn"):
     dtype = jnp.dtype(getattr(jnp, name))
@@ -117,15 +109,23 @@ def _expected_records():
       n = int(np.prod(shape))
       values = (np.arange(n) % 5 - (0 if dtype == np.bool_ or
                 jnp.issubdtype(dtype, jnp.unsignedinteger) else 2))
-      x = values.astype(dtype).reshape(shape)
-      out += [[str(dtype), list(shape), x.tobytes().hex(),
-               True if shape else None]] * 3
-  nan32 = np.array(0x7FC00123, np.uint32).view(np.float32).reshape(())
-  nan64 = np.array([0x7FF8000000000ABC, 0], np.uint64).view(np.float64)
-  out += [["float32", [], nan32.tobytes().hex(), None]] * 3
-  out += [["float64", [2], nan64.tobytes().hex(), True]] * 3
-  del jax
-  return out
+      operands.append(values.astype(dtype).reshape(shape))
+  operands.append(
+      np.array(0x7FC00123, np.uint32).view(np.float32).reshape(()))
+  operands.append(
+      np.array([0x7FF8000000000ABC, 0], np.uint64).view(np.float64))
+  return operands
+
+
+SCRIPT = SCRIPT.replace("{OPERANDS}", inspect.getsource(_operands))
+
+
+def _expected_records():
+  """What ``record`` receives, each operand three times, computed here: a
+  0-d operand as a NumPy scalar (no writable flag), an array writable."""
+  return [[str(x.dtype), list(x.shape), x.tobytes().hex(),
+           True if x.ndim else None]
+          for x in _operands() for _ in range(3)]
 
 
 @pytest.mark.parametrize("entry", ["default", "ctypes"])
