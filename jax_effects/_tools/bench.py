@@ -894,7 +894,7 @@ def _warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
   results = {f"o_first_call_{v}": _summary_ms(times)
              for v, times in samples.items()}
   results.update(report)
-  return results, bench_cache.ratios(samples)
+  return results, bench_cache.ratios(samples, _ratio)
 
 
 def machine() -> dict:
