@@ -357,6 +357,11 @@ def runtime_inventory() -> dict[str, int]:
   with host_jobs.lock:
     lanes = [lane for lanes in list(host_jobs.queues.values())
              for lane in lanes]
+    # (a live thread's chain keeps the memo of its last failed execution,
+    # one lane, whose late effects on a device still running it must skip;
+    # an ended thread's goes with its slot)
+    memos = sum(1 for (slot, _), chain_lanes in list(host_jobs.queues.items())
+                if slot in live and host_jobs.memo(chain_lanes))
     sites = list(host_jobs._sites)
     pieces = sum(len(e.by_device) for site in sites
                  for e in list(site.parts.values()))
@@ -370,7 +375,8 @@ def runtime_inventory() -> dict[str, int]:
                           + sum(list(errors._dropped.values()))),
       # effects left to run on the host, and their lanes
       "host_jobs": sum(len(lane.jobs) for lane in lanes),
-      "job_slots": len(host_jobs.queues) + len(host_jobs._draining),
+      "job_slots": (len(host_jobs.queues) - memos
+                    + len(host_jobs._draining)),
       # pieces of summarized prints waiting at call sites, and the entries
       # kept there for threads that ended
       "piece_entries": pieces + ended_entries,

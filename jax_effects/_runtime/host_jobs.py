@@ -38,7 +38,10 @@ device still runs its part, so "ended" is never learnt from a failed
 token; an effect of it that still arrives is skipped, and its host function
 returns its carrier ``FAILED``, so the execution's later effects on that
 device are skipped by the carrier itself. A tombstone goes at the chain's
-next execution's first job, a barrier of its thread, or its slot's end.
+next execution's first job or at its slot's end; a barrier keeps it if it
+is its chain's last (one per (slot, chain): the chain's memo of its last
+failed execution, which a late effect of it on a device still running must
+find; while it is kept, host functions take their slow path).
 What a thread kept here goes when its slot is freed.
 
 Part in the token calling convention: none (the carrier passes through a
@@ -127,7 +130,8 @@ def _lane(lanes: list, seq: int, create: bool):
 def waits(slot: int, chain, seq: int) -> bool:
   """Whether an effect of execution ``seq`` of (``slot``, ``chain``) must
   wait here (module docstring): not when this thread is running that
-  chain's jobs, nor when it precedes every lane."""
+  chain's jobs, nor when it precedes every lane, nor when it follows the
+  chain's memo of its last failed execution (which it ends)."""
   key = (slot, chain)
   lanes = queues.get(key)
   if lanes is None or local.lane == key:
@@ -137,6 +141,11 @@ def waits(slot: int, chain, seq: int) -> bool:
     if not lanes:
       return False
     if not _earlier_than_all(lanes, seq):
+      if memo(lanes) and lanes[0].seq != seq:
+        # (a later execution's effect: the failed one has ended here)
+        del queues[key]
+        lock.notify_all()
+        return False
       return True
     lane = _lane(lanes, seq, create=False)
     return lane is not None and lane.failed
@@ -278,15 +287,28 @@ def cancel(slot: int, chains: dict, ended: bool = True) -> None:
 
 
 def retire_slots(slots) -> None:
-  """Every execution of ``slots`` has ended (a barrier waited for them):
-  the lanes kept to skip a failed execution's later effects go."""
+  """A barrier waited for the computations of ``slots`` (every slot if
+  None) and their jobs: what is left of their lanes goes, except a chain's
+  *last* lane if it is a tombstone (its execution failed; a device of it
+  may still run its part, see the module docstring: a token cannot say
+  that every device's part of a failed execution has ended, so neither can
+  a barrier that waited for one). That one tombstone per (slot, chain) is
+  the chain's memo of its last failed execution: it goes at the chain's
+  next execution's first job or the slot's end."""
   with lock:
     for key in [k for k in queues if slots is None or k[0] in slots]:
       lanes = queues[key]
-      lanes[:] = [lane for lane in lanes if lane.jobs or not lane.kept]
+      last = lanes[-1] if lanes and lanes[-1].kept else None
+      lanes[:] = [lane for lane in lanes if lane.jobs or lane is last]
       if not lanes:
         del queues[key]
     lock.notify_all()
+
+
+def memo(lanes: list) -> bool:
+  """Whether ``lanes`` (a chain's) are only the memo of its last failed
+  execution (:func:`retire_slots`): no job, nothing waits behind it."""
+  return len(lanes) == 1 and lanes[0].kept and not lanes[0].jobs
 
 
 def retire(slot: int, chains: dict) -> None:

@@ -122,3 +122,31 @@ def test_nothing_is_kept_for_a_freed_slot():
   assert host_jobs.held(SLOT) == 0
   assert SLOT not in site.parts
   assert (SLOT, CHAIN) not in host_jobs.queues
+
+
+@pytest.mark.parametrize("slots", [(SLOT,), None], ids=["own", "all-threads"])
+def test_a_barrier_keeps_the_memo_of_a_chains_last_failed_execution(slots):
+  # Execution 5 failed on one device while another still runs its part
+  # (learnt early, by the watcher: not ended). A barrier that waited for
+  # the slot's computations (XLA may have marked all of 5's results failed
+  # already) retires what is left of its lanes, but not this one: the
+  # effects that 5's running device still delivers must be skipped, never
+  # run after a print of 5 that never ran (fault model seed 2065).
+  log = []
+  host_jobs.submit(SLOT, CHAIN, 5, _job(log, "S5", ready=lambda: False))
+  host_jobs.cancel(SLOT, {CHAIN: 5}, ended=False)
+  host_jobs.wait_idle(slots)
+  host_jobs.retire_slots(slots)
+  assert host_jobs.held(SLOT) == 0
+  assert host_jobs.waits(SLOT, CHAIN, 5)
+  assert not host_jobs.submit(SLOT, CHAIN, 5, _job(log, "late s5.1"))
+  assert not host_jobs.wait_turn(SLOT, CHAIN, 5)   # (an effect with results)
+  assert not host_jobs.waits(SLOT, OTHER, 5)
+  assert log == []
+  # execution 6's first effect: 5 has ended; the memo goes, 6 runs at once
+  assert not host_jobs.waits(SLOT, CHAIN, 6)
+  assert (SLOT, CHAIN) not in host_jobs.queues
+  assert host_jobs.submit(SLOT, CHAIN, 6, _job(log, "s6.1"))
+  assert log == ["s6.1"]
+  assert (SLOT, CHAIN) not in host_jobs.queues
+
