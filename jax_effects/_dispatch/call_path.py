@@ -70,14 +70,18 @@ step                                   fast path
 
 A first call, a call under a trace, a trace that finds another chain
 (``NeedsTokens``) and a per-device token returned go back to the function's
-general path.
+general path. Where the compiled hook is built (``_fast_call.c``, see
+:data:`HOOK`), it runs this common case with no Python frame and hands
+every other case, before anything happened, to the Python hook.
 """
 from __future__ import annotations
 
+import os
 
 import jax
 
 from jax_effects import _compat
+from jax_effects._primitives import ffi_abi as _ffi_abi
 from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
@@ -217,6 +221,56 @@ _interrupts.dispatching_frame(dispatch)
 _interrupts.dispatching_frame(_launch)
 
 
+def _compiled_hook():
+  """The compiled hook's module (``_fast_call``, built by ``pip install .``
+  where a C compiler exists), or None: not built, or
+  ``JAX_EFFECTS_FAST_CALL`` is ``python`` (the Python hook, forced: tests
+  run both). Read once, at import."""
+  if os.environ.get("JAX_EFFECTS_FAST_CALL", "") == "python":
+    return None
+  try:
+    from jax_effects._dispatch import _fast_call
+  except ImportError:
+    return None
+  return _fast_call
+
+
+_FAST_CALL = _compiled_hook()
+#: How the fast hook's common case runs: "compiled" (``_fast_call.c``) or
+#: "python" (:func:`fast_dispatch`'s closure alone).
+HOOK = "compiled" if _FAST_CALL is not None else "python"
+if _FAST_CALL is not None:   # (a SIGINT landing in it: as in the Python hook)
+  _interrupts.compiled_hook_caller = _FAST_CALL.caller
+
+
+def _fast_failed(state, key, seq: int, err: BaseException) -> None:
+  """The compiled hook's launch raised ``err`` (not ``NeedsTokens``): as
+  the Python hook's ``except`` (:func:`_failed`); raises."""
+  try:
+    _failed(state, {key: seq}, err)
+  finally:
+    del err
+
+
+def _fast_store_failed(state, key, token, passed, seq: int) -> None:
+  """The compiled hook's store raised (a SIGINT handled in one of its
+  Python calls): the token is stored anyway, as the Python hook's
+  ``except`` does (``ThreadTokens.store_interrupted``), and the interrupt,
+  being raised, is taken."""
+  state.store_interrupted((key,), token, (passed,), seq=seq)
+  _interrupts.take(state)
+
+
+def _fast_after(state, token) -> None:
+  """The compiled hook's step 7, when a SIGINT landed or a callback failed
+  during the call (as the Python hook's end)."""
+  if _interrupts.slots and _interrupts.take(state):
+    _errors.move_own_errors()
+    raise KeyboardInterrupt   # the computation ran; its token is stored
+  if _errors.own.errors:   # a callback of this call failed (ran inline)
+    _errors.raise_own(state, token)
+
+
 def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
                   general):
   """The dispatch hook of one function in its common case (``_dispatch.function``).
@@ -318,6 +372,12 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       _errors.raise_own(state, token)
     return out
   _interrupts.dispatching_frame(call)
-  return call
+  if _FAST_CALL is None:
+    return call
+  return _FAST_CALL.FastCall(
+      call, general, jitted, key, mode, local, trace, eval_trace, axis_env,
+      top_axis_env, errors, site, interrupted, own, _fast_failed,
+      _launch_lock.launched, uncommitted, _fast_after, NeedsTokens,
+      _fast_store_failed, seq_mask, _ffi_abi.entries_counter())
 
 
