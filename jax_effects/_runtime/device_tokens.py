@@ -54,7 +54,8 @@ def for_sharding(token, sharding):
   thread's state stores what this returns: ``threads.ThreadTokens``.)
   """
   if kept_on_devices(token) and (sharding is None
-                                 or token.sharding != sharding):
+                                 or (token.sharding is not sharding
+                                     and token.sharding != sharding)):
     return combine(token) if token.ndim else _compat.uncommitted(token)
   return token
 

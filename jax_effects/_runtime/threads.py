@@ -259,13 +259,17 @@ class ThreadTokens:
     """``tokens`` with each token kept on other devices than ``sharding``'s
     made one scalar (``device_tokens.for_sharding``), stored back."""
     out = []
+    kept = False   # (one of them stays kept on devices: device_tokens holds)
     for key, token in zip(keys, tokens):
       moved = _device_tokens.for_sharding(token, sharding)
       if moved is not token:
         self.runtime[key] = moved
+      elif not kept:
+        kept = _device_tokens.kept_on_devices(token)
       out.append(moved)
-    self.device_tokens = any(_device_tokens.kept_on_devices(t)
-                             for t in self.runtime.values())
+    if not kept:
+      self.device_tokens = any(_device_tokens.kept_on_devices(t)
+                               for t in self.runtime.values())
     return out
 
   def _wait_joined(self) -> None:
@@ -356,6 +360,7 @@ class ThreadTokens:
     """The computation that returned ``keys``' tokens may fail as a whole
     (learnt by its own trace, after its dispatch: see :meth:`tokens_for`)."""
     self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
+    self._refresh_fast()
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
     """Whether what a call made inside this one left for ``key`` meanwhile
@@ -376,7 +381,10 @@ class ThreadTokens:
     return False
 
   def _refresh_fast(self) -> None:
-    if self.device_tokens or self.joined or after_exit_handler:
+    # (a chain whose token may fail as a whole is handed on only once it
+    # has ended, by the general path: tokens_for; the fast hooks would hand
+    # it on running, whichever function they belong to)
+    if self.device_tokens or self.joined or self.at_risk or after_exit_handler:
       self.fast_mode = None
     else:
       # Only if the thread's mode is still the one of this dispatch: a
