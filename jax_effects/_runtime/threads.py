@@ -78,7 +78,7 @@ class ThreadTokens:
   __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined", "output",
                "last_sharding",
                "last_token", "device_tokens", "fast_mode", "dispatching",
-               "slot", "initial", "thread", "mode", "__weakref__")
+               "slot", "base", "initial", "thread", "mode", "__weakref__")
 
   def __init__(self, thread: threading.Thread, slot: int):
     # chain key (Effect) -> uncommitted single-device runtime token, or a
@@ -123,6 +123,11 @@ class ThreadTokens:
     # handled by ``interrupts``.
     self.dispatching = 0
     self.slot = slot
+    # The sequence number every chain of this thread starts from: past the
+    # last one a previous owner of the slot used (see _take_slot), so an
+    # execution's identity (slot, sequence number) is never that of an
+    # earlier thread's, whose devices may still run (host_jobs).
+    self.base = _slot_base.pop(slot, 0)
     self.initial: Any = None
     # The ordering mode of this thread's last dispatch (see switch_mode).
     self.mode: str | None = None
@@ -232,7 +237,7 @@ class ThreadTokens:
   def _fresh(self, key):
     """A token of ``key``'s chain that no computation returned: the slot and
     the chain's current sequence number (the initial token at 0)."""
-    seq = self.seqs.get(key, 0)
+    seq = self.seqs.get(key, self.base)
     if not seq:
       return self.initial_token()
     value = _token_value.initial(self.slot) | _token_value.TOKEN_DTYPE(
@@ -250,7 +255,7 @@ class ThreadTokens:
     (computed on its devices, after it: still ordered after it), and the
     host's copy follows. (On a chain the outer is not on, a number is
     skipped: harmless.)"""
-    self.seqs[key] = (self.seqs.get(key, 0) + 1) & _token_value.SEQ_MASK
+    self.seqs[key] = (self.seqs.get(key, self.base) + 1) & _token_value.SEQ_MASK
     if isinstance(token, jax.Array):
       return _device_tokens.advanced(token)
     return self._fresh(key)   # (an initial token: no computation to follow)
@@ -345,7 +350,7 @@ class ThreadTokens:
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys`` (read
     before its dispatch: a call made inside it moves them)."""
-    return {k: (self.seqs.get(k, 0) + 1) & _token_value.SEQ_MASK
+    return {k: (self.seqs.get(k, self.base) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
 
   def execution(self, keys) -> tuple:
@@ -373,7 +378,7 @@ class ThreadTokens:
     current = self.runtime.get(key)
     if current is passed:
       return False
-    if _token_value.seq_after(self.seqs.get(key, 0), seq):
+    if _token_value.seq_after(self.seqs.get(key, self.base), seq):
       self.join(runtime)
       return True
     if current is not None:
@@ -460,7 +465,7 @@ class ThreadTokens:
       if token is not None and _device_tokens.kept_on_devices(token):
         ended = False
     self.fast_mode = None
-    _executions.failed(self.slot, {k: self.seqs.get(k, 0) for k in keys},
+    _executions.failed(self.slot, {k: self.seqs.get(k, self.base) for k in keys},
                        ended)
 
   def settle(self) -> list:
@@ -592,6 +597,11 @@ _free_slots: list[int] = []
 _generation = 0
 # Slots of ended threads -> their tokens that were pending when they ended.
 _ended: dict[int, list] = {}
+# Slots of ended threads, and freed slots -> the sequence number their next
+# owner's chains start from (ThreadTokens.base): past every one the ended
+# thread used, on any chain.
+_ended_base: dict[int, int] = {}
+_slot_base: dict[int, int] = {}
 
 
 def _take_slot() -> int:
@@ -640,11 +650,13 @@ def _register(state: ThreadTokens) -> None:
   with _all_lock:
     _all_states.add(state)
   weakref.finalize(state, _thread_exited, state.slot, state.output,
-                   state.runtime, state.joined, _generation)
+                   state.runtime, state.joined, state.seqs, state.base,
+                   _generation)
 
 
 def _thread_exited(slot: int, output: dict, runtime: dict,
-                   joined: list, generation: int) -> None:
+                   joined: list, seqs: dict, base: int,
+                   generation: int) -> None:
   # A finalizer: it may run inside garbage collection on any thread, so it
   # calls nothing of jax here; what completed is dropped, and the slot
   # freed, later (sweep).
@@ -655,8 +667,12 @@ def _thread_exited(slot: int, output: dict, runtime: dict,
   lock = _all_lock
   if lock is None or generation != _generation:
     return   # (the interpreter's teardown cleared this module; a fork)
+  mask = _token_value.SEQ_MASK
+  last = max(seqs.values(), key=lambda s: (s - base) & mask, default=base)
   with lock:
     _ended[slot] = tokens
+    # (one more: an execution whose dispatch raised took last + 1 unstored)
+    _ended_base[slot] = (last + 1) & mask
 
 
 def sweep() -> None:
@@ -675,6 +691,7 @@ def _sweep_locked(force: bool) -> None:
     if tokens or _errors.slot_busy(slot):
       continue   # (pending computations, unreported errors: kept)
     del _ended[slot]
+    _slot_base[slot] = _ended_base.pop(slot, 0)
     _executions.slot_freed(slot)
     _free_slots.append(slot)
 
@@ -701,6 +718,8 @@ def _reset_after_fork() -> None:
   _all_lock = threading.RLock()
   _all_states = weakref.WeakSet()
   _ended.clear()
+  _ended_base.clear()
+  _slot_base.clear()
   _free_slots.clear()
   _next_slot = 1
   _compat.clear_jax_runtime_tokens()

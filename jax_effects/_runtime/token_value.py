@@ -13,7 +13,11 @@ bit 30      ``FAILED``: an earlier effect of this chain in this
 ==========  ==========================================================
 
 (slot, sequence number) is the *identity* of one execution on one chain,
-the same on every device of that execution: each computation advances the
+unique in the process (a thread that takes a freed slot starts its chains
+past every sequence number the slot's earlier owner used:
+``threads.ThreadTokens.base``, since that thread's failed executions may
+still run on a device), the same on every device of that execution: each
+computation advances the
 sequence number of every runtime token it takes as the chain enters it
 (:func:`advance`, on every device alike, which also clears a ``FAILED``
 bit left by the execution that returned the token). So a host function

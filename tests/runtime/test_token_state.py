@@ -7,6 +7,7 @@ tokens of computations that cannot fail as a whole are handed on without
 waiting; a call made inside a call is joined; each execution's identity
 (``_runtime/token_value``) is what the device computes.
 """
+import gc
 import threading
 import time
 
@@ -175,18 +176,20 @@ def test_execution_identity_is_the_one_the_device_computes():
     for key in (a, b):
       value = int(np.asarray(state.runtime[key]))
       out[key] = (_token_value.slot_of(value), _token_value.seq_of(value),
-                  state.seqs[key], state.slot)
+                  state.seqs[key], state.slot, state.base)
     je.effects_barrier()
     return out
 
   got = helpers.in_thread(go)
-  for key, (slot, seq, mirrored, own_slot) in got.items():
+  for key, (slot, seq, mirrored, own_slot, _) in got.items():
     assert slot == own_slot
     assert seq == mirrored
   # a: 7 executions; b takes the maximum of both chains at each g
-  # (f f g: a=3, b=3; f: a=4; g g: a=b=6; f: a=7)
-  assert got[a][1] == 7
-  assert got[b][1] == 6
+  # (f f g: a=3, b=3; f: a=4; g g: a=b=6; f: a=7), counted from where the
+  # thread's chains start (past a previous owner's of its slot)
+  since = {k: (v[1] - v[4]) & _token_value.SEQ_MASK for k, v in got.items()}
+  assert since[a] == 7
+  assert since[b] == 6
 
 
 def test_execution_identity_survives_calls_made_inside_a_call():
@@ -219,16 +222,19 @@ def test_execution_identity_survives_calls_made_inside_a_call():
       state = _threads.thread_state()
       value = int(np.asarray(state.runtime[_effects.DEFAULT]))
       out.append((_token_value.seq_of(value),
-                  state.seqs[_effects.DEFAULT]))
+                  state.seqs[_effects.DEFAULT], state.base))
     je.effects_barrier()
     return out
 
   got = helpers.in_thread(go)
   assert seen == [0, 1, 2]
-  for device_seq, mirrored in got:
+  for device_seq, mirrored, _ in got:
     assert device_seq == mirrored, got
-  # each round: the outer execution, then the inner one after it
-  assert [d for d, _ in got] == [2, 4, 6], got
+  # each round: the outer execution, then the inner one after it (counted
+  # from where the thread's chains start: past a previous owner's of its
+  # slot)
+  assert [(d - base) & _token_value.SEQ_MASK
+          for d, _, base in got] == [2, 4, 6], got
 
 
 def test_a_call_made_inside_a_call_is_joined(effects_capture):
@@ -289,3 +295,40 @@ def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
     return [_threads.settled(t) for t in state.runtime.values()]
 
   assert helpers.in_thread(go) == [True]
+
+
+def test_a_reused_slot_never_names_an_earlier_threads_execution():
+  # An execution is named by its thread's slot and its sequence number on a
+  # chain. A thread's failed execution over several devices may still run
+  # on one of them after the thread ended and its slot was freed (what the
+  # host keeps to skip its late effects stays: host_jobs); the thread that
+  # takes the slot next must name its executions past every one the ended
+  # thread used, or its effects would be skipped as that execution's (fault
+  # model seed 8653: a later call's three effects on a chain missing).
+  @je.jit
+  def f(x):
+    je.print("f {}", x)
+    return x
+
+  def first():
+    for i in range(5):
+      f(jnp.int32(i))
+    je.effects_barrier()
+    state = _threads.thread_state()
+    return state.slot, state.seqs[_effects.DEFAULT]
+
+  def second():
+    f(jnp.int32(9))
+    je.effects_barrier()
+    state = _threads.thread_state()
+    value = int(np.asarray(state.runtime[_effects.DEFAULT]))
+    return state.slot, state.seqs[_effects.DEFAULT], _token_value.seq_of(value)
+
+  slot, last = helpers.in_thread(first)
+  for _ in range(3):   # (its state goes with it; its slot is freed here)
+    gc.collect()
+    je.effects_barrier(all_threads=True)
+  slot2, seq2, device_seq2 = helpers.in_thread(second)
+  assert slot2 == slot   # (the slot freed last is taken first)
+  assert device_seq2 == seq2
+  assert _token_value.seq_after(seq2, last), (last, seq2)
