@@ -70,7 +70,11 @@ step                                   fast path
 
 A first call, a call under a trace, a trace that finds another chain
 (``NeedsTokens``) and a per-device token returned go back to the function's
-general path. Where the compiled hook is built (``_fast_call.c``, see
+general path. A function whose token stays on its devices (a ``shard_map``
+program, effects once over several devices) has its own hook,
+:func:`fast_dispatch_devices`: the same steps for that token, passed back
+whole, under the launch lock where needed, its computation watched where it
+may leave effects to run on the host. Where the compiled hook is built (``_fast_call.c``, see
 :data:`HOOK`), it runs this common case with no Python frame and hands
 every other case, before anything happened, to the Python hook.
 """
@@ -89,6 +93,7 @@ from jax_effects._runtime import exit as _exit
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
+from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_value as _token_value
 
@@ -219,6 +224,113 @@ def _failed(state, seqs: dict, err: BaseException) -> None:
 
 _interrupts.dispatching_frame(dispatch)
 _interrupts.dispatching_frame(_launch)
+
+
+def fast_dispatch_devices(mode: str, key, jitted, *, sharding,
+                          site: _launch_lock.LaunchSite, general):
+  """The dispatch hook of a function whose token stays on its devices
+  (``device_tokens.kept_on_devices``: a ``shard_map`` program, or effects
+  run once over several devices), in its common case: :func:`fast_dispatch`'s
+  steps for the one chain ``key`` whose token, kept on the devices of
+  ``sharding`` (the callee's token's), is passed back whole.
+
+  Valid while the thread's ``fast_mode`` is ``threads.devices_mode(mode)``
+  and its token of ``key`` is one kept on exactly those devices; it waits
+  for nothing (a token that ended is checked for failure, as the general
+  path does), launches under ``launch_lock`` where the devices are several
+  CPU devices (not inside a host callback), stores the returned token as
+  it is (no copy), and has a computation that may leave effects to run on
+  the host watched (``executions.watch_failure``), as :func:`dispatch`
+  does. Every other case goes to ``general``: also a launch JAX refuses
+  because the arguments put the computation on other devices than the
+  token's (nothing ran; the general path passes the token combined); a
+  returned token of another kind, or one in the deterministic view
+  (``output.holding``: combined), goes to ``ThreadTokens.update``.
+  """
+  trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
+  seq_mask = _token_value.SEQ_MASK
+  errors = _errors.deferred
+  own = _errors.own
+  interrupted = _interrupts.slots
+  local = _threads.local
+  fast = _threads.devices_mode(mode)
+  holding = _output.holding
+  sites_lowered = _host_jobs.sites_lowered
+  serialize_launch = _launch_lock.serialize_launch
+  lock = _launch_lock.launch_lock
+  keys = (key,)
+
+  def call(*args, **kwargs):
+    if trace.value is not eval_trace or axis_env.value is not top_axis_env:
+      return general(*args, **kwargs)   # under a trace (a nested jit)
+    try:
+      state = local.state
+    except AttributeError:   # the thread's first call
+      return general(*args, **kwargs)
+    if state.fast_mode is not fast or errors or state.dispatching:
+      return general(*args, **kwargs)
+    runtime = state.runtime
+    passed = runtime.get(key)
+    if passed is None or getattr(passed, "sharding", None) is not sharding:
+      return general(*args, **kwargs)
+    try:   # (ThreadTokens.tokens_for: a failed token goes to the general
+      #       path, which learns it; one still running is handed on)
+      if passed.is_ready():
+        passed.block_until_ready()
+    except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
+      return general(*args, **kwargs)
+    seqs = state.seqs
+    seq = (seqs[key] + 1) & seq_mask
+    state.dispatching = 1
+    try:
+      try:
+        if serialize_launch(site):
+          with lock:
+            out, token = jitted(passed, *args, **kwargs)
+        else:
+          out, token = jitted(passed, *args, **kwargs)
+      except NeedsTokens:   # the trace found another chain: nothing ran
+        token = None
+      except ValueError as err:
+        if not _placed_elsewhere(err, (passed,)):
+          _failed(state, {key: seq}, err)
+        token = None   # (the arguments put it elsewhere: nothing ran; the
+        #                general path passes the token combined)
+      except BaseException as err:  # noqa: BLE001 - an execution error or not
+        _failed(state, {key: seq}, err)
+      if token is not None:
+        try:
+          returned = token.sharding
+          if returned is not site.sharding:
+            _launch_lock.launched(site, returned)
+          if (returned is sharding and runtime.get(key) is passed
+              and not holding()):
+            # (ThreadTokens.update for one chain kept on devices, inlined)
+            if returned is state.last_sharding:
+              state.last_token = token
+            else:
+              state.update((), token)   # (files it as the output token)
+            runtime[key] = token
+            seqs[key] = seq
+          else:
+            state.update(keys, token, (passed,), seq=seq)
+          if len(returned.device_set) > 1 and sites_lowered():
+            _executions.watch_failure(state.slot, {key: seq}, token)
+        except BaseException:
+          state.store_interrupted(keys, token, (passed,), seq=seq)
+          raise
+    finally:
+      state.dispatching = 0
+    if token is None:
+      return general(*args, **kwargs)
+    if interrupted and _interrupts.take(state):
+      _errors.move_own_errors()
+      raise KeyboardInterrupt   # the computation ran; its token is stored
+    if own.errors:   # a callback of this call failed (ran inline)
+      _errors.raise_own(state, token)
+    return out
+  _interrupts.dispatching_frame(call)
+  return call
 
 
 def _compiled_hook():

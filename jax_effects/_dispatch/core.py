@@ -218,13 +218,18 @@ class Core:
       jitted = threaded.jitted.get(None)
       keys = threaded.keys
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
-          and threaded.per_device_sharding is None and jitted is not None
+          and jitted is not None
           and self.state is not FALLBACK and not self.traces.may_fail):
         # (no hook for a function whose computations may fail as a whole:
         # its dispatches wait for them, ThreadTokens.tokens_for)
-        threaded.fast = _call_path.fast_dispatch(
-            mode, keys[0], jitted, site=threaded.launch,
-            general=self.call_threaded)
+        if threaded.per_device_sharding is None:
+          threaded.fast = _call_path.fast_dispatch(
+              mode, keys[0], jitted, site=threaded.launch,
+              general=self.call_threaded)
+        else:   # (its token stays on its devices)
+          threaded.fast = _call_path.fast_dispatch_devices(
+              mode, keys[0], jitted, sharding=threaded.per_device_sharding,
+              site=threaded.launch, general=self.call_threaded)
       else:
         threaded.fast = None
 

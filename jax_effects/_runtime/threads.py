@@ -44,6 +44,7 @@ The call path that reads and writes this state through these methods is
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Iterable
 import weakref
@@ -114,9 +115,11 @@ class ThreadTokens:
     # True while some runtime token is kept on its devices (device_tokens)
     self.device_tokens = False
     # The mode in which the fast dispatch hooks may run on this thread: its
-    # mode at its last dispatch, while it holds no token kept on devices and
-    # nothing joined; None after a mode change (clear_fast) until the next
-    # general dispatch (update). One comparison stands for all those checks.
+    # mode at its last dispatch, while it holds no token kept on devices
+    # (devices_mode(mode) while it does: only the hooks of such tokens run),
+    # nothing joined and no token at risk; None after a mode change
+    # (clear_fast) until the next general dispatch (update). One comparison
+    # stands for all those checks.
     self.fast_mode: str | None = None
     # Dispatches in progress on this thread (more than one: a call made from
     # a host callback of the thread's own call). While nonzero a SIGINT is
@@ -389,15 +392,17 @@ class ThreadTokens:
     # (a chain whose token may fail as a whole is handed on only once it
     # has ended, by the general path: tokens_for; the fast hooks would hand
     # it on running, whichever function they belong to)
-    if self.device_tokens or self.joined or self.at_risk or after_exit_handler:
+    if self.joined or self.at_risk or after_exit_handler:
       self.fast_mode = None
     else:
       # Only if the thread's mode is still the one of this dispatch: a
       # set_ordering by another thread while it was in flight cleared
       # fast_mode (clear_fast), which must not be undone here. (Read after
       # the store: a switch landing in between clears it, as set_ordering
-      # sets the mode before clearing.)
-      mode = self.fast_mode = self.mode
+      # sets the mode before clearing.) While a token is kept on devices,
+      # only the hooks of such tokens may run (devices_mode).
+      mode = self.mode
+      self.fast_mode = devices_mode(mode) if self.device_tokens else mode
       if _effects.get_ordering() != mode:
         self.fast_mode = None
 
@@ -511,6 +516,22 @@ _all_states: "weakref.WeakSet[ThreadTokens]" = weakref.WeakSet()
 #: dispatch after it (from an exit handler that runs later) takes the general
 #: path, which reports its errors itself (``exit.report_late``).
 after_exit_handler = False
+
+
+_DEVICES_MODES: dict = {}
+
+
+def devices_mode(mode: str | None) -> str | None:
+  """``ThreadTokens.fast_mode`` while the thread holds a token kept on
+  devices in ``mode``: the hooks of such tokens run
+  (``call_path.fast_dispatch_devices``), the others take the general path
+  (one object per mode: compared by identity)."""
+  if mode is None:
+    return None
+  found = _DEVICES_MODES.get(mode)
+  if found is None:
+    found = _DEVICES_MODES.setdefault(mode, sys.intern(mode + " (devices)"))
+  return found
 
 
 def thread_state() -> ThreadTokens:
