@@ -332,3 +332,57 @@ def test_a_reused_slot_never_names_an_earlier_threads_execution():
   assert slot2 == slot   # (the slot freed last is taken first)
   assert device_seq2 == seq2
   assert _token_value.seq_after(seq2, last), (last, seq2)
+
+
+def test_a_failed_token_kept_on_devices_is_not_handed_on(devices,
+                                                         effects_capture):
+  # A shard_map program's token stays on its devices and its calls take
+  # their own fast hook (call_path.fast_dispatch_devices). Its computation
+  # fails because its input did (an upstream computation over the same
+  # devices, still in flight at dispatch); once that is known, the next
+  # call must start the chain afresh, not get the failed token, and its
+  # devices print as under jax.jit.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(devices[:4]), ("i",))
+  sharded = NamedSharding(mesh, P("i"))
+
+  @je.jit
+  def per_device(x):
+    def body(b):
+      je.print("d {}", b[0])
+      return b + 1
+    return jax.shard_map(body, mesh=mesh, in_specs=P("i"),
+                         out_specs=P("i"))(x)
+
+  release = threading.Event()
+
+  def wait_then_fail(v):
+    release.wait(60)
+    if int(v[0]) == 1:
+      raise helpers.Boom("upstream")
+    return v
+
+  upstream = jax.jit(jax.shard_map(
+      lambda v: jax.pure_callback(wait_then_fail, jax.ShapeDtypeStruct(
+          v.shape, v.dtype), v), mesh=mesh, in_specs=P("i"),
+      out_specs=P("i")))
+  put = lambda k: jax.device_put(np.full((4,), k, np.int32), sharded)
+  for k in range(3):
+    per_device(put(10 + k))
+  je.effects_barrier()
+  assert per_device._core.state == "fast"   # (its devices' hook)
+  effects_capture.clear()
+  release.clear()
+  first = per_device(upstream(put(1)))   # (returns at once)
+  release.set()
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    np.asarray(first)
+  try:   # (its token ended too)
+    je.runtime_tokens().effects[je.DEFAULT].block_until_ready()
+  except Exception:  # noqa: BLE001 - the failed token
+    pass
+  out = per_device(put(20))
+  assert np.asarray(out).tolist() == [21] * 4
+  je.effects_barrier()
+  assert sorted(effects_capture.printed) == [
+      f"[device {d} shard {d} process 0] d 20" for d in range(4)]
