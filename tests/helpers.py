@@ -357,11 +357,13 @@ def runtime_inventory() -> dict[str, int]:
   with host_jobs.lock:
     lanes = [lane for lanes in list(host_jobs.queues.values())
              for lane in lanes]
-    # (a live thread's chain keeps the memo of its last failed execution,
-    # one lane, whose late effects on a device still running it must skip;
-    # an ended thread's goes with its slot)
-    memos = sum(1 for (slot, _), chain_lanes in list(host_jobs.queues.items())
-                if slot in live and host_jobs.memo(chain_lanes))
+    # (a chain keeps the memo of its last failed execution, one lane, whose
+    # late effects on a device still running it must skip: bounded by the
+    # slots and chains, it goes at the chain's next execution on its slot,
+    # a later owner's too; an ended thread's may be filed after its slot
+    # was freed, by the watcher, which learns of a failure on its own time)
+    memos = sum(1 for chain_lanes in list(host_jobs.queues.values())
+                if host_jobs.memo(chain_lanes))
     sites = list(host_jobs._sites)
     pieces = sum(len(e.by_device) for site in sites
                  for e in list(site.parts.values()))

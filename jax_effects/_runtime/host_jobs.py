@@ -41,7 +41,11 @@ device are skipped by the carrier itself. A tombstone goes at the chain's
 next execution's first job or at its slot's end; a barrier keeps it if it
 is its chain's last (one per (slot, chain): the chain's memo of its last
 failed execution, which a late effect of it on a device still running must
-find; while it is kept, host functions take their slow path).
+find; while it is kept, host functions take their slow path). A memo filed
+after its slot was freed (the watcher learns of a failure on its own time)
+stays until the slot's next owner runs that chain (its sequence numbers
+come after every earlier owner's: ``threads.ThreadTokens.base``): bounded
+by the slots and chains.
 What a thread kept here goes when its slot is freed.
 
 Part in the token calling convention: none (the carrier passes through a
