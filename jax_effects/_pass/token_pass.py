@@ -400,5 +400,22 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in shard_map_chains
               else _first_device.from_first_device_p.bind(c)
               for k, c in carriers.items()]
-  token = functools.reduce(jnp.maximum, finals) if finals else None
-  return outs, token
+  return outs, _final_token(finals)
+
+
+def _final_token(finals: list):
+  """The token returned: of the chains' final carriers, the latest
+  identity (each chain has its own sequence number; the maximum takes the
+  furthest), with ``FAILED`` if any has it. Compared without ``FAILED``:
+  that bit is the highest but one, and would let a chain that failed on one
+  device win over a later chain there only, so the devices' tokens would
+  name different executions next time (fault model seed 5235: a
+  summarized print's pieces never met)."""
+  if not finals:
+    return None
+  if len(finals) == 1:
+    return finals[0]
+  ids = [c & _token_value.ID_MASK for c in finals]
+  failed = functools.reduce(
+      jnp.bitwise_or, [c & _token_value.FAILED for c in finals])
+  return functools.reduce(jnp.maximum, ids) | failed
