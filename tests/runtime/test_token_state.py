@@ -28,12 +28,17 @@ def _not_ready_input(devices, value=0):
   return helpers.NotReadyYet(devices[:2], value)
 
 
+@pytest.mark.parametrize("later_calls", ["same-function", "another-function"])
 def test_failed_token_is_not_handed_on_to_calls_dispatched_in_flight(
-    devices, effects_capture):
+    devices, effects_capture, later_calls):
   # A pure_callback raising once, on an input not ready at dispatch: the
   # failure is the first call's (its result raises); the four calls
   # dispatched while it was still in flight run and print as under
-  # jax.jit.
+  # jax.jit. "another-function": the calls in flight are another
+  # function's on the same chain, one that cannot fail as a whole: its own
+  # dispatches take the fast hook, which must not hand on the first
+  # function's token while it may still fail (before the fix the four calls
+  # failed with it and printed nothing).
   fail = []
 
   def host(x):
@@ -48,7 +53,15 @@ def test_failed_token_is_not_handed_on_to_calls_dispatched_in_flight(
     je.print("f {}", y[0])
     return y + 1
 
-  f(jnp.zeros(1, jnp.int32)).block_until_ready()   # traced: at risk
+  @je.jit
+  def g(x):
+    je.print("g {}", x[0])
+    return x + 1
+
+  later_fn, name = (f, "f") if later_calls == "same-function" else (g, "g")
+  for _ in range(3):   # (traced: f at risk; g's calls take its fast hook)
+    f(jnp.zeros(1, jnp.int32)).block_until_ready()
+    later_fn(jnp.zeros(1, jnp.int32))
   je.effects_barrier()
   effects_capture.clear()
   fail.append(True)
@@ -57,55 +70,12 @@ def test_failed_token_is_not_handed_on_to_calls_dispatched_in_flight(
     # (the next dispatch waits for the first call, which may fail as a
     # whole: released from another thread)
     threading.Timer(0.5, gate.release).start()
-    later = [f(jnp.full((1,), i, jnp.int32)) for i in range(1, 5)]
+    later = [later_fn(jnp.full((1,), i, jnp.int32)) for i in range(1, 5)]
     with pytest.raises(jax.errors.JaxRuntimeError):
       np.asarray(first)
   assert [int(np.asarray(r)[0]) for r in later] == [2, 3, 4, 5]
   je.effects_barrier()   # the failure is the first call's: not reported
-  assert effects_capture.printed == ["f 1", "f 2", "f 3", "f 4"]
-
-
-def test_failed_token_is_not_handed_on_by_another_functions_fast_hook(
-    devices, effects_capture):
-  # The same, with the calls in flight made by another function on the same
-  # chain, one that cannot fail as a whole: its own dispatches take the
-  # fast hook, which must not hand on the first function's token while it
-  # may still fail (before the fix the four calls failed with it and
-  # printed nothing).
-  fail = []
-
-  def host(x):
-    if fail:
-      fail.pop()
-      raise helpers.Boom("transient")
-    return x
-
-  @je.jit
-  def risky(x):
-    y = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    je.print("risky {}", y[0])
-    return y + 1
-
-  @je.jit
-  def g(x):
-    je.print("g {}", x[0])
-    return x + 1
-
-  for _ in range(3):   # (both traced; g's calls take its fast hook)
-    risky(jnp.zeros(1, jnp.int32))
-    g(jnp.zeros(1, jnp.int32))
-  je.effects_barrier()
-  effects_capture.clear()
-  fail.append(True)
-  with _not_ready_input(devices) as gate:
-    first = risky(gate.array)
-    threading.Timer(0.5, gate.release).start()
-    later = [g(jnp.full((1,), i, jnp.int32)) for i in range(1, 5)]
-    with pytest.raises(jax.errors.JaxRuntimeError):
-      np.asarray(first)
-  assert [int(np.asarray(r)[0]) for r in later] == [2, 3, 4, 5]
-  je.effects_barrier()   # the failure is the first call's: not reported
-  assert effects_capture.printed == ["g 1", "g 2", "g 3", "g 4"]
+  assert effects_capture.printed == [f"{name} {i}" for i in range(1, 5)]
 
 
 def test_failed_token_learnt_at_the_next_dispatch_restarts_the_chain(
