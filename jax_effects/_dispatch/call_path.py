@@ -226,6 +226,19 @@ _interrupts.dispatching_frame(dispatch)
 _interrupts.dispatching_frame(_launch)
 
 
+def _fast_after(state, token) -> None:
+  """Step 7 of the fast hooks (:func:`fast_dispatch`, its compiled form,
+  :func:`fast_dispatch_devices`), once their token is stored, when a SIGINT
+  landed or a callback failed during the call: raises ``KeyboardInterrupt``
+  (the computation ran; its token is stored), or the errors of callbacks
+  that ran inline in the call."""
+  if _interrupts.slots and _interrupts.take(state):
+    _errors.move_own_errors()
+    raise KeyboardInterrupt
+  if _errors.own.errors:
+    _errors.raise_own(state, token)
+
+
 def fast_dispatch_devices(mode: str, key, jitted, *, sharding,
                           site: _launch_lock.LaunchSite, general):
   """The dispatch hook of a function whose token stays on its devices
@@ -323,11 +336,8 @@ def fast_dispatch_devices(mode: str, key, jitted, *, sharding,
       state.dispatching = 0
     if token is None:
       return general(*args, **kwargs)
-    if interrupted and _interrupts.take(state):
-      _errors.move_own_errors()
-      raise KeyboardInterrupt   # the computation ran; its token is stored
-    if own.errors:   # a callback of this call failed (ran inline)
-      _errors.raise_own(state, token)
+    if interrupted or own.errors:   # (a SIGINT, a callback that failed)
+      _fast_after(state, token)
     return out
   _interrupts.dispatching_frame(call)
   return call
@@ -371,16 +381,6 @@ def _fast_store_failed(state, key, token, passed, seq: int) -> None:
   being raised, is taken."""
   state.store_interrupted((key,), token, (passed,), seq=seq)
   _interrupts.take(state)
-
-
-def _fast_after(state, token) -> None:
-  """The compiled hook's step 7, when a SIGINT landed or a callback failed
-  during the call (as the Python hook's end)."""
-  if _interrupts.slots and _interrupts.take(state):
-    _errors.move_own_errors()
-    raise KeyboardInterrupt   # the computation ran; its token is stored
-  if _errors.own.errors:   # a callback of this call failed (ran inline)
-    _errors.raise_own(state, token)
 
 
 def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
@@ -477,11 +477,8 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       state.dispatching = 0   # (ThreadTokens.end_dispatch)
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
-    if interrupted and _interrupts.take(state):
-      _errors.move_own_errors()
-      raise KeyboardInterrupt   # the computation ran; its token is stored
-    if own.errors:   # a callback of this call failed (ran inline)
-      _errors.raise_own(state, token)
+    if interrupted or own.errors:   # (a SIGINT, a callback that failed)
+      _fast_after(state, token)
     return out
   _interrupts.dispatching_frame(call)
   if _FAST_CALL is None:
