@@ -44,7 +44,6 @@ The call path that reads and writes this state through these methods is
 """
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable, Iterable
 import weakref
@@ -237,10 +236,15 @@ class ThreadTokens:
     if failed:
       self.chains_failed(failed)
 
+  def last_seq(self, key) -> int:
+    """The sequence number of ``key``'s latest execution on this thread
+    (:attr:`base` before its first)."""
+    return self.seqs.get(key, self.base)
+
   def _fresh(self, key):
     """A token of ``key``'s chain that no computation returned: the slot and
     the chain's current sequence number (the initial token at 0)."""
-    seq = self.seqs.get(key, self.base)
+    seq = self.last_seq(key)
     if not seq:
       return self.initial_token()
     value = _token_value.initial(self.slot) | _token_value.TOKEN_DTYPE(
@@ -258,7 +262,7 @@ class ThreadTokens:
     (computed on its devices, after it: still ordered after it), and the
     host's copy follows. (On a chain the outer is not on, a number is
     skipped: harmless.)"""
-    self.seqs[key] = (self.seqs.get(key, self.base) + 1) & _token_value.SEQ_MASK
+    self.seqs[key] = (self.last_seq(key) + 1) & _token_value.SEQ_MASK
     if isinstance(token, jax.Array):
       return _device_tokens.advanced(token)
     return self._fresh(key)   # (an initial token: no computation to follow)
@@ -353,7 +357,7 @@ class ThreadTokens:
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys`` (read
     before its dispatch: a call made inside it moves them)."""
-    return {k: (self.seqs.get(k, self.base) + 1) & _token_value.SEQ_MASK
+    return {k: (self.last_seq(k) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
 
   def execution(self, keys) -> tuple:
@@ -381,7 +385,7 @@ class ThreadTokens:
     current = self.runtime.get(key)
     if current is passed:
       return False
-    if _token_value.seq_after(self.seqs.get(key, self.base), seq):
+    if _token_value.seq_after(self.last_seq(key), seq):
       self.join(runtime)
       return True
     if current is not None:
@@ -470,7 +474,7 @@ class ThreadTokens:
       if token is not None and _device_tokens.kept_on_devices(token):
         ended = False
     self.fast_mode = None
-    _executions.failed(self.slot, {k: self.seqs.get(k, self.base) for k in keys},
+    _executions.failed(self.slot, {k: self.last_seq(k) for k in keys},
                        ended)
 
   def settle(self) -> list:
@@ -530,7 +534,7 @@ def devices_mode(mode: str | None) -> str | None:
     return None
   found = _DEVICES_MODES.get(mode)
   if found is None:
-    found = _DEVICES_MODES.setdefault(mode, sys.intern(mode + " (devices)"))
+    found = _DEVICES_MODES.setdefault(mode, mode + " (devices)")
   return found
 
 
