@@ -114,8 +114,8 @@ def equation_copier(jaxpr):
         return None
       else:
         x = trace.to_jaxpr_tracer(x, src)
-      if x.aval != v.aval or v.aval.has_qdd:
-        return None
+      if x.aval != v.aval or getattr(v.aval, "has_qdd", False):
+        return None   # (quasi-dynamic data: avals with it, JAX 0.8-0.10)
       tracers.append(x)
     if not staged:
       return None
@@ -178,10 +178,26 @@ _jax_scan_known_hoisting = _loops._scan_known_hoisting
 _unhoisted_effect_types: set = set()
 
 
-def _scan_known_hoisting(jaxpr_known, known_consts, num_res):
+def _scan_known_hoisting(jaxpr_known, known_consts, num_res, *num_sres):
+  # JAX 0.11 added ``num_sres`` (residuals never hoisted); ``num_res`` is
+  # the number of hoistable ones on every line.
   if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
     return jaxpr_known, known_consts, [False] * num_res, []
-  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res)
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res,
+                                  *num_sres)
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """``(number of consts, number of carries)`` of a ``scan`` equation.
+
+  JAX 0.8-0.10 give them as params ``num_consts`` and ``num_carry``; from
+  0.11 the operands' structure is a flat tree, ``ft_in`` (consts, carry,
+  xs), whose parts' leaves are the operands in order.
+  """
+  if "num_consts" in params:   # JAX 0.8-0.10
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()   # JAX 0.11, 0.12
+  return len(list(consts)), len(list(carry))
 
 
 def keep_effects_in_loops(*effect_types) -> None:
@@ -427,8 +443,12 @@ callback_logger = _callback.logger
 default_device_setting = _config.default_device
 #: ``((state, value), ...)``: what ``debug_callback_impl`` also sets (no
 #: concrete and no abstract mesh), swapped the same way.
-NO_MESH_SETTINGS = ((_config.device_context, _mesh.empty_concrete_mesh),
-                    (_config.abstract_mesh_context_manager,
+# The concrete and abstract mesh states are ``jax._src.config``'s
+# ``device_context`` and ``abstract_mesh_context_manager`` on JAX 0.8-0.10,
+# ``jax._src.mesh``'s (same names) from 0.11.
+_mesh_states = _config if hasattr(_config, "device_context") else _mesh
+NO_MESH_SETTINGS = ((_mesh_states.device_context, _mesh.empty_concrete_mesh),
+                    (_mesh_states.abstract_mesh_context_manager,
                      _mesh.empty_abstract_mesh))
 
 def debug_callback_parts(flat_callback):
@@ -818,6 +838,36 @@ from jax._src.custom_derivatives import linear_call_p  # noqa: E402
 # (JAX 0.8-0.10: same signature; no public route).
 from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
 from jax._src.lax.lax import composite_p  # noqa: E402
+# ``compute_on`` (``jax.experimental.compute_on``): a primitive of its own
+# with the callee in ``jaxpr`` (JAX 0.10's ``compute_on2``; the only form
+# from 0.11); inlined by the pass like a ``jit``. No public handle.
+from jax._src.compute_on import compute_on_p  # noqa: E402
+#: The param of a ``composite`` equation holding its callee: ``jaxpr`` on
+#: JAX 0.8-0.10, ``call_jaxpr`` from 0.11.
+COMPOSITE_CALLEE = "jaxpr" if JAX_VERSION < (0, 11) else "call_jaxpr"
+
+# JAX 0.11 added "high-level" primitives (``jax._src.hijax``): one generic
+# primitive, ``call_hi_primitive``, whose ``_prim`` param is an object that
+# expands to ordinary ("lojax") primitives when the jaxpr is lowered
+# (``to_lojax``). ``lax.custom_root`` is one from 0.11. The pass runs after
+# differentiation, so it threads the expansion, as lowering would run it.
+# (0.10 has the primitive, but no public API stages it: left without a rule.)
+if JAX_VERSION >= (0, 11):
+  from jax._src.hijax import call_hi_primitive_p  # noqa: E402
+else:
+  call_hi_primitive_p = None
+
+
+def hi_primitive_expansion(eqn):
+  """The ClosedJaxpr a ``call_hi_primitive`` equation expands to (its
+  ``to_lojax`` rule traced at the equation's input types)."""
+  prim = eqn.params["_prim"]
+
+  def expand(*args):
+    return call_hi_primitive_p.to_lojax(*args, _prim=prim)
+  return jax.make_jaxpr(expand)(*(
+      jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                           weak_type=v.aval.weak_type) for v in eqn.invars))
 
 # The jaxprs held in an equation's params (sub-computations of higher-order
 # primitives): public as ``jax.extend.core.jaxprs_in_params`` from JAX 0.10,

@@ -38,7 +38,8 @@ CALLEES: dict[jex_core.Primitive, str] = {
     jex_prims.custom_jvp_call_p: "call_jaxpr",
     jex_prims.custom_vjp_call_p: "call_jaxpr",
     _compat.custom_vmap_p: "call",
-    _compat.composite_p: "jaxpr",
+    _compat.composite_p: _compat.COMPOSITE_CALLEE,
+    _compat.compute_on_p: "jaxpr",
     _compat.linear_call_p: "callee",
 }
 

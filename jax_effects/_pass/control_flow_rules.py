@@ -26,6 +26,7 @@ from jax import lax
 from jax.extend.core import primitives as jex_prims
 import jax.numpy as jnp
 
+from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import inlined_jit as _inlined_jit
@@ -120,7 +121,7 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
 
 def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  n_consts, n_carry = _compat.scan_counts(p)
   consts = invals[:n_consts]
   init = invals[n_consts:n_consts + n_carry]
   xs = invals[n_consts + n_carry:]
@@ -162,6 +163,19 @@ def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str)
 
 for _prim, _param in _jaxpr_eval.CALLEES.items():
   _token_pass.register_rule(_prim, functools.partial(_inline_rule, _param))
+
+
+def _hi_primitive_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  """A high-level primitive (``call_hi_primitive``, JAX 0.11+: e.g.
+  ``lax.custom_root``): its expansion into ordinary primitives, threaded
+  in the caller's trace with the caller's chains (what lowering runs)."""
+  closed = _compat.hi_primitive_expansion(eqn)
+  return _token_pass.thread_jaxpr(closed.jaxpr, closed.consts, invals,
+                                  chains, mode)
+
+
+if _compat.call_hi_primitive_p is not None:
+  _token_pass.register_rule(_compat.call_hi_primitive_p, _hi_primitive_rule)
 
 
 def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):

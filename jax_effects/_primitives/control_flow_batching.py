@@ -144,7 +144,7 @@ MASK_RULES[jex_prims.while_p] = _masked_while
 
 
 def _masked_scan(p, mask, invals):
-  nc, ncarry = p["num_consts"], p["num_carry"]
+  nc, ncarry = _compat.scan_counts(p)
   body = _closed_fn(p["jaxpr"], mask, invals[:nc])
 
   def step(carry, xs):

@@ -5,7 +5,8 @@ XLA calls an FFI handler with one pointer, an ``XLA_FFI_CallFrame*``
 and takes back an ``XLA_FFI_Error*`` (NULL: success). This module is the
 layout of that frame and of what hangs off it (argument and result buffers,
 attributes, the API table), for the FFI API versions whose layout it knows
-(:data:`KNOWN_VERSIONS`: 0.2, jaxlib 0.8; 0.3, jaxlib 0.9 and 0.10; the
+(:data:`KNOWN_VERSIONS`: 0.2, jaxlib 0.8; 0.3, jaxlib 0.9 and 0.10; 0.4,
+jaxlib 0.11; 0.5, jaxlib 0.12; the
 call frame, buffers, attributes and metadata are the same in both), and the
 means to read and write that memory fast:
 
@@ -71,7 +72,7 @@ mem64 = mem8.cast("Q")
 # --- layout (c_api.h; offsets on 64-bit little-endian platforms) ------------------
 
 #: FFI API versions whose structs this module knows (identical where read).
-KNOWN_VERSIONS = ((0, 2), (0, 3))
+KNOWN_VERSIONS = ((0, 2), (0, 3), (0, 4), (0, 5))
 
 # XLA_FFI_CallFrame: struct_size, extension_start, api, ctx, stage (+pad),
 # args {struct_size, extension_start, size, types, args},

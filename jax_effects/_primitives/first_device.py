@@ -63,7 +63,17 @@ def on_first_device(ctx, side, operands) -> list:
   avals_out = tuple(ctx.avals_out)
   mesh, names = _all_devices_mesh(ctx.module_context.axis_context.num_devices)
 
-  def call(*ops):
+  # An operand with no elements holds no data: it is made where the host
+  # call is, not passed into the shard_map (XLA 0.11.2 crashes compiling a
+  # shard_map with a zero-size operand, under plain jax.jit too).
+  avals_in = tuple(ctx.avals_in)
+  empty = [_is_empty(a) for a in avals_in]
+  kept = [i for i, e in enumerate(empty) if not e]
+
+  def call(*passed):
+    passed = iter(passed)
+    ops = [jnp.zeros(a.shape, a.dtype) if e else next(passed)
+           for a, e in zip(avals_in, empty)]
     return tuple(first_device_call_p.bind(*ops, side=side,
                                           avals_out=avals_out))
 
@@ -75,16 +85,23 @@ def on_first_device(ctx, side, operands) -> list:
     return jax.lax.cond(first, call, pass_through, *ops)
 
   mapped = _jax_api.shard_map(per_device, mesh=mesh,
-                              in_specs=(P(),) * len(operands),
+                              in_specs=(P(),) * len(kept),
                               out_specs=(P(),) * len(avals_out),
                               check_vma=False)
   # (Operands are whole on every device, _gathered; under an explicit mesh
   # their types say so too, as shard_map's in_specs require.)
-  ctx = dataclasses.replace(ctx, avals_in=[_unsharded(a) for a in ctx.avals_in])
+  ctx = dataclasses.replace(
+      ctx, avals_in=[_unsharded(avals_in[i]) for i in kept])
   carrier, *results = mlir.lower_fun(mapped, multiple_results=True)(
-      ctx, *operands)
+      ctx, *(operands[i] for i in kept))
   return [carrier, *(_compat.on_first_device(ctx, r, a)
                      for r, a in zip(results, avals_out[1:]))]
+
+
+def _is_empty(aval) -> bool:
+  """Whether ``aval`` is an array of a NumPy dtype with no elements."""
+  return (0 in getattr(aval, "shape", ()) and
+          not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended))
 
 
 def _unsharded(aval):

@@ -97,7 +97,13 @@ def watch(token, on_end, early: bool = False) -> None:
     if _thread is None and not _stopping:
       _thread = threading.Thread(target=_run, name="jax_effects-watcher",
                                  daemon=True)
-      _thread.start()
+      try:
+        _thread.start()
+      except RuntimeError:
+        # Python 3.12+ starts no thread once the interpreter is shutting
+        # down (a dispatch from an exit handler): what is watched stays for
+        # a barrier's settle (``exit.report_late`` waits for everything).
+        _thread = None
     _lock.notify()
 
 

@@ -93,6 +93,20 @@ def test_sharded_jit_prints_once_on_full_value_in_order(mesh, effects_capture):
       mesh.devices.flat)
 
 
+@pytest.mark.parametrize("shape", [(0,), (12, 0), (0, 3)])
+def test_empty_array_over_devices_prints_like_jax(mesh, shape, effects_capture):
+  # An operand with no elements crosses no bytes: the once-on-the-first-
+  # device call makes it itself (XLA 0.11.2's compiler crashes on a
+  # shard_map with a zero-size operand; this test segfaulted there).
+  x = jax.device_put(np.zeros(shape, np.int16), NamedSharding(mesh, P()))
+  f = je.jit(lambda x: (je.print("{} {!r}", x, jnp.flip(x, 0)), x + 1)[1])
+  out = f(x)
+  je.effects_barrier()
+  assert out.shape == shape
+  whole = jnp.zeros(shape, jnp.int16)   # (repr: a jax.Array's, as JAX's)
+  assert effects_capture.printed == [f"{whole} {whole!r}"]
+
+
 def test_sharded_jit_callback_placement_is_first_device(mesh):
   where = []
   x = jax.device_put(jnp.arange(N, dtype=jnp.float32),
