@@ -234,32 +234,17 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   Valid while the function threads one ordered chain ``key`` through
   ``jitted`` (``jitted(token, *args, **kwargs) -> (outputs, token)``) in
   ordering mode ``mode``, its token a scalar (``sharding`` None) or one
-  kept on the devices of ``sharding`` (``device_tokens.kept_on_devices``: a
-  ``shard_map`` program, effects run once over several devices; the
-  thread's ``fast_mode`` is then ``threads.devices_mode(mode)``), passed
-  back whole. The returned ``call(*args, **kwargs)`` is what calling the
-  function calls: the steps of :func:`dispatch` for that one chain, without
-  their loops, branches and frames: it passes the thread's token of
-  ``key``, stores the returned one (``ThreadTokens.store``; also when an
-  interrupt lands right after the launch: ``ThreadTokens.store_interrupted``),
-  has a computation over several devices that may leave effects to run on
-  the host watched (``executions.watch_failure``) and raises the errors of
-  callbacks that ran inline in the call. A computation over several CPU
-  devices is launched under ``launch_lock`` (``site``: what this hook
-  launched last).
-
+  kept on the devices of ``sharding``, passed back whole (then the thread's
+  ``fast_mode`` is ``threads.devices_mode(mode)``). The returned
+  ``call(*args, **kwargs)`` is what calling the function calls: the steps
+  of :func:`dispatch` for that chain (the module docstring's table),
+  launched under ``launch_lock`` over several CPU devices (``site``: what
+  this hook launched last), the token stored by ``ThreadTokens.store``.
   Every other case goes to ``general(*args, **kwargs)``, the function's
-  general call (which learns what there is to learn): under a trace; in
-  another mode, after a mode switch, with a token of another kind held or
-  an error pending (``ThreadTokens.fast_mode``); a token that ended failed
-  (checked, as ``ThreadTokens.tokens_for`` does; one still running is
-  handed on); after a trace that found another chain (:class:`NeedsTokens`:
-  nothing ran) or a launch JAX refused because the arguments put the
-  computation on other devices than a kept token's (nothing ran; the
-  general path passes the token combined). A token of another kind
-  returned (a new signature) is stored by ``ThreadTokens.update``: it
-  changes the thread's ``fast_mode``, so the next call takes the general
-  path, which learns the token's shape.
+  general call, which learns what there is to learn; nothing has run then,
+  but for a token of another kind returned (a new signature), which
+  ``ThreadTokens.update`` stores: it changes ``fast_mode``, so the next
+  call takes the general path.
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
   seq_mask = _token_value.SEQ_MASK

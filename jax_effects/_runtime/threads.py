@@ -10,7 +10,9 @@ execution"), passing the token returned by the previous computation makes the
 next one wait for it. This module owns that state, and is its only writer:
 :class:`ThreadTokens` changes only through its methods (a call's returned
 token: :meth:`ThreadTokens.update`, or :meth:`ThreadTokens.store` for the
-fast hook's one chain).
+fast hook's one chain), but for :attr:`ThreadTokens.dispatching`, which the
+fast hook sets and clears itself (:meth:`ThreadTokens.begin_dispatch` and
+:meth:`ThreadTokens.end_dispatch` for a call that is never nested).
 
 * **Thread-local and per effect**: each Python thread has its own streams,
   so threads never wait for each other. ``runtime`` (chain key -> token) is
@@ -358,20 +360,14 @@ class ThreadTokens:
 
   def store(self, key, token: jax.Array, passed, seq: int,
             kept: bool = False) -> None:
-    """Records ``token``, returned by a computation of the one chain
-    ``key`` given ``passed`` (``runtime[key]`` then), as the execution
-    ``seq``: step 6 of the fast hook (``_dispatch.call_path.fast_dispatch``;
-    ``kept``: its token is one kept on devices).
-
-    Its common case is :meth:`update`'s steps for one chain without hashing
-    a sharding: the token is on the device set of the thread's last
-    dispatch (:attr:`last_sharding`), no call made inside this one stored a
-    token of ``key`` meanwhile, and it is of the kind passed: a scalar
-    token (stored uncommitted; :attr:`verified` when ready) while the
-    thread holds none kept on devices, or one kept on exactly ``passed``'s
-    devices while it does (:attr:`device_tokens`), outside a deterministic
-    view (stored as it is). Every other case is :meth:`update`'s.
-    """
+    """:meth:`update` for the fast hook's one chain ``key``
+    (``_dispatch.call_path.fast_dispatch``; ``kept``: its token is kept on
+    devices), ``token`` returned given ``passed`` as the execution ``seq``.
+    Written out, no sharding hashed, when the token is on the last
+    dispatch's device set (:attr:`last_sharding`) and of the kind passed (a
+    scalar while no token is kept on devices; else one on ``passed``'s
+    devices, outside a deterministic view), and no call made inside this
+    one stored a token of ``key``; else :meth:`update`."""
     sharding = token.sharding
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
