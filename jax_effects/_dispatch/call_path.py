@@ -300,7 +300,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           returned = token.sharding
           if returned is not site.sharding:
             _launch_lock.launched(site, returned)
-          state.store(key, token, passed, seq, kept)
+          state.store(key, token, returned, passed, seq, kept)
           if kept and len(returned.device_set) > 1 and sites_lowered():
             _executions.watch_failure(state.slot, {key: seq}, token)
         except BaseException:

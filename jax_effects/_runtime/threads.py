@@ -358,17 +358,17 @@ class ThreadTokens:
             risky.discard(key)
     self._refresh_fast()
 
-  def store(self, key, token: jax.Array, passed, seq: int,
+  def store(self, key, token: jax.Array, sharding, passed, seq: int,
             kept: bool = False) -> None:
     """:meth:`update` for the fast hook's one chain ``key``
     (``_dispatch.call_path.fast_dispatch``; ``kept``: its token is kept on
-    devices), ``token`` returned given ``passed`` as the execution ``seq``.
+    devices), ``token`` (of ``sharding``) returned given ``passed`` as the
+    execution ``seq``.
     Written out, no sharding hashed, when the token is on the last
     dispatch's device set (:attr:`last_sharding`) and of the kind passed (a
     scalar while no token is kept on devices; else one on ``passed``'s
     devices, outside a deterministic view), and no call made inside this
     one stored a token of ``key``; else :meth:`update`."""
-    sharding = token.sharding
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
         or self.device_tokens is not kept
