@@ -50,42 +50,32 @@ step                                   fast path
 2. mode switch                         falls back unless the thread's
                                        ``fast_mode`` is the function's mode
                                        (cleared by any mode change)
-3. fetch tokens                        one chain, scalar tokens: one dict get
-                                       and a wait on it (``fast_mode`` is None
-                                       while a token kept on devices or a
-                                       joined one is held); a failed one
-                                       falls back (the general path learns it)
+3. fetch tokens                        one chain: one dict get and a check
+                                       of its token, a scalar or one kept on
+                                       the devices of the function's token
+                                       (``fast_mode`` is None while a joined
+                                       one or one at risk is held); a failed
+                                       one falls back (the general path
+                                       learns it)
 4. mark dispatching                    falls back inside a call of the same
                                        thread (a call from a host callback)
-5. elsewhere-retry                     not needed: scalar tokens are
-                                       uncommitted and follow the arguments
-6. store the token                     an inlined copy of
-                                       ``ThreadTokens.update`` for one scalar
-                                       chain (no sharding hashed); the
-                                       general ``update`` when the device set
-                                       changes or a call made inside this
-                                       one stored a token; no watch (one
-                                       device)
+5. elsewhere-retry                     falls back (nothing ran)
+6. store the token                     ``ThreadTokens.store``: one chain,
+                                       no sharding hashed in its common
+                                       case; a kept token's computation
+                                       watched where it may leave effects
+                                       to run on the host
 =====================================  =====================================
 
 A first call, a call under a trace, a trace that finds another chain
-(``NeedsTokens``) and a per-device token returned go back to the function's
-general path. A function whose token stays on its devices (a ``shard_map``
-program, effects once over several devices) has its own hook,
-:func:`fast_dispatch_devices`: the same steps for that token, passed back
-whole, under the launch lock where needed, its computation watched where it
-may leave effects to run on the host. Where the compiled hook is built (``_fast_call.c``, see
-:data:`HOOK`), it runs this common case with no Python frame and hands
-every other case, before anything happened, to the Python hook.
+(``NeedsTokens``) and a token of another kind returned go back to the
+function's general path.
 """
 from __future__ import annotations
-
-import os
 
 import jax
 
 from jax_effects import _compat
-from jax_effects._primitives import ffi_abi as _ffi_abi
 from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
@@ -93,7 +83,6 @@ from jax_effects._runtime import exit as _exit
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
-from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_value as _token_value
 
@@ -227,11 +216,10 @@ _interrupts.dispatching_frame(_launch)
 
 
 def _fast_after(state, token) -> None:
-  """Step 7 of the fast hooks (:func:`fast_dispatch`, its compiled form,
-  :func:`fast_dispatch_devices`), once their token is stored, when a SIGINT
-  landed or a callback failed during the call: raises ``KeyboardInterrupt``
-  (the computation ran; its token is stored), or the errors of callbacks
-  that ran inline in the call."""
+  """Step 7 of the fast hook (:func:`fast_dispatch`), once its token is
+  stored, when a SIGINT landed or a callback failed during the call: raises
+  ``KeyboardInterrupt`` (the computation ran; its token is stored), or the
+  errors of callbacks that ran inline in the call."""
   if _interrupts.slots and _interrupts.take(state):
     _errors.move_own_errors()
     raise KeyboardInterrupt
@@ -239,179 +227,34 @@ def _fast_after(state, token) -> None:
     _errors.raise_own(state, token)
 
 
-def fast_dispatch_devices(mode: str, key, jitted, *, sharding,
-                          site: _launch_lock.LaunchSite, general):
-  """The dispatch hook of a function whose token stays on its devices
-  (``device_tokens.kept_on_devices``: a ``shard_map`` program, or effects
-  run once over several devices), in its common case: :func:`fast_dispatch`'s
-  steps for the one chain ``key`` whose token, kept on the devices of
-  ``sharding`` (the callee's token's), is passed back whole.
-
-  Valid while the thread's ``fast_mode`` is ``threads.devices_mode(mode)``
-  and its token of ``key`` is one kept on exactly those devices; it waits
-  for nothing (a token that ended is checked for failure, as the general
-  path does), launches under ``launch_lock`` where the devices are several
-  CPU devices (not inside a host callback), stores the returned token as
-  it is (no copy), and has a computation that may leave effects to run on
-  the host watched (``executions.watch_failure``), as :func:`dispatch`
-  does. Every other case goes to ``general``: also a launch JAX refuses
-  because the arguments put the computation on other devices than the
-  token's (nothing ran; the general path passes the token combined); a
-  returned token of another kind, or one in the deterministic view
-  (``output.holding``: combined), goes to ``ThreadTokens.update``.
-  """
-  trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  seq_mask = _token_value.SEQ_MASK
-  errors = _errors.deferred
-  own = _errors.own
-  interrupted = _interrupts.slots
-  local = _threads.local
-  fast = _threads.devices_mode(mode)
-  holding = _output.holding
-  sites_lowered = _host_jobs.sites_lowered
-  serialize_launch = _launch_lock.serialize_launch
-  lock = _launch_lock.launch_lock
-  keys = (key,)
-
-  def call(*args, **kwargs):
-    if trace.value is not eval_trace or axis_env.value is not top_axis_env:
-      return general(*args, **kwargs)   # under a trace (a nested jit)
-    try:
-      state = local.state
-    except AttributeError:   # the thread's first call
-      return general(*args, **kwargs)
-    if state.fast_mode is not fast or errors or state.dispatching:
-      return general(*args, **kwargs)
-    runtime = state.runtime
-    passed = runtime.get(key)
-    if passed is None or getattr(passed, "sharding", None) is not sharding:
-      return general(*args, **kwargs)
-    try:   # (ThreadTokens.tokens_for: a failed token goes to the general
-      #       path, which learns it; one still running is handed on)
-      if passed.is_ready():
-        passed.block_until_ready()
-    except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
-      return general(*args, **kwargs)
-    seqs = state.seqs
-    seq = (seqs[key] + 1) & seq_mask
-    state.dispatching = 1
-    try:
-      try:
-        if serialize_launch(site):
-          with lock:
-            out, token = jitted(passed, *args, **kwargs)
-        else:
-          out, token = jitted(passed, *args, **kwargs)
-      except NeedsTokens:   # the trace found another chain: nothing ran
-        token = None
-      except ValueError as err:
-        if not _placed_elsewhere(err, (passed,)):
-          _failed(state, {key: seq}, err)
-        token = None   # (the arguments put it elsewhere: nothing ran; the
-        #                general path passes the token combined)
-      except BaseException as err:  # noqa: BLE001 - an execution error or not
-        _failed(state, {key: seq}, err)
-      if token is not None:
-        try:
-          returned = token.sharding
-          if returned is not site.sharding:
-            _launch_lock.launched(site, returned)
-          if (returned is sharding and runtime.get(key) is passed
-              and not holding()):
-            # (ThreadTokens.update for one chain kept on devices, inlined)
-            if returned is state.last_sharding:
-              state.last_token = token
-            else:
-              state.update((), token)   # (files it as the output token)
-            runtime[key] = token
-            seqs[key] = seq
-          else:
-            state.update(keys, token, (passed,), seq=seq)
-          if len(returned.device_set) > 1 and sites_lowered():
-            _executions.watch_failure(state.slot, {key: seq}, token)
-        except BaseException:
-          state.store_interrupted(keys, token, (passed,), seq=seq)
-          raise
-    finally:
-      state.dispatching = 0
-    if token is None:
-      return general(*args, **kwargs)
-    if interrupted or own.errors:   # (a SIGINT, a callback that failed)
-      _fast_after(state, token)
-    return out
-  _interrupts.dispatching_frame(call)
-  return call
-
-
-def _compiled_hook():
-  """The compiled hook's module (``_fast_call``, built by ``pip install .``
-  where a C compiler exists), or None: not built, or
-  ``JAX_EFFECTS_FAST_CALL`` is ``python`` (the Python hook, forced: tests
-  run both). Read once, at import."""
-  if os.environ.get("JAX_EFFECTS_FAST_CALL", "") == "python":
-    return None
-  try:
-    from jax_effects._dispatch import _fast_call
-  except ImportError:
-    return None
-  return _fast_call
-
-
-_FAST_CALL = _compiled_hook()
-#: How the fast hook's common case runs: "compiled" (``_fast_call.c``) or
-#: "python" (:func:`fast_dispatch`'s closure alone).
-HOOK = "compiled" if _FAST_CALL is not None else "python"
-if _FAST_CALL is not None:   # (a SIGINT landing in it: as in the Python hook)
-  _interrupts.compiled_hook_caller = _FAST_CALL.caller
-
-
-def _fast_failed(state, key, seq: int, err: BaseException) -> None:
-  """The compiled hook's launch raised ``err`` (not ``NeedsTokens``): as
-  the Python hook's ``except`` (:func:`_failed`); raises."""
-  try:
-    _failed(state, {key: seq}, err)
-  finally:
-    del err
-
-
-def _fast_store_failed(state, key, token, passed, seq: int) -> None:
-  """The compiled hook's store raised (a SIGINT handled in one of its
-  Python calls): the token is stored anyway, as the Python hook's
-  ``except`` does (``ThreadTokens.store_interrupted``), and the interrupt,
-  being raised, is taken."""
-  state.store_interrupted((key,), token, (passed,), seq=seq)
-  _interrupts.take(state)
-
-
 def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
-                  general):
-  """The dispatch hook of one function in its common case (``_dispatch.function``).
+                  general, sharding=None):
+  """The dispatch hook of one function in its common case (``_dispatch.core``).
 
-  Valid while the function threads one ordered chain ``key`` with scalar
-  runtime tokens through ``jitted`` (``jitted(token, *args, **kwargs)
-  -> (outputs, token)``) in ordering mode ``mode``. The returned
-  ``call(*args, **kwargs)`` is what calling the function calls: it passes
-  the thread's token of ``key``, stores the returned one (also when an
-  interrupt lands right after the dispatch, see ``ThreadTokens.store_interrupted``)
-  and raises the errors of callbacks that ran inline in the call, the steps
-  of :func:`dispatch` without their loops, branches and frames.
+  Valid while the function threads one ordered chain ``key`` through
+  ``jitted`` (``jitted(token, *args, **kwargs) -> (outputs, token)``) in
+  ordering mode ``mode``, its token a scalar (``sharding`` None) or one
+  kept on the devices of ``sharding``, passed back whole (then the thread's
+  ``fast_mode`` is ``threads.devices_mode(mode)``). The returned
+  ``call(*args, **kwargs)`` is what calling the function calls: the steps
+  of :func:`dispatch` for that chain (the module docstring's table),
+  launched under ``launch_lock`` over several CPU devices (``site``: what
+  this hook launched last), the token stored by ``ThreadTokens.store``.
   Every other case goes to ``general(*args, **kwargs)``, the function's
-  general call (which learns what there is to learn): under a trace; in
-  another mode, after a mode switch, with a per-device token or an error
-  pending (``ThreadTokens.fast_mode``); after a trace that found another
-  chain (:class:`NeedsTokens`: nothing ran). A per-device token returned (a
-  new signature) is stored: it clears the thread's ``fast_mode``, so its
-  next call takes the general path, which learns the token's shape. A
-  computation over several CPU devices is launched under ``launch_lock``
-  (``site``: what this hook launched last).
+  general call, which learns what there is to learn; nothing has run then,
+  but for a token of another kind returned (a new signature), which
+  ``ThreadTokens.update`` stores: it changes ``fast_mode``, so the next
+  call takes the general path.
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
-  committed, uncommitted = _compat.committed, _compat.uncommitted
   seq_mask = _token_value.SEQ_MASK
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)
   own = _errors.own
   interrupted = _interrupts.slots
   local = _threads.local
+  kept = sharding is not None
+  fast = _threads.devices_mode(mode) if kept else mode
+  sites_lowered = _host_jobs.sites_lowered
   keys = (key,)
 
   def call(*args, **kwargs):
@@ -421,21 +264,19 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       state = local.state
     except AttributeError:   # the thread's first call
       return general(*args, **kwargs)
-    if state.fast_mode != mode or errors or state.dispatching:
+    if state.fast_mode != fast or errors or state.dispatching:
       return general(*args, **kwargs)
-    runtime = state.runtime
-    passed = runtime.get(key)
-    if passed is None:   # (a chain starting: the general path)
-      return general(*args, **kwargs)
+    passed = state.runtime.get(key)
+    if passed is None or (kept and getattr(passed, "sharding", None)
+                          is not sharding):
+      return general(*args, **kwargs)   # (a chain starting; another kind)
     if passed is not state.verified and passed.is_ready():
-      try:
-        # (ThreadTokens.tokens_for, inlined: a failed token goes to the
-        # general path, which learns it; one still running is handed on)
+      try:   # (ThreadTokens.tokens_for: a failed token goes to the general
+        #       path, which learns it; one still running is handed on)
         passed.block_until_ready()
       except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
         return general(*args, **kwargs)
-    seqs = state.seqs
-    seq = (seqs[key] + 1) & seq_mask   # (this execution's: token_value)
+    seq = (state.seqs[key] + 1) & seq_mask   # (this execution's: token_value)
     state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
     try:                    # handled by interrupts)
       try:
@@ -445,31 +286,23 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
                         else jitted(passed, *args))
         else:
           with _launch_lock.launch_lock:
-            out, token = (jitted(passed, *args, **kwargs) if kwargs
-                          else jitted(passed, *args))
+            out, token = jitted(passed, *args, **kwargs)
       except NeedsTokens:   # the trace found another chain: nothing ran
         token = None
+      except ValueError as err:
+        if not _placed_elsewhere(err, (passed,)):
+          _failed(state, {key: seq}, err)
+        token = None   # (the arguments put it elsewhere: nothing ran)
       except BaseException as err:  # noqa: BLE001 - an execution error or not
         _failed(state, {key: seq}, err)
       if token is not None:
         try:
-          sharding = token.sharding
-          if sharding is not site.sharding:
-            _launch_lock.launched(site, sharding)
-          if sharding is state.last_sharding and runtime.get(key) is passed:
-            # (ThreadTokens.update for this one scalar chain, inlined)
-            state.last_token = token
-            stored = runtime[key] = (uncommitted(token) if committed(token)
-                                     else token)
-            seqs[key] = seq
-            if token.is_ready():   # (ThreadTokens.verified)
-              state.verified = stored
-          else:
-            # (another device set than the last dispatch's, or a token
-            # kept on devices: a new signature; update clears fast_mode
-            # then, and the next call's general path learns its shape; or
-            # a call made inside this one stored a token meanwhile)
-            state.update(keys, token, (passed,), seq=seq)
+          returned = token.sharding
+          if returned is not site.sharding:
+            _launch_lock.launched(site, returned)
+          state.store(key, token, returned, passed, seq, kept)
+          if kept and len(returned.device_set) > 1 and sites_lowered():
+            _executions.watch_failure(state.slot, {key: seq}, token)
         except BaseException:
           state.store_interrupted(keys, token, (passed,), seq=seq)
           raise
@@ -481,12 +314,4 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       _fast_after(state, token)
     return out
   _interrupts.dispatching_frame(call)
-  if _FAST_CALL is None:
-    return call
-  return _FAST_CALL.FastCall(
-      call, general, jitted, key, mode, local, trace, eval_trace, axis_env,
-      top_axis_env, errors, site, interrupted, own, _fast_failed,
-      _launch_lock.launched, uncommitted, _fast_after, NeedsTokens,
-      _fast_store_failed, seq_mask, _ffi_abi.entries_counter())
-
-
+  return call

@@ -18,7 +18,7 @@ PURE        :attr:`Core.plain` itself: a plain ``jax.jit`` call, no Python
 THREADED    :meth:`Core.call_threaded`: the general call path
             (``call_path.dispatch``)
 FAST        the current mode's fast hook (``call_path.fast_dispatch``): one
-            ordered chain, scalar tokens
+            ordered chain, its token a scalar or kept on its devices
 FALLBACK    :meth:`Core.call_threaded`, after :attr:`Core.plain` traced a
             program with effects in PURE (:meth:`Core.effects_found`):
             possibly a call straight from ``jax.jit``'s C++ path, which ran
@@ -222,14 +222,10 @@ class Core:
           and self.state is not FALLBACK and not self.traces.may_fail):
         # (no hook for a function whose computations may fail as a whole:
         # its dispatches wait for them, ThreadTokens.tokens_for)
-        if threaded.per_device_sharding is None:
-          threaded.fast = _call_path.fast_dispatch(
-              mode, keys[0], jitted, site=threaded.launch,
-              general=self.call_threaded)
-        else:   # (its token stays on its devices)
-          threaded.fast = _call_path.fast_dispatch_devices(
-              mode, keys[0], jitted, sharding=threaded.per_device_sharding,
-              site=threaded.launch, general=self.call_threaded)
+        threaded.fast = _call_path.fast_dispatch(
+            mode, keys[0], jitted, site=threaded.launch,
+            general=self.call_threaded,
+            sharding=threaded.per_device_sharding)   # (None: scalar tokens)
       else:
         threaded.fast = None
 

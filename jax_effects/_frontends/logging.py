@@ -11,7 +11,7 @@ not counting), ``stack_info`` and ``exc_info`` captured. At run time the host
 callback formats the message as ``print`` formats its line, applies the
 adapters' ``process()``, builds a :class:`logging.LogRecord` with
 ``logger.makeRecord`` (so the logger's record factory and filters apply) and
-hands it to :func:`jax_effects._output.deliver_record` (which holds it in
+hands it to :func:`jax_effects._runtime.output.deliver_record` (which holds it in
 the deterministic view). Every record carries:
 
 * ``device_id``: the device whose computation ran the callback (None when run
@@ -314,7 +314,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   Whether the level is enabled is decided when the record would be emitted.
 
   Records carry ``device_id``, ``shard_index`` and ``process_index`` (see
-  :mod:`jax_effects._logging`); in per-device code (``shard_map``, ``pmap``)
+  :mod:`jax_effects._frontends.logging`); in per-device code (``shard_map``, ``pmap``)
   each device emits its own record.
   """
   what = f"jax_effects.log({fmt!r})"

@@ -10,7 +10,7 @@ convention is that of every effect: the pass adds the token and carrier).
 At run time the host callback formats the values as ``jax.debug.print``
 does (see ``design/formatting.md``: :class:`Value` stands for each array,
 the NumPy print options of the call site apply) and hands the line to
-:func:`jax_effects._output.deliver_line` (``sys.stdout`` plus listeners).
+:func:`jax_effects._runtime.output.deliver_line` (``sys.stdout`` plus listeners).
 """
 from __future__ import annotations
 

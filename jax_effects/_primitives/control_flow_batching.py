@@ -184,7 +184,7 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
 
   JAX's rule then evaluates every branch for every element and selects. Here
   too, but each branch's effects get ``index == i`` as an extra (batched)
-  operand (:class:`~jax_effects._host_callback.MaskedHost`), so an element runs only the effects of the
+  operand (:class:`~jax_effects._primitives.host_callback.MaskedHost`), so an element runs only the effects of the
   branch it took, in batch order, branch after branch.
   """
   if (dims[0] is None or "branches_platforms" in params

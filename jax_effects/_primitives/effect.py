@@ -5,7 +5,7 @@ bind while a program is being traced::
 
     results = effect_p(*args; host_callback, effect, ordered)
 
-(``host_callback``, a :class:`~jax_effects._host_callback.HostCallback`, holds the
+(``host_callback``, a :class:`~jax_effects._primitives.host_callback.HostCallback`, holds the
 host function and ``result_avals``.) It carries a
 :class:`~jax_effects._core.effects.TraceEffect` marker so JAX keeps it through its
 transformations, and every rule of it lives here: abstract evaluation, the
@@ -15,7 +15,7 @@ when a user's function is *traced* (before the pass), inside
 ``design/transformations.md``):
 
 * **vmap** (a *fancy* batcher, called even when no operand is batched): the
-  equation is re-bound with a :class:`~jax_effects._host_callback.BatchedHost` that
+  equation is re-bound with a :class:`~jax_effects._primitives.host_callback.BatchedHost` that
   runs the user's host function once per batch element, in batch
   (row-major) order, and stacks the results. Nested vmaps flatten into one
   ``BatchedHost`` with a multi-dimensional ``batch_shape`` (outermost vmap
@@ -313,7 +313,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   ``eager`` its eager form, ``reads_placement`` whether it reads its
   placement on every run, ``batch_once`` whether it runs once for a
   ``vmap`` batch and ``counts_elements`` whether it counts that batch's
-  elements (see :class:`~jax_effects._host_callback.HostCallback`,
+  elements (see :class:`~jax_effects._primitives.host_callback.HostCallback`,
   built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
   under ``jit`` ``fn`` receives the operands with edges cut to them.
   ``cleanup``: runs also after an earlier effect of its chain failed in the

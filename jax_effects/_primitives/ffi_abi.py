@@ -233,14 +233,6 @@ _TRAMPOLINE = _compiled_entry()
 ENTRY = "compiled" if _TRAMPOLINE is not None else "ctypes"
 
 
-def entries_counter():
-  """A capsule of the compiled entry's C function that returns the calling
-  thread's count of entries so far (``_trampoline.counter``: a dispatch
-  that sees it change ran its computation inline, on its own thread; the
-  compiled dispatch hook reads it), or None with the ctypes entry."""
-  return None if _TRAMPOLINE is None else _TRAMPOLINE.counter()
-
-
 def handler_capsule(handler: Callable[[int], int], common=None):
   """``handler`` (called with the frame's address, returning an error's
   address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``: through

@@ -150,10 +150,56 @@ def decode_tree(data, values) -> Any:
   return None
 
 
+_MAKERS = {"t": tuple, "l": list, "d": dict}
+
+
+def _shallow(data) -> tuple | None:
+  """``(make, keys, items, slots)``: how to build the node ``data`` whose
+  children are leaves (``make(items)``, or ``make(zip(keys, items))`` for a
+  dict, with ``items[i] = values[j]`` for each ``(i, j)`` of ``slots``); a
+  leaf itself is ``(None, None, value, operand)``; None for a deeper node."""
+  if "op" in data:
+    return None, None, None, data["op"]
+  kind = next((k for k in _MAKERS if k in data), None)
+  if kind is None:
+    return None, None, data.get("v"), None
+  children = data[kind]
+  keys = [k for k, _ in children] if kind == "d" else None
+  if keys is not None:
+    children = [d for _, d in children]
+  items, slots = [], []
+  for i, child in enumerate(children):
+    if any(k in child for k in _MAKERS):
+      return None
+    if "op" in child:
+      slots.append((i, child["op"]))
+    items.append(child.get("v"))
+  return _MAKERS[kind], keys, items, slots
+
+
 def tree_decoder(data) -> Callable:
-  """``decode(values)``: :func:`decode_tree` of ``data``, bound."""
+  """``decode(values)``: :func:`decode_tree` of ``data``, its structure
+  read once, here, not on every call of the host side (a warm ``print``'s
+  or ``log``'s text): a tuple of nodes of leaves (the ``(args, kwargs)`` of
+  plain arguments) is built by ``decode`` alone; a deeper tree by
+  :func:`decode_tree`."""
+  parts = ([_shallow(d) for d in data["t"]] if "t" in data else [None])
+  if None in parts:
+    def decode_deep(values):
+      return decode_tree(data, values)
+    return decode_deep
+
   def decode(values):
-    return decode_tree(data, values)
+    out = []
+    for make, keys, items, slots in parts:
+      if make is None:   # (a leaf: its value, or its operand's)
+        out.append(items if slots is None else values[slots])
+        continue
+      row = list(items)
+      for i, j in slots:
+        row[i] = values[j]
+      out.append(make(row) if keys is None else make(zip(keys, row)))
+    return tuple(out)
   return decode
 
 

@@ -19,10 +19,8 @@ is inside a call (``ThreadTokens.dispatching``):
   every later host function of that slot's computations raises at once, on
   any device, so the computation ends at its next callback;
 * in the call path between the launch and the storing of the returned token
-  (``frames.DISPATCH``, the frame itself; or, for the compiled hook, which
-  has no frame, with the frame that called it current:
-  :data:`compiled_hook_caller`): marked, nothing raised there; the token is
-  stored first;
+  (``frames.DISPATCH``, the frame itself): marked, nothing raised there;
+  the token is stored first;
 * in the entry of the C callback XLA calls (``frames.ENTRY``, the frame
   itself, e.g. at its first bytecode, before its ``try``): marked, nothing
   raised there (ctypes would drop it and take the callback as done, its
@@ -49,12 +47,6 @@ from jax_effects._runtime import threads as _threads
 slots: set[int] = set()
 
 
-#: ``() -> frame or None``: the frame that called the compiled dispatch
-#: hook on this thread while it launches and stores (set by
-#: ``_dispatch.call_path`` where the hook is built).
-compiled_hook_caller = None
-
-
 def _on_sigint(signum, frame):
   state = getattr(_threads.local, "state", None)
   if state is None or not state.dispatching:
@@ -65,9 +57,6 @@ def _on_sigint(signum, frame):
   if top and (kind == _frames.DISPATCH or kind == _frames.ENTRY):
     return   # the call raises it once its token is stored (take); in an
     #          entry, its host function raises it
-  caller = compiled_hook_caller
-  if caller is not None and frame is not None and frame is caller():
-    return   # in the compiled hook itself: as in a DISPATCH frame
   signal.default_int_handler(signum, frame)
 
 

@@ -8,7 +8,11 @@ per ordered :class:`~jax_effects.Effect` it uses, and returns as outputs.
 Because an executable starts only when all its inputs are ready ("strict
 execution"), passing the token returned by the previous computation makes the
 next one wait for it. This module owns that state, and is its only writer:
-:class:`ThreadTokens` changes only through its methods.
+:class:`ThreadTokens` changes only through its methods (a call's returned
+token: :meth:`ThreadTokens.update`, or :meth:`ThreadTokens.store` for the
+fast hook's one chain), but for :attr:`ThreadTokens.dispatching`, which the
+fast hook sets and clears itself (:meth:`ThreadTokens.begin_dispatch` and
+:meth:`ThreadTokens.end_dispatch` for a call that is never nested).
 
 * **Thread-local and per effect**: each Python thread has its own streams,
   so threads never wait for each other. ``runtime`` (chain key -> token) is
@@ -354,6 +358,33 @@ class ThreadTokens:
             risky.discard(key)
     self._refresh_fast()
 
+  def store(self, key, token: jax.Array, sharding, passed, seq: int,
+            kept: bool = False) -> None:
+    """:meth:`update` for the fast hook's one chain ``key``
+    (``_dispatch.call_path.fast_dispatch``; ``kept``: its token is kept on
+    devices), ``token`` (of ``sharding``) returned given ``passed`` as the
+    execution ``seq``.
+    Written out, no sharding hashed, when the token is on the last
+    dispatch's device set (:attr:`last_sharding`) and of the kind passed (a
+    scalar while no token is kept on devices; else one on ``passed``'s
+    devices, outside a deterministic view), and no call made inside this
+    one stored a token of ``key``; else :meth:`update`."""
+    runtime = self.runtime
+    if (sharding is not self.last_sharding or runtime.get(key) is not passed
+        or self.device_tokens is not kept
+        or (kept and (sharding is not passed.sharding or _output.holding()))):
+      self.update((key,), token, (passed,), seq=seq)
+      return
+    self.last_token = token
+    if kept:
+      runtime[key] = token
+    else:
+      stored = runtime[key] = (_compat.uncommitted(token)
+                               if _compat.committed(token) else token)
+      if token.is_ready():   # (see verified)
+        self.verified = stored
+    self.seqs[key] = seq
+
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys`` (read
     before its dispatch: a call made inside it moves them)."""
@@ -415,13 +446,6 @@ class ThreadTokens:
     meanwhile (see :meth:`update`): the next dispatch waits for it."""
     self.joined.append(token)
     self.fast_mode = None
-
-  # The fast hook (``_dispatch.call_path.fast_dispatch``) keeps an inlined
-  # copy of :meth:`update` for one chain with scalar tokens on the device
-  # set of the last dispatch (``last_token``, ``runtime``, ``seqs``,
-  # ``verified``, :meth:`join` when needed) and of :meth:`begin_dispatch`/
-  # :meth:`end_dispatch` (``dispatching``): the one other writer of this
-  # state, measured by ``bench --check`` (row c/i); keep the two the same.
 
   def _file_last(self) -> None:
     """Moves the fast path's last output token into :attr:`output`."""
@@ -528,7 +552,7 @@ _DEVICES_MODES: dict = {}
 def devices_mode(mode: str | None) -> str | None:
   """``ThreadTokens.fast_mode`` while the thread holds a token kept on
   devices in ``mode``: the hooks of such tokens run
-  (``call_path.fast_dispatch_devices``), the others take the general path
+  (``call_path.fast_dispatch`` of such a token), the others take the general path
   (one object per mode: compared by identity)."""
   if mode is None:
     return None

@@ -308,7 +308,7 @@ def test_a_reused_slot_never_names_an_earlier_threads_execution():
 def test_a_failed_token_kept_on_devices_is_not_handed_on(devices,
                                                          effects_capture):
   # A shard_map program's token stays on its devices and its calls take
-  # their own fast hook (call_path.fast_dispatch_devices). Its computation
+  # the fast hook for such tokens (call_path.fast_dispatch). Its computation
   # fails because its input did (an upstream computation over the same
   # devices, still in flight at dispatch); once that is known, the next
   # call must start the chain afresh, not get the failed token, and its

@@ -1,19 +1,19 @@
-"""The two forms of the dispatch hook's common case behave alike.
+"""The fast dispatch hook behaves alike with either FFI entry.
 
-Where a C compiler was found at install, a function's common calls run
-through the compiled hook (``_dispatch/_fast_call.c``), which hands every
-other case to the Python hook (``call_path.fast_dispatch``); without it, or
-with ``JAX_EFFECTS_FAST_CALL=python``, the Python hook runs them all. The
-compiled hook knows a token verified (``ThreadTokens.verified``) from the
-compiled FFI entry's count of entries on its thread; with the ctypes entry
-(``JAX_EFFECTS_FFI_ENTRY=ctypes``) it asks the token. Each form runs the
-same program in a fresh process: the printed lines in order, the values
-returned, the errors raised (each once, by the call it belongs to) and the
-thread's token after each call must be what the program implies: calls with
-positional arguments passed as written and unpacked (the two ways Python
-hands them over), keyword arguments, a callback that fails, a failure of
-the computation as a whole (its token never handed on), a call from inside
-a host callback, a retrace that finds another chain.
+A function's common calls run through the fast hook
+(``call_path.fast_dispatch``), which hands every other case to the
+function's general path. It knows a token verified
+(``ThreadTokens.verified``) by asking whether the token is ready when its
+call returns: with the compiled FFI entry (``_trampoline.c``) and with the
+ctypes one (``JAX_EFFECTS_FFI_ENTRY=ctypes``, what an install without a C
+compiler runs). Each runs the same program in a fresh process: the printed
+lines in order, the values returned, the errors raised (each once, by the
+call it belongs to) and the thread's token after each call must be what the
+program implies: calls with positional arguments passed as written and
+unpacked (the two ways Python hands them over), keyword arguments, a
+callback that fails, a failure of the computation as a whole (its token
+never handed on), a call from inside a host callback, a retrace that finds
+another chain.
 """
 import json
 import textwrap
@@ -29,11 +29,10 @@ jax.config.update("jax_num_cpu_devices", 2)
 import jax.numpy as jnp
 import numpy as np
 import jax_effects as je
-from jax_effects._dispatch import call_path
 from jax_effects._primitives import ffi_abi
 from jax_effects._runtime import threads
 
-out = {"hook": call_path.HOOK, "entry": ffi_abi.ENTRY, "errors": [],
+out = {"entry": ffi_abi.ENTRY, "errors": [],
        "values": [], "tokens": []}
 
 def token_is_new(before):
@@ -190,20 +189,15 @@ def _expected_stdout() -> list[str]:
   return lines
 
 
-@pytest.mark.parametrize("hook,entry", [("default", "default"),
-                                        ("default", "ctypes"),
-                                        ("python", "default")])
-def test_both_hooks_dispatch_alike(hook, entry, tmp_path):
-  env = {"JAX_EFFECTS_FAST_CALL": "python" if hook == "python" else None,
-         "JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
+@pytest.mark.parametrize("entry", ["default", "ctypes"])
+def test_fast_hook_dispatches_alike(entry, tmp_path):
+  env = {"JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
   # (run elsewhere than the checkout: the installed package, with its
-  # compiled parts where they were built, is the one a test run imports)
+  # compiled part where it was built, is the one a test run imports)
   proc = run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=600,
                     cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads(proc.stderr.strip().splitlines()[-1])
-  if hook == "python":
-    assert got["hook"] == "python"
   assert got["entry"] == "ctypes" or entry == "default"
   assert got["values"] == EXPECTED_VALUES
   assert got["tokens"] == [True] * 4
