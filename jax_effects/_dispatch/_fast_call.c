@@ -62,7 +62,7 @@ typedef struct {
 } FastCall;
 
 static PyObject *s_value, *s_state, *s_fast_mode, *s_dispatching, *s_runtime,
-    *s_verified, *s_serialize, *s_seqs, *s_sharding, *s_last_sharding,
+    *s_verified, *s_serialize, *s_finish, *s_seqs, *s_sharding, *s_last_sharding,
     *s_last_token, *s_committed, *s_is_ready, *s_update, *s_store_interrupted,
     *s_seq, *s_errors;
 static PyObject *k_zero, *k_one;
@@ -190,7 +190,23 @@ static int store(FastCall *self, PyObject *state, PyObject *passed,
     r = PyObject_CallMethodNoArgs(token, s_is_ready);
     if (r == NULL) goto done;
     ready = PyObject_IsTrue(r);
+    Py_CLEAR(r);
     if (ready < 0) goto done;
+  }
+  if (!ready) {
+    /* A program that runs the user's own function on the host: the call
+       waits for it (site.finish: launch_lock.finish), True once ended. */
+    r = PyObject_GetAttr(self->site, s_finish);
+    if (r == NULL) goto done;
+    if (r != Py_None) {
+      PyObject *f = r;
+      r = PyObject_CallOneArg(f, token);
+      Py_DECREF(f);
+      if (r == NULL) goto done;
+      ready = PyObject_IsTrue(r);
+      if (ready < 0) goto done;
+    }
+    Py_CLEAR(r);
   }
   if (ready && PyObject_SetAttr(state, s_verified, stored) < 0) goto done;
   rc = 0;
@@ -503,6 +519,7 @@ PyMODINIT_FUNC PyInit__fast_call(void) {
   INTERN(s_runtime, "runtime");
   INTERN(s_verified, "verified");
   INTERN(s_serialize, "serialize");
+  INTERN(s_finish, "finish");
   INTERN(s_seqs, "seqs");
   INTERN(s_sharding, "sharding");
   INTERN(s_last_sharding, "last_sharding");

@@ -192,6 +192,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         _executions.watch_failure(state.slot, seqs, token)
     finally:
       state.end_dispatch()
+    if site.finish is not None and not nested:   # (runs the user's code:
+      site.finish(token)                         #  launch_lock.finish)
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
@@ -336,6 +338,8 @@ def fast_dispatch_devices(mode: str, key, jitted, *, sharding,
       state.dispatching = 0
     if token is None:
       return general(*args, **kwargs)
+    if site.finish is not None:   # (runs the user's code: launch_lock.finish)
+      site.finish(token)
     if interrupted or own.errors:   # (a SIGINT, a callback that failed)
       _fast_after(state, token)
     return out
@@ -464,12 +468,17 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
             seqs[key] = seq
             if token.is_ready():   # (ThreadTokens.verified)
               state.verified = stored
+            elif site.finish is not None and site.finish(token):
+              state.verified = stored   # (runs the user's code, waited for:
+              #                            launch_lock.finish)
           else:
             # (another device set than the last dispatch's, or a token
             # kept on devices: a new signature; update clears fast_mode
             # then, and the next call's general path learns its shape; or
             # a call made inside this one stored a token meanwhile)
             state.update(keys, token, (passed,), seq=seq)
+            if site.finish is not None:
+              site.finish(token)
         except BaseException:
           state.store_interrupted(keys, token, (passed,), seq=seq)
           raise
