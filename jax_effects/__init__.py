@@ -48,6 +48,7 @@ from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
 from jax_effects._primitives.host_target import TARGET as HOST_TARGET
 from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
+from jax_effects._runtime import notebook as _notebook  # noqa: F401  (IPython: a cell's effects under it)
 from jax_effects._runtime.barrier import effects_barrier
 from jax_effects._runtime.placement import current as placement
 from jax_effects._runtime.placement import Placement

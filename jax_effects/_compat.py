@@ -707,6 +707,26 @@ def enclosing_vmaps() -> tuple[tuple[int, int], ...]:
   return tuple(found)
 
 
+def on_jax_effects_barrier(before) -> None:
+  """Makes ``jax.effects_barrier()`` call ``before()`` first (jax_effects'
+  effects: ``_runtime.barrier.jax_barrier_hook``), then JAX's own wait.
+
+  JAX's function waits through ``dispatch.runtime_tokens.block_until_ready``
+  (also at exit and in ``clear_backends``): wrapped on that object, so every
+  route to it (``jax.effects_barrier`` imported before jax_effects too) is
+  covered and JAX's function itself is left as it is."""
+  tokens = _dispatch.runtime_tokens
+  if getattr(tokens.block_until_ready, "_jax_effects_hook", False):
+    return
+  own = type(tokens).block_until_ready
+
+  def block_until_ready():
+    before()
+    own(tokens)
+  block_until_ready._jax_effects_hook = True
+  tokens.block_until_ready = block_until_ready
+
+
 def jax_runtime_tokens() -> list:
   """Every token JAX keeps for ``jax.effects_barrier`` on this thread
   (ordered effects' runtime tokens, and the output token per device of

@@ -181,6 +181,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         _executions.watch_failure(state.slot, seqs, token)
     finally:
       state.end_dispatch()
+    if site.finish is not None and not nested:   # (runs the user's code:
+      site.finish(token)                         #  launch_lock.finish)
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
@@ -300,7 +302,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           returned = token.sharding
           if returned is not site.sharding:
             _launch_lock.launched(site, returned)
-          state.store(key, token, returned, passed, seq, kept)
+          state.store(key, token, returned, passed, seq, kept, site.finish)
           if kept and len(returned.device_set) > 1 and sites_lowered():
             _executions.watch_failure(state.slot, {key: seq}, token)
         except BaseException:

@@ -309,6 +309,8 @@ class Core:
           for mode_ in list(self.modes):
             self.refresh(mode_)
     threaded = self.threaded(mode)
+    if self.traces.user_code and threaded.launch.finish is None:
+      _launch_lock.wait_for_user_code(threaded.launch)
     while True:
       keys, jitted = self.keys_and_jit(mode, args)
       may_fail = self.traces.may_fail
@@ -319,6 +321,12 @@ class Core:
       except NeedsTokens as err:
         self.learn(mode, err.keys)
         continue
+      if self.traces.user_code and threaded.launch.finish is None:
+        # (learnt by this call's own trace: its computation runs the
+        # user's code, waited for from now on: launch_lock.finish)
+        _launch_lock.wait_for_user_code(threaded.launch)
+        if state.dispatching == 0:
+          _launch_lock.finish(token)
       if self.traces.may_fail and not may_fail:
         # (learnt by this call's own trace: its computation may fail as a
         # whole, and the function's hook goes, ThreadTokens.tokens_for)

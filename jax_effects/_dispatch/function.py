@@ -331,8 +331,12 @@ class Lowered(_Stage, jax.stages.Lowered):
     return self._inner.cost_analysis()
 
   def compile(self, *args, **kwargs) -> "Compiled":
-    return Compiled(self._inner.compile(*args, **kwargs), self._mode,
-                    self._keys)
+    compiled = Compiled(self._inner.compile(*args, **kwargs), self._mode,
+                        self._keys)
+    core = getattr(self._function, "_core", None)
+    if core is not None and core.traces.user_code:   # (launch_lock.finish)
+      _launch_lock.wait_for_user_code(compiled._launch)
+    return compiled
 
 
 @_forwarding

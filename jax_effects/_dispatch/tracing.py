@@ -226,6 +226,10 @@ class TraceCache:
     #: execution when they raise (``token_pass.may_fail``): what the
     #: function's dispatches learn from it (``ThreadTokens.tokens_for``).
     self.may_fail = False
+    #: Set once a trace runs the user's own function on the host
+    #: (``token_pass.runs_user_code``): the function's calls wait for their
+    #: computations (``_runtime.launch_lock.finish``).
+    self.user_code = False
     #: The host target's sites lowered for this function's programs, kept
     #: while its jax.jit objects (and their executables) may run them
     #: (``host_target.keep_sites_in``).
@@ -288,6 +292,8 @@ class TraceCache:
     out_tree = tree_util.tree_structure(out_shape)
     if not self.may_fail and _token_pass.may_fail(closed.jaxpr):
       self.may_fail = True
+    if not self.user_code and _token_pass.runs_user_code(closed.jaxpr):
+      self.user_code = True
     if keep and signature is not None and not any(
         isinstance(c, jax.core.Tracer) for c in closed.consts):
       # (a jaxpr closing over an enclosing trace's values is not reusable)

@@ -304,7 +304,8 @@ def _debug_callback_host_callback(params: dict,
                                   avals: tuple) -> _host_callback.HostCallback:
   del avals
   return _host_callback.HostCallback(debug_callback(params),
-                            f"jax.debug.callback {_ADOPTED}")
+                            f"jax.debug.callback {_ADOPTED}",
+                            user_code=True)
 
 
 def _io_callback_host_callback(params: dict,
@@ -313,7 +314,7 @@ def _io_callback_host_callback(params: dict,
   result_avals = tuple(params["result_avals"])
   return _host_callback.HostCallback(io_callback(params, result_avals),
                             f"jax.experimental.io_callback {_ADOPTED}",
-                            result_avals)
+                            result_avals, user_code=True)
 
 
 _adopted.register_host_side(_compat.debug_print_p, _print_host_callback)

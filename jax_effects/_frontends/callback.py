@@ -145,7 +145,8 @@ def _named_host(spec: dict) -> _host_callback.HostCallback:
       return ()
     return _flatten_results(what, out, out_tree, None)
 
-  return _host_callback.HostCallback(call, what, avals, spec=spec)
+  return _host_callback.HostCallback(call, what, avals, spec=spec,
+                                     user_code=True)
 
 
 _host_specs.register_kind("callback", _named_host)
@@ -224,7 +225,7 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
     host = _named_host(spec).fn
     results = _effect.bind_effect(host, what, operands, effect=effect,
                                       ordered=ordered, result_avals=avals,
-                                      spec=spec)
+                                      spec=spec, user_code=True)
     return (None if result_shape_dtypes is None
             else tree_util.tree_unflatten(out_tree, results))
 
@@ -232,7 +233,7 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
   if result_shape_dtypes is None:
     # What ``host`` returns is ignored: no frame of ours around it.
     _effect.bind_effect(host, what, operands, effect=effect,
-                            ordered=ordered, spec=spec)
+                            ordered=ordered, spec=spec, user_code=True)
     return None
 
   def call(*np_operands):
@@ -241,5 +242,5 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
 
   results = _effect.bind_effect(call, what, operands, effect=effect,
                                    ordered=ordered, result_avals=avals,
-                                   spec=spec)
+                                   spec=spec, user_code=True)
   return tree_util.tree_unflatten(out_tree, results)

@@ -333,6 +333,29 @@ def may_fail(jaxpr) -> bool:
   return False
 
 
+#: JAX's own primitives that run the user's function on the host (adopted
+#: by the pass or left to JAX): see :func:`runs_user_code`.
+_USER_CODE = ("debug_callback", "io_callback", "pure_callback")
+
+
+def runs_user_code(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a sub-jaxpr) runs the user's own function on the
+  host (``HostCallback.user_code``: ``callback``, or JAX's
+  ``jax.debug.callback``/``io_callback``/``pure_callback``), which may
+  dispatch JAX computations or block: its call waits for the computation
+  (``_runtime.launch_lock.finish``)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _USER_CODE:
+      return True
+    host_callback = eqn.params.get("host_callback")
+    if getattr(host_callback, "user_code", False):
+      return True
+    for sub in _compat.jaxprs_in_params(eqn.params):
+      if runs_user_code(sub):
+        return True
+  return False
+
+
 def _shard_map_chain_keys(jaxpr, mode: str) -> set:
   """The chain keys with an effect inside a ``shard_map`` (per device)
   anywhere in ``jaxpr``."""

@@ -305,7 +305,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 batch_once: bool = False, edges: tuple = (),
                 counts_elements: bool = False,
                 cleanup: bool = False,
-                spec: dict | str | None = None) -> list:
+                spec: dict | str | None = None,
+                user_code: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
   ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
@@ -319,7 +320,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   ``cleanup``: runs also after an earlier effect of its chain failed in the
   same execution (``HostCallback.cleanup``).
   ``spec``: the host side as data, ``fn`` built from it (or why not,
-  ``HostCallback.spec``).
+  ``HostCallback.spec``). ``user_code``: ``fn`` runs the user's function
+  (``HostCallback.user_code``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
@@ -332,6 +334,6 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       traced_in_while_cond=staging == "while_cond", eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
       edges=tuple(edges), counts_elements=counts_elements,
-      cleanup=cleanup, spec=spec)
+      cleanup=cleanup, spec=spec, user_code=user_code)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

@@ -49,7 +49,11 @@ class HostCallback:
   progress bar's close, as a ``finally`` block; ``host_functions.FailedBit``).
   ``chain``: the chain key the token-threading pass put it on (None before
   the pass): what the host keeps for an execution is named by it
-  (``_runtime.host_jobs``).
+  (``_runtime.host_jobs``). ``user_code``: ``fn`` runs the user's own
+  function (``callback``, JAX's adopted ``jax.debug.callback`` and
+  ``io_callback``), which may dispatch JAX computations or block: a
+  computation that runs one is waited for by its call
+  (``_runtime.launch_lock.finish``, ``design/errors.md``).
   ``spec``: the host side as data
   (``host_specs``: a JSON-able dict from which ``fn`` was built and any
   process rebuilds it), or a str saying why it is not data, or None (not
@@ -67,6 +71,7 @@ class HostCallback:
   counts_elements: bool = False
   cleanup: bool = False
   chain: Any = None
+  user_code: bool = False
   #: The effect as its front end bound it (``root``), which every form made
   #: of it (batched, masked, on a chain: ``dataclasses.replace``) keeps:
   #: what the host keeps for a lowered form lives as long as the effect

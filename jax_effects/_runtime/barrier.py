@@ -14,9 +14,12 @@ the call or carried by its results, as under ``jax.jit``; the barrier only
 frees what the host kept for it. :func:`quiet_barrier` waits the same way
 and reports nothing (a mode switch: each error stays for the thread that
 dispatched it). Both are refused inside a host callback, which they would
-wait for.
+wait for. ``jax.effects_barrier()`` waits for ours too
+(:func:`jax_barrier_hook`).
 """
 from __future__ import annotations
+
+import time
 
 from jax_effects import _compat
 from jax_effects._runtime import errors as _errors
@@ -116,6 +119,45 @@ def wait_for_thread() -> None:
   _wait_host_jobs(False, [state])
 
 
+def jax_barrier_hook() -> None:
+  """What ``jax.effects_barrier()`` does first (``_compat.on_jax_effects_barrier``):
+  waits for every thread's effects, as JAX's waits for every device's
+  (quietly: each error stays for its thread), then reports this thread's
+  errors as :func:`effects_barrier` does. Refused inside a host callback,
+  as ours is; nothing after jax_effects' exit handler (JAX's own exit
+  handler calls it: everything was waited for)."""
+  if _threads.after_exit_handler:
+    return
+  check_not_in_callback("jax.effects_barrier()")
+  quiet_barrier(True)
+  effects_barrier(False)
+
+
+def _done(token) -> bool:
+  try:
+    return token.is_ready()
+  except Exception:  # noqa: BLE001 - failed, deleted, or a NumPy initial token
+    return True
+
+
+def wait_for_thread_until(timeout: float) -> bool:
+  """:func:`wait_for_thread`, for at most ``timeout`` seconds of computation
+  (polled): False if this thread's computations are still running then
+  (the IPython cell hook, ``_runtime.notebook``)."""
+  state = getattr(_threads.local, "state", None)
+  if state is None:
+    return True
+  deadline = time.monotonic() + timeout
+  pause = 1e-4
+  while not all(_done(t) for t in state.pending()):
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(pause)
+    pause = min(pause * 2, 0.01)
+  wait_for_thread()   # (ended: its effects left on the host run now)
+  return True
+
+
 def effects_barrier(all_threads: bool = False) -> None:
   """Blocks until every effect dispatched so far has completed.
 
@@ -165,3 +207,6 @@ def effects_barrier(all_threads: bool = False) -> None:
       raise report
     finally:
       report = None   # (no reference cycle through this frame)
+
+
+_compat.on_jax_effects_barrier(jax_barrier_hook)

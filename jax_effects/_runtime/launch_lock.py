@@ -11,10 +11,25 @@ dispatches of a computation that spans several CPU devices take
 :data:`launch_lock` around the launch (waiting for it releases the GIL).
 Not inside a host callback (the lock holder may be waiting for the
 callback's own computation). See ``design/errors.md``.
+
+The same client bounds the computations in flight on each device (a
+semaphore every launch takes, released when the computation ends), so a
+launch *inside* a host callback (the user's function dispatching a ``jnp``
+operation: JAX issue 25861) waits for a place while the device's places are
+held by computations that wait, through the thread's token chain or their
+inputs, for the one running the callback: a deadlock, every time a thread
+dispatches more than the limit ahead. So a computation that runs the user's
+own function on the host (``HostCallback.user_code``) is waited for by the
+call that launched it (:func:`finish`, ``LaunchSite.finish``): the thread
+never has one in flight while it dispatches more, and the callback's own
+launches find a place. The wait is bounded (:data:`FINISH_WAIT_S`): a
+callback that waits for what its caller does after the call returns (a
+queue, an event) gets it then.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from jax_effects._runtime import fork as _fork
@@ -36,12 +51,15 @@ class LaunchSite:
   the devices are not known yet, and the first launch also traces and
   compiles, and may run its computation inline, whose callbacks may wait for
   other threads' calls), then whether its last computation spanned several
-  CPU devices; ``sharding`` is that computation's token sharding."""
-  __slots__ = ("serialize", "sharding")
+  CPU devices; ``sharding`` is that computation's token sharding.
+  ``finish``: None, or :func:`finish` once the site's program is known to
+  run the user's own function on the host (the call waits for it)."""
+  __slots__ = ("serialize", "sharding", "finish")
 
   def __init__(self):
     self.serialize: bool | None = None
     self.sharding: Any = None
+    self.finish = None
 
 
 def spans_cpu_devices(sharding) -> bool:
@@ -64,3 +82,39 @@ def serialize_launch(site: LaunchSite) -> bool:
   return site.serialize is True and _placement.current() is None
 
 
+
+
+#: How long (seconds) a call waits for its computation that runs the user's
+#: own function on the host (:func:`finish`) before it returns anyway.
+FINISH_WAIT_S = 1.0
+
+
+def finish(token) -> bool:
+  """Waits until the computation that returned ``token`` has ended, at most
+  :data:`FINISH_WAIT_S` (the module docstring): True if it ended without
+  failing (the token is verified: ``ThreadTokens.verified``), False if it
+  failed (the next call learns it), is still running, or if this is a host
+  callback (which never waits here: the computation may be its own)."""
+  try:
+    if token.is_ready():
+      token.block_until_ready()
+      return True
+    if _placement.current() is not None:
+      return False
+    deadline = time.monotonic() + FINISH_WAIT_S
+    pause = 2e-5   # (the GIL is released while asleep: the callback runs)
+    while not token.is_ready():
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(pause)
+      pause = min(pause * 2, 1e-3)
+    token.block_until_ready()
+  except Exception:  # noqa: BLE001 - a failed computation: the call's, later
+    return False
+  return True
+
+
+def wait_for_user_code(site: LaunchSite) -> None:
+  """``site``'s program runs the user's own function on the host: its calls
+  wait for their computations (:func:`finish`)."""
+  site.finish = finish

@@ -359,7 +359,7 @@ class ThreadTokens:
     self._refresh_fast()
 
   def store(self, key, token: jax.Array, sharding, passed, seq: int,
-            kept: bool = False) -> None:
+            kept: bool = False, finish=None) -> None:
     """:meth:`update` for the fast hook's one chain ``key``
     (``_dispatch.call_path.fast_dispatch``; ``kept``: its token is kept on
     devices), ``token`` (of ``sharding``) returned given ``passed`` as the
@@ -368,21 +368,27 @@ class ThreadTokens:
     dispatch's device set (:attr:`last_sharding`) and of the kind passed (a
     scalar while no token is kept on devices; else one on ``passed``'s
     devices, outside a deterministic view), and no call made inside this
-    one stored a token of ``key``; else :meth:`update`."""
+    one stored a token of ``key``; else :meth:`update`. ``finish``: the
+    call site's wait for a computation that runs user code
+    (``_runtime.launch_lock.finish``), or None."""
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
         or self.device_tokens is not kept
         or (kept and (sharding is not passed.sharding or _output.holding()))):
       self.update((key,), token, (passed,), seq=seq)
+      if finish is not None:
+        finish(token)
       return
     self.last_token = token
     if kept:
       runtime[key] = token
+      if finish is not None:
+        finish(token)
     else:
       stored = runtime[key] = (_compat.uncommitted(token)
                                if _compat.committed(token) else token)
-      if token.is_ready():   # (see verified)
-        self.verified = stored
+      if token.is_ready() or (finish is not None and finish(token)):
+        self.verified = stored   # (see verified; finish: waited for)
     self.seqs[key] = seq
 
   def execution_seqs(self, keys) -> dict:

@@ -17,7 +17,11 @@ fault injected through a public API:
 * ``slow``: the same callbacks sleeping on one device or step;
 * ``callback-error``: a ``jax_effects.callback`` raising (on one device, or
   at one step);
-* ``stdout``: a ``sys.stdout`` whose ``write`` raises once, for one line.
+* ``stdout``: a ``sys.stdout`` whose ``write`` raises once, for one line;
+* ``reenter-jax``: a callback (JAX's ``pure_callback`` or a
+  ``jax_effects.callback``, on one device or at one step) that launches JAX
+  computations and waits for them (JAX issue 25861; ``design/errors.md``,
+  "No unbounded wait"): nothing observable changes, nothing may hang.
 
 The model (plain Python, from the contract of issue 31, not from the
 implementation, :func:`check`) says what must be observed: every record
@@ -81,7 +85,7 @@ WRITE_ERROR_SKIPS_LATER_EFFECTS = True
 #: seconds; its slowest fault sleeps 0.3 s.
 CASE_BOUND_S = 45
 FAULT_CLASSES = ("none", "xla-stage", "xla-partitioned", "slow",
-                 "callback-error", "stdout")
+                 "callback-error", "stdout", "reenter-jax")
 TEMPLATES = ("partitioned", "summarized", "shard_map", "loop", "streams",
              "reentrant")
 #: How often each template is drawn.
@@ -91,6 +95,11 @@ WEIGHTS = (2, 2, 2, 2, 2, 1)
 INNER = "shard_map"
 MODES = ("per_effect", "global")
 SLEEP_S = 0.3
+#: ``reenter-jax``: the faulty callback waits this long before it launches
+#: computations, while its thread dispatches this many computations that
+#: wait for the faulty call's result (JAX issue 25861's shape).
+REENTER_PAUSE_S = 0.1
+REENTER_AHEAD = 48
 #: Uids of the warm-up's calls (a case's are ``seed * 64 + k``; a value
 #: ``uid * 1000 + 157`` must fit in int32).
 WARM_UP_UID = 2_100_000
@@ -243,6 +252,9 @@ def fault_sites(cls: str, template: str) -> list[str]:
   if cls == "callback-error":
     return {"partitioned": ["c1d"], "summarized": [], "shard_map": ["c2"],
             "loop": ["c3"], "streams": ["c4"], "reentrant": []}[template]
+  if cls == "reenter-jax":
+    return fault_sites("slow", template) + fault_sites("callback-error",
+                                                       template)
   if cls == "stdout":
     return {"partitioned": ["S1", "s1.1", "s1.2", "s1.3"],
             "summarized": ["S6", "s6.1"],
@@ -359,6 +371,11 @@ class Runner:
         return
       if f.cls == "slow":
         time.sleep(SLEEP_S)
+      elif f.cls == "reenter-jax":
+        f.fired = True
+        time.sleep(REENTER_PAUSE_S)   # (its thread runs ahead meanwhile)
+        for k in range(3):   # (computations launched from the callback)
+          jax.block_until_ready(jnp.arange(8) * (uid % 7 + k))
       elif f.cls in ("xla-stage", "xla-partitioned"):
         f.fired = True
         raise Injected(f"xla fault call {uid} device {device} step {step}")
@@ -600,7 +617,8 @@ def generate(seed: int, classes: tuple[str, ...],
     if cls == "stdout":
       fault.site = site if site != "l3" else f"l3.{fault.step}"
       fault.step = 0
-    if cls == "callback-error" and op.template == "loop":
+    if cls in ("callback-error", "reenter-jax") and (
+        op.template == "loop" and site != "stage"):
       fault.site = "c3"
     # (a call made inside a callback would raise the thread's deferred
     # error there, which would become that callback's: not modelled)
@@ -677,6 +695,14 @@ def run_case(runner: Runner, case: Case) -> dict:
           raised("call", key, exc, op.uid)
           continue
         event("returned", key, op.uid)
+        f = runner.fault
+        if f is not None and f.cls == "reenter-jax" and f.uid == op.uid:
+          # the thread runs ahead of the faulty call: computations that
+          # wait for its result (more than XLA's CPU client lets in flight
+          # on a device) while its callback is about to launch its own
+          y = jax.tree.leaves(out)[0]
+          for _ in range(REENTER_AHEAD):
+            y = y + 1
         if op.template == "reentrant":   # (its callback's call: dispatched)
           event("returned", key, op.uid + 1)
         if op.read == "now":

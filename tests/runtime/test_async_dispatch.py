@@ -7,7 +7,9 @@ before the computation (and its callbacks, on one of XLA's threads) has run.
 Ordering and ``effects_barrier()`` are unchanged; a callback's error is
 raised by the thread's next call (before it runs anything) or barrier.
 Observed without timing: a callback blocked on an event the caller sets
-after the call returned; every wait is bounded.
+after the call returned (a computation that runs the user's own function
+is waited for by its call at most ``launch_lock.FINISH_WAIT_S``, then the
+call returns: ``test_callback_reentry.py``); every wait is bounded.
 """
 import threading
 
