@@ -6,7 +6,7 @@ XLA's CPU client bounds the computations in flight on each device; a host
 callback that launches a JAX computation (``jnp`` on its operands) waits
 for a place, which computations waiting for the one running the callback
 held: JAX's regression program for JAX issue 25861 hung every time under
-``jax_effects.jit`` (both hooks, every kind of callback). Each program
+``jax_effects.jit`` (both FFI entries, every kind of callback). Each program
 runs in a fresh process, bounded: a hang fails the test.
 """
 import os
