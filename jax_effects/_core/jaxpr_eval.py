@@ -42,6 +42,7 @@ CALLEES: dict[jex_core.Primitive, str] = {
     _compat.compute_on_p: "jaxpr",
     _compat.linear_call_p: "callee",
 }
+CALLEES.pop(None, None)   # (compute_on_p where JAX lacks it: _compat.MISSING)
 
 
 def split(closed) -> tuple:

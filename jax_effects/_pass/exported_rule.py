@@ -42,7 +42,8 @@ def _call_exported_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   return outs
 
 
-_token_pass.register_rule(_compat.call_exported_p, _call_exported_rule)
+if _compat.call_exported_p is not None:   # (else: _compat.EXPORTED_CALLS)
+  _token_pass.register_rule(_compat.call_exported_p, _call_exported_rule)
 # (its chain, for the registry that answers which chain an effect is on)
 _effects.register_chain_kind(
     _effects.ExportedOrder,

@@ -164,7 +164,8 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
         return _bind_threaded(key, host_callback, invals, chains)
     effects = eqn.effects
     if (effects and _effects.has_chain(effects) and (
-        eqn.primitive in RULES or _effects.has_own_marker(effects))) or (
+        eqn.primitive in RULES or _effects.has_own_marker(effects)
+        or eqn.primitive.name in _compat.FEATURE_OF_PRIMITIVE)) or (
         eqn.primitive.name in HIDES_EFFECTS and _markers.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
@@ -300,6 +301,10 @@ def refusal(eqn) -> NotImplementedError:
   """The error for an effect inside a higher-order primitive with no rule."""
   name = eqn.primitive.name
   what = _markers.first_effect(eqn)
+  feature = _compat.FEATURE_OF_PRIMITIVE.get(name)
+  missing = feature and _compat.unsupported_reason(feature)
+  if missing:   # (the installed JAX lacks what its rule needs)
+    return _compat.UnsupportedFeature(f"{what}: {missing}")
   reason = REFUSED.get(
       name, "jax_effects does not know in which order this primitive runs "
             "its sub-computations")

@@ -1,4 +1,4 @@
-"""Supported JAX lines (0.8, 0.9, 0.10) and their limits
+"""Supported JAX lines (0.8 to 0.12) and their limits
 (``design/versions.md``).
 
 Version differences live in ``jax_effects._compat``; a feature that a line
@@ -8,7 +8,9 @@ read when JAX starts (pmap staging, jaxpr constants) are tried in a subprocess.
 """
 import configparser
 import json
+import os
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +169,86 @@ def test_4bit_integer_operands_are_a_clear_error_where_jax_passes_them_wrong():
     f(x)
     je.effects_barrier()
     assert seen == [[1, 2, -3]]
+
+
+# --- a JAX whose internals jax_effects cannot find ---------------------------
+# (design/versions.md, "A JAX line newer than the tested ones": an internal
+# every feature needs -> one ImportError naming the installed JAX, the
+# tested lines and the fix; one a feature needs -> that feature raises
+# UnsupportedFeature, the rest works.)
+
+_HIDE = {
+    # an import that fails (the module is gone)
+    "module": "sys.modules['jax._src.shard_map'] = None",
+    # a name gone from a module (from ... import name)
+    "name": "del jax._src.debugging.debug_print_p",
+    # an attribute read at import (module.attribute)
+    "attribute": "del jax._src.callback._callback_op_sharding",
+}
+
+
+@pytest.mark.parametrize("how", sorted(_HIDE))
+def test_import_without_an_internal_it_needs_names_jax_and_the_fix(how):
+  proc = run_script(f"""
+      import sys
+      import jax, jax._src.shard_map, jax._src.debugging, jax._src.callback
+      {_HIDE[how]}
+      import jax_effects
+  """)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("ImportError: jax_effects "), proc.stderr[-2000:]
+  assert f"the installed JAX {jax.__version__} " in last
+  assert ", ".join(_compat.TESTED) in last
+  assert "Fix: install a tested JAX" in last
+  assert "AttributeError: module" not in last.split("(", 1)[0]
+
+
+def test_tested_lines_are_tox_s_lines():
+  # versions.TESTED names the JAX of every line tox.ini pins, and the
+  # installed JAX is one of them (but under `tox -e jaxnext`).
+  tox = (ROOT / "tox.ini").read_text()
+  pinned = sorted(set(re.findall(r"jax\d+: jax==([\d.]+)", tox)))
+  assert pinned == sorted(_compat.TESTED)
+  if not os.environ.get("JAX_EFFECTS_JAXNEXT"):
+    assert jax.__version__ in _compat.TESTED
+
+
+def test_a_feature_whose_internals_are_missing_alone_is_refused():
+  proc = run_script("""
+      import importlib
+      import jax, jax.numpy as jnp
+      import jax._src.export._export   # (JAX's own code has it)
+      load = importlib.import_module
+
+      def newer_jax(name, *args, **kwargs):   # (where jax_effects looks)
+        if name == "jax._src.export._export":
+          raise ImportError(f"No module named {name!r}")
+        return load(name, *args, **kwargs)
+      importlib.import_module = newer_jax
+      import jax_effects as je
+      importlib.import_module = load
+      from jax_effects import _compat
+
+      @je.jit
+      def inner(x):
+        je.print("inner {}", x.sum())
+        return x + 1
+
+      exp = jax.export.export(inner, disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)])(
+              jax.ShapeDtypeStruct((2,), jnp.float32))
+      print("plain", float(je.jit(lambda x: (je.print("p {}", x.sum()),
+                                             x * 2)[1])(jnp.ones(2)).sum()))
+      try:
+        je.jit(lambda x: exp.call(x) * 2)(jnp.ones(2))
+      except _compat.UnsupportedFeature as err:
+        print("refused", err)
+  """)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout.splitlines()
+  assert out[:2] == ["p 2.0", "plain 4.0"], proc.stdout
+  (refused,) = [l for l in out if l.startswith("refused ")]
+  assert "calling a jax.export function with effects needs a JAX internal" in refused
+  assert f"JAX {jax.__version__} lacks" in refused
+  assert "Fix: install a tested JAX" in refused

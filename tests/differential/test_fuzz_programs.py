@@ -132,7 +132,7 @@ def jax_hoisting(monkeypatch):
   it: also for bodies with our effects (which jax_effects keeps in the loop,
   ``_compat.keep_effects_in_loops``)."""
   from jax_effects import _compat
-  monkeypatch.setattr(_compat, "_unhoisted_effect_types", set())
+  monkeypatch.setattr(_compat.jaxprs, "_unhoisted_effect_types", set())
 
 
 def _loop_invariant_program():
@@ -185,7 +185,7 @@ def test_fuzz_check_fails_on_reversed_records(monkeypatch, hoist):
   program = [S("grad", 1, {}, (body,))] if hoist else body
   if hoist:   # (JAX's hoisting, which jax_effects turns off for its effects)
     from jax_effects import _compat
-    monkeypatch.setattr(_compat, "_unhoisted_effect_types", set())
+    monkeypatch.setattr(_compat.jaxprs, "_unhoisted_effect_types", set())
   assert bool(fp.hoisted_effects(program)) == hoist
   run = fp.run
 
