@@ -16,6 +16,13 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
                     if p.isdigit())
 
 
+def jax_caches_host_callbacks() -> bool:
+  """Whether JAX's persistent cache keeps executables with host callbacks
+  (``jax.debug.print`` under ``jax.jit``): from JAX 0.12
+  (``compiler._cache_write`` refused them before)."""
+  return JAX_VERSION >= (0, 12)
+
+
 #: The JAX releases this release of jax_effects is tested on: the newest
 #: patch of each supported line (``tox.ini``, ``design/versions.md``).
 TESTED = ("0.8.3", "0.9.2", "0.10.2", "0.11.2", "0.12.0.1")
