@@ -358,6 +358,26 @@ def lowering_for_export(ctx) -> bool:
   return bool(ctx.module_context.lowering_parameters.for_export)
 
 
+def export_allowed_custom_calls() -> frozenset | None:
+  """The custom-call targets the running ``jax.export.export(...)(...)``
+  call allows (its ``disabled_checks``), read from its frame (``do_export``
+  in ``jax._src.export._export``, whose ``disabled_checks`` is a closure
+  variable: JAX 0.8-0.10); None when no such frame is found (another
+  caller, another JAX). ``"ALL"`` stands for every target."""
+  import sys
+  frame = sys._getframe(1)
+  while frame is not None:
+    if (frame.f_code.co_name == "do_export" and frame.f_globals.get(
+        "__name__") == "jax._src.export._export"):
+      checks = frame.f_locals.get("disabled_checks")
+      if checks is None:
+        return None
+      return frozenset(t for t in (c.is_custom_call() for c in checks)
+                       if t is not None)
+    frame = frame.f_back
+  return None
+
+
 def keep_alive_with_executable(ctx, obj) -> None:
   """Keeps ``obj`` alive as long as the executable compiled from the module
   ``ctx`` lowers: the module context's keepalives, which JAX hands to the
