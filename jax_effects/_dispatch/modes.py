@@ -118,7 +118,12 @@ def deterministic() -> Iterator[None]:
   several threads dispatch per-device effects at the same time (a release
   delivers everything held); per-device effects under plain ``jax.jit``
   (delivered at once).
+
+  Refused (``RuntimeError``) inside a function being traced (``jit``,
+  ``make_jaxpr``, a loop body): it takes effect when entered, around the
+  call of the jitted function, and would do nothing at run time there.
   """
+  _barrier.check_not_in_traced("deterministic()")
   _output.start_holding()
   try:
     yield

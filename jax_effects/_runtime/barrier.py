@@ -116,6 +116,18 @@ def wait_for_thread() -> None:
   _wait_host_jobs(False, [state])
 
 
+def check_not_in_traced(call: str) -> None:
+  """Refuses ``call`` while a jaxpr is being built (inside ``jit``,
+  ``make_jaxpr``, a loop body): it would run once, when the function is
+  traced, and do nothing when the computation runs."""
+  if _compat.building_jaxpr():
+    raise RuntimeError(
+        f"jax_effects: {call} was called inside a function being traced "
+        f"(jit, make_jaxpr, a loop or cond body): it would run once, at "
+        f"trace time, and do nothing when the computation runs. Call it "
+        f"around the call of the jitted function instead.")
+
+
 def effects_barrier(all_threads: bool = False) -> None:
   """Blocks until every effect dispatched so far has completed.
 
@@ -128,8 +140,10 @@ def effects_barrier(all_threads: bool = False) -> None:
   (an ``ExceptionGroup``), each once.
 
   Refused (``RuntimeError``) inside a host callback of a running computation,
-  which it would wait for.
+  which it would wait for, and inside a function being traced (``jit``,
+  ``make_jaxpr``, a loop body), where it would do nothing at run time.
   """
+  check_not_in_traced(f"effects_barrier(all_threads={all_threads})")
   check_not_in_callback(f"effects_barrier(all_threads={all_threads})")
   if all_threads:
     states, orphans = _threads.all_states(), _threads.orphans()
