@@ -84,6 +84,69 @@ def test_callback_returning_wrong_number_of_results(run, effects_capture):
   _still_works(effects_capture)
 
 
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("named", [False, True])
+def test_callback_declaring_a_result_that_returned_none_says_so(
+    run, named, effects_capture):
+  def host(x):
+    x * 2          # forgot the return
+
+  fn = je.register_callback("test_bad_input.host", host) if named else host
+  try:
+    with pytest.raises(TypeError) as info:
+      run(lambda x: je.callback(fn, SPEC, x))(jnp.ones(2))
+      je.effects_barrier()
+  finally:
+    je.register_callback("test_bad_input.host", None)
+  msg = str(info.value)
+  assert "returned None" in msg and "forget a `return`" in msg
+  assert "dtype object" not in msg
+  _still_works(effects_capture)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("named", [False, True])
+def test_callback_without_declared_result_returning_a_value_is_refused(
+    run, named, effects_capture):
+  # As io_callback(fn, None, x) refuses it: the value would be lost.
+  seen = []
+
+  def host(x):
+    seen.append(float(x))
+    return x * 2
+
+  fn = je.register_callback("test_bad_input.host", host) if named else host
+  try:
+    with pytest.raises(TypeError) as info:
+      run(lambda x: je.callback(fn, None, x))(jnp.float32(3))
+      je.effects_barrier()
+    msg = str(info.value)
+    assert "returned np.float32(6.0)" in msg or "returned 6.0" in msg, msg
+    assert "result_shape_dtypes=None" in msg and "return None" in msg
+    # Returning None (or nothing, or a pytree without leaves, as
+    # io_callback takes it) is what a no-result callback does.
+    seen.clear()
+    run(lambda x: je.callback(lambda v: seen.append(float(v)), None, x))(
+        jnp.float32(4))
+    run(lambda x: je.callback(lambda v: (seen.append(5.0), None), None, x))(
+        jnp.float32(5))
+    je.effects_barrier()
+    assert seen == [4.0, 5.0]
+  finally:
+    je.register_callback("test_bad_input.host", None)
+  _still_works(effects_capture)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_callback_str_argument_suggests_functools_partial(run):
+  with pytest.raises(TypeError) as info:
+    run(lambda v: je.callback(lambda tag, x: None, None, "loss", v))(1.0)
+  msg = str(info.value)
+  assert "argument #0 is of type str" in msg
+  assert "functools.partial(fn, value)" in msg
+  assert "convert others yourself" not in msg
+
+
 def test_wrong_number_of_results_under_vmap(effects_capture):
   def host(x):
     return ()
