@@ -358,6 +358,19 @@ def lowering_for_export(ctx) -> bool:
   return bool(ctx.module_context.lowering_parameters.for_export)
 
 
+# Traceback filtering as ``jax.jit``'s (``jax._src.traceback_util``, the same
+# on JAX 0.8-0.10): an exception leaving the outermost ``api_boundary`` has
+# the frames of the registered paths removed (``JAX_TRACEBACK_FILTERING``).
+from jax._src import traceback_util as _traceback_util  # noqa: E402
+
+api_boundary = _traceback_util.api_boundary
+
+
+def exclude_from_tracebacks(path: str) -> None:
+  """Leaves the frames of files under ``path`` out of filtered tracebacks."""
+  _traceback_util.register_exclusion(path)
+
+
 def export_allowed_custom_calls() -> frozenset | None:
   """The custom-call targets the running ``jax.export.export(...)(...)``
   call allows (its ``disabled_checks``), read from its frame (``do_export``

@@ -205,6 +205,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   return out, token
 
 
+@_compat.api_boundary   # (its traceback shows no frame of ours: jax.jit's)
 def _failed(state, seqs: dict, err: BaseException) -> None:
   """Raises the error of a dispatch that failed (step 5): an XLA failure
   frees what the host kept for the execution (``seqs``: its identity,
@@ -365,6 +366,7 @@ if _FAST_CALL is not None:   # (a SIGINT landing in it: as in the Python hook)
   _interrupts.compiled_hook_caller = _FAST_CALL.caller
 
 
+@_compat.api_boundary
 def _fast_failed(state, key, seq: int, err: BaseException) -> None:
   """The compiled hook's launch raised ``err`` (not ``NeedsTokens``): as
   the Python hook's ``except`` (:func:`_failed`); raises."""
