@@ -6,6 +6,8 @@ built where a C compiler and Python's headers exist; where they do not, the
 build of an extension fails, setuptools warns and the package installs
 without it (``optional``): the host target then enters through ctypes
 (``ffi_abi.ENTRY``), and the hook is Python's (``call_path.HOOK``).
+pip hides setuptools' warning, so importing the package warns instead
+(``jax_effects/_tools/compiled.py``).
 """
 from setuptools import Extension, setup
 

@@ -270,8 +270,9 @@ def run(args) -> int:
                    f"{list(SECTIONS)}", file=sys.stderr)
     return 2
   import jax
+  from jax_effects._tools import compiled
   say(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} "
-      f"device(s)")
+      f"device(s), {compiled.describe()}")
   for name in names:
     SECTIONS[name](args)
   return 0
