@@ -117,7 +117,10 @@ def deterministic() -> Iterator[None]:
   for ``ordered=False`` effects (delivered at once); a fixed interleaving when
   several threads dispatch per-device effects at the same time (a release
   delivers everything held); per-device effects under plain ``jax.jit``
-  (delivered at once).
+  (delivered at once). Refused: a ``jax.debug.callback`` or ``io_callback``
+  in per-device code (it runs user code, which cannot be held, and would
+  leave the output unsorted): a ``RuntimeError`` per device, reported as
+  callbacks' errors are.
 
   Refused (``RuntimeError``) inside a function being traced (``jit``,
   ``make_jaxpr``, a loop body): it takes effect when entered, around the
