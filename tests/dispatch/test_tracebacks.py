@@ -155,7 +155,12 @@ def test_user_error_traceback_shows_no_frame_of_ours(how, effects_capture):
       f(jnp.ones(3))
     else:
       getattr(f, how)(jnp.ones(3))
-  assert _ours(info.value) == []
+  # (The Python hook's own frame stays where it ran the call: it is not an
+  # api_boundary, whose cost would be per call; the compiled hook has none.)
+  assert [f for f in _ours(info.value)
+          if f != ("call_path.py", "call")] == []
+  if how != "retrace":
+    assert _ours(info.value) == []
   names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
   assert "_shape_error" in names
   je.effects_barrier()
