@@ -176,6 +176,8 @@ def test_callback_error_traceback_shows_no_frame_of_ours():
       f(jnp.float32(i))
       je.effects_barrier()
     assert _ours(info.value) == [], i
+    # The user's own object, unchanged but for its traceback: no note.
+    assert getattr(info.value, "__notes__", []) == [], i
     assert "host" in [f.name for f in
                       traceback.extract_tb(info.value.__traceback__)]
 
