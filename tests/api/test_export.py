@@ -264,3 +264,16 @@ def test_export_for_another_platform_is_refused_naming_cpu():
   with pytest.raises(ValueError, match="for CPU only"):
     jax.export.export(f, platforms=["cuda"], disabled_checks=ALLOW)(
         jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_docs_do_not_say_export_of_effects_is_refused():
+  # README "Existing jax.debug code" and the reference's jit entry once said
+  # so while export worked (issue 39): they say what the code does.
+  import pathlib
+  root = pathlib.Path(__file__).parents[2]
+  for doc in ("README.md", "docs/reference.md"):
+    text = " ".join((root / doc).read_text().replace("`", "").split())
+    assert "export of a function with effects is refused" not in text, doc
+  reference = " ".join((root / "docs/reference.md").read_text().split())
+  assert ("exports a function with effects: its `print`s, `log`s and named "
+          "`callback`s run in the importing process") in reference
