@@ -26,6 +26,9 @@ it (``design/architecture.md``): ``_core`` (effects, modes, jaxpr walking),
 ``jit``), ``_frontends`` (``print``/``log``/``callback``), ``_tools``.
 ``_compat`` alone imports ``jax._src``.
 """
+import os as _os
+
+from jax_effects import _compat
 from jax_effects._core.effects import DEFAULT
 from jax_effects._core.effects import Effect
 from jax_effects._core.effects import get_ordering
@@ -54,6 +57,14 @@ from jax_effects._runtime.placement import current as placement
 from jax_effects._runtime.placement import Placement
 from jax_effects._runtime.snapshot import runtime_tokens
 from jax_effects._runtime.snapshot import RuntimeTokens
+
+from jax_effects._tools import compiled as _compiled
+
+# Built without a C compiler: say so, once (``_tools/compiled.py``).
+_compiled.warn_if_missing()
+
+# As jax.jit's: a user error's filtered traceback shows no frame of ours.
+_compat.exclude_from_tracebacks(_os.path.dirname(__file__))
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,8 @@ Modules: ``versions`` (the installed JAX, the tested lines, the features a
 line lacks), ``jaxprs`` (what the token pass reads and re-emits),
 ``lowering`` (MLIR and sharding helpers), ``callbacks`` (JAX's own
 callbacks and functions), ``runtime`` (trace state, JAX's runtime tokens,
-backends, transfer guards), ``export`` (``jax.export``'s call).
+backends, transfer guards), ``export`` (``jax.export``'s call),
+``tracebacks`` (filtering our frames as ``jax.jit`` filters its own).
 
 Part in the token calling convention: none of its own; it hands the other
 layers the JAX pieces the convention is built from (effect registries, JAX's
@@ -39,6 +40,7 @@ try:
   from jax_effects._compat.callbacks import *  # noqa: F401,F403
   from jax_effects._compat.runtime import *  # noqa: F401,F403
   from jax_effects._compat.export import *  # noqa: F401,F403
+  from jax_effects._compat.tracebacks import *  # noqa: F401,F403
 except (ImportError, AttributeError) as _err:
   raise _versions.unsupported_jax(_err) from _err
 

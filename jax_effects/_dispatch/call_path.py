@@ -196,6 +196,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   return out, token
 
 
+@_compat.api_boundary   # (its traceback shows no frame of ours: jax.jit's)
 def _failed(state, seqs: dict, err: BaseException) -> None:
   """Raises the error of a dispatch that failed (step 5): an XLA failure
   frees what the host kept for the execution (``seqs``: its identity,

@@ -262,6 +262,7 @@ class Core:
 
   # --- calls ---------------------------------------------------------------
 
+  @_compat.api_boundary   # (a user error's traceback shows no frame of ours)
   def first_call(self, *args, **kwargs):
     """FIRST: traces :attr:`plain`; with effects the call goes threaded,
     else it is a plain ``jax.jit`` call (PURE)."""
@@ -295,6 +296,7 @@ class Core:
       return None
     return _effects.runtime_chain_keys(effects, mode)
 
+  @_compat.api_boundary
   def call_threaded(self, *args, **kwargs):
     """THREADED, FALLBACK: the general call path."""
     if not _compat.compiled_dispatch():

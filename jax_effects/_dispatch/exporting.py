@@ -23,7 +23,9 @@ given a stable name) is refused here, naming it. ``jax.export`` must be
 told that the target is allowed:
 ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_effects_host")]``
 (:data:`TARGET`), as for any custom call without JAX's compatibility
-guarantee (``design/host_target.md``: what an exported module promises).
+guarantee (``design/host_target.md``: what an exported module promises);
+an export without it is refused here, in one line naming it, before
+lowering (JAX's own refusal would come after, with the module's text).
 """
 from __future__ import annotations
 
@@ -54,6 +56,13 @@ def lower(traced, lowering_platforms, private_parameters):
         f"jax_effects' host target, which exported effects call, exists "
         f"for CPU only. Export for platforms=['cpu'], or export the "
         f"function without its effects")
+  allowed = _compat.export_allowed_custom_calls()
+  if allowed is not None and TARGET not in allowed and "ALL" not in allowed:
+    raise ValueError(
+        f"jax.export of the jax_effects.jit function {traced.fun_name!r} "
+        f"with effects needs its host target ({TARGET!r}) allowed: "
+        f"jax.export.export(f, disabled_checks=[jax.export."
+        f"DisabledSafetyCheck.custom_call(jax_effects.HOST_TARGET)])")
   function = traced._function
   core = function._core
   args, kwargs = traced._args, traced._kwargs
@@ -73,5 +82,3 @@ def lower(traced, lowering_platforms, private_parameters):
   return inner.lower(lowering_platforms=lowering_platforms,
                      _private_parameters=private_parameters)
 
-
-_ = _compat   # (the pass's rule and the primitives use _compat's names)

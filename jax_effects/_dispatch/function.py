@@ -52,6 +52,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Generic, ParamSpec, TypeVar,
 import jax
 from jax import tree_util
 
+from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
@@ -111,6 +112,7 @@ class PjitFunction(Generic[_P, _R]):
       return self
     return types.MethodType(self, instance)
 
+  @_compat.api_boundary
   def trace(self, *args: Any, **kwargs: Any) -> Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
@@ -119,10 +121,12 @@ class PjitFunction(Generic[_P, _R]):
     """
     return _trace(self._core, self, args, kwargs)
 
+  @_compat.api_boundary
   def lower(self, *args: Any, **kwargs: Any) -> Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``)."""
     return self.trace(*args, **kwargs).lower()
 
+  @_compat.api_boundary
   def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
     """Output shapes/dtypes (``jax.ShapeDtypeStruct`` s), as ``jax.eval_shape``."""
     return self.trace(*args, **kwargs).out_info

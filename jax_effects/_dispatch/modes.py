@@ -117,8 +117,16 @@ def deterministic() -> Iterator[None]:
   for ``ordered=False`` effects (delivered at once); a fixed interleaving when
   several threads dispatch per-device effects at the same time (a release
   delivers everything held); per-device effects under plain ``jax.jit``
-  (delivered at once).
+  (delivered at once). Refused: a ``jax.debug.callback`` or ``io_callback``
+  in per-device code (it runs user code, which cannot be held, and would
+  leave the output unsorted): a ``RuntimeError`` per device, reported as
+  callbacks' errors are.
+
+  Refused (``RuntimeError``) inside a function being traced (``jit``,
+  ``make_jaxpr``, a loop body): it takes effect when entered, around the
+  call of the jitted function, and would do nothing at run time there.
   """
+  _barrier.check_not_in_traced("deterministic()")
   _output.start_holding()
   try:
     yield

@@ -46,7 +46,10 @@ around a callback is ``jax_calling``'s):
   device; so the output held so far is released before the callback runs
   (:func:`jax_effects._runtime.output.release_in_callback`): on each device, what
   the program printed before the callback comes out before what the
-  callback writes.
+  callback writes. Per device (``shard_map``/``pmap``) that release would
+  leave every device's output unsorted, against what ``deterministic()``
+  promises: there the callback is refused instead (a ``RuntimeError``
+  per device, reported as callbacks' errors are).
 """
 from __future__ import annotations
 
@@ -65,6 +68,25 @@ from jax_effects._pass import adopted as _adopted
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import output as _output
+from jax_effects._runtime import placement as _placement
+
+
+def _refuse_if_held(what: str) -> None:
+  """Inside ``deterministic()``, a per-device ``jax.debug.callback`` or
+  ``io_callback`` is refused: it runs user code, which cannot be held
+  without moving it after the effects that follow it on its device, and
+  releasing the held output before it (on the first device to reach it)
+  leaves that output unsorted; so the sorted, byte-identical output
+  ``deterministic()`` promises cannot be kept (``design/placement.md``)."""
+  p = _placement.current()
+  if p is not None and p.per_device:
+    raise RuntimeError(
+        f"jax_effects.deterministic(): {what} inside shard_map/pmap (per "
+        f"device) cannot be kept in the fixed order deterministic() promises "
+        f"(it runs your code, which cannot be held, so every device's output "
+        f"would come out unsorted); refused. Use jax_effects.print/log "
+        f"there, move the callback out of the per-device code, or call the "
+        f"function outside the deterministic() block")
 
 
 # The host functions below are written for speed (one frame per run; the
@@ -87,8 +109,11 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
   release = _output.release_in_callback
+  holding = _output.holding
 
   def host(*operands):
+    if holding():
+      _refuse_if_held("a jax.debug.callback")
     release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
       device, sharding = _jc.cpu()
@@ -124,9 +149,12 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   default_device = _compat.default_device_setting
   logger = _compat.callback_logger
   release = _output.release_in_callback
+  holding = _output.holding
   n_results = len(result_avals)
 
   def host(*operands):
+    if holding():
+      _refuse_if_held("an io_callback")
     release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
       device, sharding = _jc.cpu()

@@ -98,7 +98,9 @@ def split(what: str, args: tuple, kwargs: dict):
   """
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
   operands, leaves = [], []
-  fix = "pass arrays, NumPy or Python numbers (convert others yourself)"
+  fix = ("pass arrays, NumPy or Python numbers as arguments; bind any other "
+         "value to the function instead: jax_effects.callback("
+         "functools.partial(fn, value), ...) or a closure")
   for path, leaf in paths_leaves:
     kind = _classify(leaf)
     if kind == "bad":

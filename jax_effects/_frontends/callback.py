@@ -142,6 +142,8 @@ def _named_host(spec: dict) -> _host_callback.HostCallback:
                               for x in np_operands])
     out = fn(*a, **k)
     if out_tree is None:
+      if out is not None and tree_util.tree_leaves(out):
+        raise _no_result_expected(what, out)
       return ()
     return _flatten_results(what, out, out_tree, None)
 
@@ -152,7 +154,26 @@ def _named_host(spec: dict) -> _host_callback.HostCallback:
 _host_specs.register_kind("callback", _named_host)
 
 
+def _no_result_expected(what: str, out) -> TypeError:
+  """A callback declared without results (``result_shape_dtypes=None``)
+  that returned a value with leaves (a pytree of no leaves, ``(None,
+  None)``, is nothing): refused, as ``io_callback`` refuses it."""
+  text = repr(out)
+  if len(text) > 60:
+    text = text[:57] + "..."
+  return TypeError(
+      f"{what} returned {text} (a {type(out).__name__}), but its call "
+      f"declares no result (result_shape_dtypes=None): return None, or "
+      f"declare the result's shape and dtype (a jax.ShapeDtypeStruct) to "
+      f"receive it")
+
+
 def _flatten_results(what: str, out, out_tree, result_shape_dtypes):
+  if out is None and out_tree.num_leaves:
+    raise TypeError(
+        f"{what} returned None, but result_shape_dtypes declares "
+        f"{out_tree.num_leaves} result(s) ({out_tree}): did it forget a "
+        f"`return`?")
   try:
     # Up to the declared structure: a leaf may be a list, a scalar or any
     # object NumPy takes as an array.
@@ -193,7 +214,9 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
   """Calls ``fn(*args, **kwargs)`` on the host when the computation runs.
 
   Returns arrays matching ``result_shape_dtypes`` (a pytree of
-  ``jax.ShapeDtypeStruct``, or None for no result).
+  ``jax.ShapeDtypeStruct``, or None for no result: ``fn`` must then return
+  None or a pytree without leaves, as for ``io_callback``; a value is a
+  ``TypeError``).
   ``effect`` (default :data:`jax_effects.DEFAULT`, shared with ``print`` and
   ``log``) and ``ordered`` (default: the effect's setting) work as for
   :func:`jax_effects.print`. Results are not differentiable (their tangents
@@ -231,8 +254,12 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
 
   host = calling(fn)
   if result_shape_dtypes is None:
-    # What ``host`` returns is ignored: no frame of ours around it.
-    _effect.bind_effect(host, what, operands, effect=effect,
+    def no_result(*np_operands):
+      out = host(*np_operands)
+      if out is not None and tree_util.tree_leaves(out):
+        raise _no_result_expected(what, out)   # (as io_callback refuses it)
+
+    _effect.bind_effect(no_result, what, operands, effect=effect,
                             ordered=ordered, spec=spec, user_code=True)
     return None
 

@@ -14,7 +14,9 @@ the NumPy print options of the call site apply) and hands the line to
 """
 from __future__ import annotations
 
+import re
 import string
+import warnings
 from typing import Any
 
 import jax
@@ -103,9 +105,49 @@ def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
   unused = [f"#{i}" for i, p in enumerate(probes) if not p.used]
   unused += [repr(k) for k, p in kw_probes.items() if not p.used]
   if unused:
+    printf = _PRINTF.findall(fmt)
+    hint = ("; its fields are str.format's {} (\"{}\", \"{0}\", "
+            "\"{name}\", \"{:.3f}\")")
+    if printf:
+      hint += (f", not printf-style ({', '.join(sorted(set(printf)))}: "
+               f"%-formatting is not supported): write e.g. "
+               f"{_PRINTF.sub('{}', fmt)!r}")
     raise ValueError(
         f"{what}: format string {fmt!r} does not use argument(s) "
-        f"{', '.join(unused)}")
+        f"{', '.join(unused)}{hint}")
+
+
+#: A printf-style conversion (``%s``, ``%d``, ``%.3f``, ``%(name)s``).
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(?:\d+|\*)?(?:\.\d+)?"
+                     r"[diouxXeEfFgGcrsa]")
+
+#: A traced value's repr, as an f-string or ``str()`` puts it in a format
+#: string (``JitTracer(float32[])``, older JAX ``Traced<...>``).
+_TRACER_TEXT = re.compile(r"\b\w*Tracer\([^)]*\)|Traced<")
+
+
+def warn_tracer_text(what: str, fmt: str, stacklevel: int) -> None:
+  """Warns (once per call site: ``warnings``' default filter) where the
+  format string holds the text of a traced value, as ``f"loss={loss}"``
+  makes it when traced: the line would print that text on every run, not
+  the value. The fix is a field and an argument."""
+  if "Trace" not in fmt:
+    return
+  found = _TRACER_TEXT.search(fmt)
+  if found is None:
+    return
+  warnings.warn(
+      f"{what}: the format string holds {found.group(0)!r}, the text of a "
+      f"traced value (an f-string or str() of it, made when the function "
+      f"was traced), so every run prints that text, not the value. Pass "
+      f"the value as an argument: {what.split('(', 1)[0]}"
+      f"(\"loss={{}}\", loss)",
+      TracedTextWarning, stacklevel=stacklevel + 1)
+
+
+class TracedTextWarning(UserWarning):
+  """A ``print``/``log`` format string that holds the text of a traced
+  value (``jax_effects.print(f"loss={loss}")`` under ``jit``)."""
 
 
 def _format_known(fmt: str, args, kwargs, run_time_only: set[int]) -> None:
@@ -211,6 +253,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   str saying why it is not data.
   """
   check_format(what, fmt, args, kwargs)
+  warn_tracer_text(what, fmt, stacklevel=3)   # (the caller of print/log)
   fa = _arguments.split_for_format(what, args, kwargs)
   check_format_specs(what, fmt, fa)
   options = printoptions()

@@ -686,9 +686,10 @@ class NotExportable(ValueError):
   ``jax.export``."""
 
   def __init__(self, what: str, why: str):
-    fix = ("give it a stable name, jax_effects.callback(fn, ..., "
-           "name='my_callback'), and register the function under that name "
-           "in the process that calls the exported function: "
+    fix = ("give it a stable name, jax_effects.callback("
+           "jax_effects.register_callback('my_callback', fn), ...), and "
+           "register the function under that name in the process that calls "
+           "the exported function too: "
            "jax_effects.register_callback('my_callback', fn)"
            if what.startswith("jax_effects.callback") else
            "export the function without it, or run it around the exported "

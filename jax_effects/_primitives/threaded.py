@@ -91,7 +91,11 @@ def _threaded_impl(token, carrier, *args, host_callback, entry,
     raise NotImplementedError(
         f"jax_effects: the threaded effect of {host_callback} runs only "
         f"inside the computation jax_effects.jit threads it into; it was "
-        f"evaluated outside one")
+        f"evaluated outside one (eagerly: jax.core.eval_jaxpr of "
+        f"jax_effects.jit(f).trace(...).jaxpr, the token-threaded jaxpr). "
+        f"Evaluate that jaxpr under jax.jit, its runtime-token inputs (the "
+        f"first int32 ones) given, or take jax.make_jaxpr(f)(...), the "
+        f"jaxpr without tokens, which evaluates eagerly")
   return [token, carrier, *(jnp.zeros(a.shape, a.dtype)
                             for a in host_callback.result_avals)]
 

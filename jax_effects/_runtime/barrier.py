@@ -126,8 +126,8 @@ def jax_barrier_hook() -> None:
   errors as :func:`effects_barrier` does. Refused inside a host callback,
   as ours is; nothing after jax_effects' exit handler (JAX's own exit
   handler calls it: everything was waited for)."""
-  if _threads.after_exit_handler:
-    return
+  if _threads.after_exit_handler or _compat.building_jaxpr():
+    return   # (JAX's own barrier, called while tracing, is left as it is)
   check_not_in_callback("jax.effects_barrier()")
   quiet_barrier(True)
   effects_barrier(False)
@@ -158,6 +158,18 @@ def wait_for_thread_until(timeout: float) -> bool:
   return True
 
 
+def check_not_in_traced(call: str) -> None:
+  """Refuses ``call`` while a jaxpr is being built (inside ``jit``,
+  ``make_jaxpr``, a loop body): it would run once, when the function is
+  traced, and do nothing when the computation runs."""
+  if _compat.building_jaxpr():
+    raise RuntimeError(
+        f"jax_effects: {call} was called inside a function being traced "
+        f"(jit, make_jaxpr, a loop or cond body): it would run once, at "
+        f"trace time, and do nothing when the computation runs. Call it "
+        f"around the call of the jitted function instead.")
+
+
 def effects_barrier(all_threads: bool = False) -> None:
   """Blocks until every effect dispatched so far has completed.
 
@@ -170,8 +182,10 @@ def effects_barrier(all_threads: bool = False) -> None:
   (an ``ExceptionGroup``), each once.
 
   Refused (``RuntimeError``) inside a host callback of a running computation,
-  which it would wait for.
+  which it would wait for, and inside a function being traced (``jit``,
+  ``make_jaxpr``, a loop body), where it would do nothing at run time.
   """
+  check_not_in_traced(f"effects_barrier(all_threads={all_threads})")
   check_not_in_callback(f"effects_barrier(all_threads={all_threads})")
   if all_threads:
     states, orphans = _threads.all_states(), _threads.orphans()

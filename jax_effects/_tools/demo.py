@@ -69,8 +69,11 @@ def section_ordered_printing(args) -> None:
   collatz(jnp.int32(6))
   je.effects_barrier()
   text = collatz.lower(jax.ShapeDtypeStruct((), jnp.int32)).as_text()
+  # Host calls: jax_effects' own target (CPU) or JAX's Python callback.
+  calls = sum(text.count(f"@{target}(") for target in (
+      je.HOST_TARGET, "xla_ffi_python_cpu_callback"))
   say(f"(its StableHLO threads !stablehlo.token values through "
-      f"{text.count('xla_ffi_python_cpu_callback')} host callbacks)")
+      f"{calls} host callbacks)")
 
 
 def section_callback(args) -> None:
@@ -267,8 +270,9 @@ def run(args) -> int:
                    f"{list(SECTIONS)}", file=sys.stderr)
     return 2
   import jax
+  from jax_effects._tools import compiled
   say(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} "
-      f"device(s)")
+      f"device(s), {compiled.describe()}")
   for name in names:
     SECTIONS[name](args)
   return 0

@@ -104,6 +104,21 @@ def test_export_of_an_unnamed_callback_is_refused_naming_it_and_the_fix():
   assert "jax.export cannot export jax_effects.callback(" in msg
   assert "log_step" in msg
   assert "register_callback" in msg and "name" in msg
+  # The fix it names is real API (no ``name=`` keyword of callback): the
+  # call it spells out exports.
+  assert "name=" not in msg
+  assert ("jax_effects.callback(jax_effects.register_callback("
+          "'my_callback', fn), ...)") in msg
+  note = je.register_callback("my_callback", log_step)
+  try:
+    @je.jit
+    def g(x):
+      je.callback(note, None, x)
+      return x
+
+    assert export(g, jax.ShapeDtypeStruct((), jnp.float32)).ordered_effects
+  finally:
+    je.register_callback("my_callback", None)
 
 
 def test_export_without_the_custom_call_check_disabled_names_the_target():
@@ -114,6 +129,26 @@ def test_export_without_the_custom_call_check_disabled_names_the_target():
 
   with pytest.raises(ValueError, match=je.HOST_TARGET):
     jax.export.export(f)(jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_plain_export_is_refused_in_one_line_naming_the_disabled_check():
+  @je.jit
+  def step(x):
+    je.print("x {}", x)
+    return x
+
+  with pytest.raises(ValueError) as info:
+    jax.export.export(step)(jax.ShapeDtypeStruct((), jnp.float32))
+  msg = str(info.value)
+  assert "\n" not in msg and "stablehlo" not in msg
+  assert ("disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("
+          "jax_effects.HOST_TARGET)]") in msg
+  assert "'step'" in msg
+  # Allowed by name or by "ALL", it exports.
+  for checks in (ALLOW, [jax.export.DisabledSafetyCheck.custom_call("ALL")]):
+    exp = jax.export.export(step, disabled_checks=checks)(
+        jax.ShapeDtypeStruct((), jnp.float32))
+    assert exp.ordered_effects
 
 
 _EXPORTER = """
@@ -229,3 +264,16 @@ def test_export_for_another_platform_is_refused_naming_cpu():
   with pytest.raises(ValueError, match="for CPU only"):
     jax.export.export(f, platforms=["cuda"], disabled_checks=ALLOW)(
         jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_docs_do_not_say_export_of_effects_is_refused():
+  # README "Existing jax.debug code" and the reference's jit entry once said
+  # so while export worked (issue 39): they say what the code does.
+  import pathlib
+  root = pathlib.Path(__file__).parents[2]
+  for doc in ("README.md", "docs/reference.md"):
+    text = " ".join((root / doc).read_text().replace("`", "").split())
+    assert "export of a function with effects is refused" not in text, doc
+  reference = " ".join((root / "docs/reference.md").read_text().split())
+  assert ("exports a function with effects: its `print`s, `log`s and named "
+          "`callback`s run in the importing process") in reference

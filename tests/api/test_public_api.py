@@ -684,6 +684,40 @@ def test_stages_are_instances_of_jax_stages(fun, effects_capture):
                                      if fun is effectful else [])
 
 
+def test_traced_jaxpr_is_token_threaded_as_the_reference_says(effects_capture):
+  # docs/reference.md, "jit(...).trace": k int32 token inputs first, the
+  # returned token last; evaluable under jax.jit; make_jaxpr's eagerly.
+  def f(x):
+    je.print("x={}", x)
+    return x * 2
+
+  traced = je.jit(f).trace(jnp.float32(1))
+  j = traced.jaxpr
+  k = len(j.in_avals) - len(jax.tree.leaves(traced.in_avals))
+  assert k == 1
+  assert [(a.shape, str(a.dtype)) for a in j.in_avals] == [
+      ((), "int32"), ((), "float32")]
+  assert [(a.shape, str(a.dtype)) for a in j.out_avals] == [
+      ((), "float32"), ((), "int32")]
+  with pytest.raises(Exception):
+    jax.core.eval_jaxpr(j.jaxpr, j.consts, jnp.float32(3))
+  with pytest.raises(NotImplementedError) as info:
+    jax.core.eval_jaxpr(j.jaxpr, j.consts, jnp.int32(0), jnp.float32(3))
+  assert "jax.make_jaxpr(f)" in str(info.value)
+  assert "under jax.jit" in str(info.value)
+  out, _ = jax.jit(lambda *a: jax.core.eval_jaxpr(j.jaxpr, j.consts, *a))(
+      jnp.int32(0), jnp.float32(3))
+  assert float(out) == 6.0
+  plain = jax.make_jaxpr(je.jit(f))(jnp.float32(1))
+  (out,) = jax.core.eval_jaxpr(plain.jaxpr, plain.consts, jnp.float32(4))
+  assert float(out) == 8.0
+  je.effects_barrier()
+  assert effects_capture.printed == ["x=3.0", "x=4.0"]
+  # Without effects: jax.jit's jaxpr.
+  pure = je.jit(lambda x: x * 2).trace(jnp.float32(1)).jaxpr
+  assert len(pure.in_avals) == 1 and len(pure.out_avals) == 1
+
+
 def _sig_fun(x, y=2, *, z=3):
   je.print("{}", x)
   return x

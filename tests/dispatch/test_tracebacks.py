@@ -9,6 +9,8 @@ user sees, an exception the user's own callback raises and handles) gets
 ``NeedsTokens`` as ``__context__`` ("During handling of the above
 exception, another exception occurred").
 """
+import os
+import textwrap
 import traceback
 
 import jax
@@ -117,3 +119,85 @@ def test_learning_a_new_chain_later_shows_no_needs_tokens():
     je.effects_barrier()
   assert not any(type(e).__name__ == "NeedsTokens" for e in _chain(info.value))
   assert "NeedsTokens" not in "".join(traceback.format_exception(info.value))
+
+
+# --- a user error's traceback, filtered as jax.jit's ---------------------------
+
+_PACKAGE = os.path.dirname(je.__file__)
+
+
+def _ours(exc):
+  """The frames of jax_effects' package in ``exc``'s traceback."""
+  return [(os.path.basename(f.filename), f.name)
+          for f in traceback.extract_tb(exc.__traceback__)
+          if f.filename.startswith(_PACKAGE + os.sep)]
+
+
+def _shape_error(x):
+  je.print("x={}", x)
+  if x.shape[0] == 3:
+    raise ValueError("the user's error")
+  return x * 2
+
+
+@pytest.mark.parametrize("how", ["first call", "retrace", "trace", "lower",
+                                 "eval_shape"])
+def test_user_error_traceback_shows_no_frame_of_ours(how, effects_capture):
+  # As jax.jit's filtered traceback shows none of JAX's
+  # (JAX_TRACEBACK_FILTERING=off shows them).
+  f = je.jit(_shape_error)
+  with pytest.raises(ValueError, match="the user's error") as info:
+    if how == "first call":
+      f(jnp.ones(3))
+    elif how == "retrace":   # a later call's new shape (the fast hook)
+      for _ in range(3):
+        f(jnp.ones(2))
+      f(jnp.ones(3))
+    else:
+      getattr(f, how)(jnp.ones(3))
+  # (The Python hook's own frame stays where it ran the call: it is not an
+  # api_boundary, whose cost would be per call; the compiled hook has none.)
+  assert [f for f in _ours(info.value)
+          if f != ("call_path.py", "call")] == []
+  if how != "retrace":
+    assert _ours(info.value) == []
+  names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+  assert "_shape_error" in names
+  je.effects_barrier()
+
+
+def test_callback_error_traceback_shows_no_frame_of_ours():
+  def host(v):
+    raise KeyError("in the callback")
+
+  f = je.jit(lambda x: (je.callback(host, None, x), x)[1])
+  for i in range(3):   # the first call, the general path, the fast hook
+    with pytest.raises(KeyError) as info:
+      f(jnp.float32(i))
+      je.effects_barrier()
+    assert _ours(info.value) == [], i
+    # The user's own object, unchanged but for its traceback: no note.
+    assert getattr(info.value, "__notes__", []) == [], i
+    assert "host" in [f.name for f in
+                      traceback.extract_tb(info.value.__traceback__)]
+
+
+def test_unfiltered_traceback_keeps_our_frames():
+  import subprocess, sys
+  code = textwrap.dedent("""
+      import os, traceback, jax.numpy as jnp, jax_effects as je
+      def f(x):
+        raise ValueError("boom")
+      try:
+        je.jit(f)(jnp.ones(3))
+      except ValueError as e:
+        pkg = os.path.dirname(je.__file__)
+        print(sum(s.filename.startswith(pkg)
+                  for s in traceback.extract_tb(e.__traceback__)))
+      """)
+  for mode, some in (("off", True), ("auto", False)):
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "JAX_TRACEBACK_FILTERING": mode})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (int(proc.stdout.split()[-1]) > 0) is some, (mode, proc.stdout)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_effects as je
 from jax_effects import _compat
+import helpers
 from helpers import Boom
 from test_formatting import CASES as FORMAT_CASES
 from test_formatting import _4BIT, _run
@@ -355,33 +356,53 @@ def test_deterministic_holds_jax_debug_print_with_ours(mesh, capfd):
   assert capfd.readouterr().out.splitlines() == once * 3
 
 
-def test_deterministic_debug_callback_follows_the_held_lines_of_its_device(
-    mesh, capfd):
+@pytest.mark.parametrize("kind", ["jax.debug.callback", "io_callback"])
+def test_deterministic_refuses_a_per_device_debug_callback_or_io_callback(
+    mesh, capfd, kind):
+  # It runs user code, which cannot be held: releasing the held output
+  # before it (on the first device to reach it) left every device's output
+  # unsorted, against deterministic()'s promise. Refused, per device.
+  ran = []
+
   def fun(x):
     def body(b):
       je.print("ours {}", b[0])
-      # (one write per line: devices' callbacks run at the same time)
-      jax.debug.callback(
-          lambda v: sys.stdout.write(f"callback {int(v[0])}\n"), b)
-      io_callback(lambda v: sys.stdout.write(f"io {int(v[0])}\n") and None,
-                  None, b)
-      je.print("ours again {}", b[0])
+      if kind == "io_callback":
+        io_callback(lambda v: ran.append(int(v[0])), None, b)
+      else:
+        jax.debug.callback(lambda v: ran.append(int(v[0])), b)
       return b
-    return _per_device(mesh, body)(x)
+    y = _per_device(mesh, body)(x)
+    jax.debug.callback(lambda v: ran.append(("once", int(v))), y.sum())
+    return y
 
   f = je.jit(fun)
-  with je.deterministic():
-    for _ in range(3):
+  f(jnp.arange(8))   # outside the block: runs
+  je.effects_barrier()
+  assert sorted(r for r in ran if type(r) is int) == list(range(8))
+  assert ran[-1] == ("once", 28)
+  ran.clear()
+  capfd.readouterr()
+  with pytest.raises(BaseException) as info:
+    with je.deterministic():
       f(jnp.arange(8))
-    je.effects_barrier()
-  lines = capfd.readouterr().out.splitlines()
-  assert len(lines) == 3 * 8 * 4
-  for run in range(3):
-    part = lines[run * 32:(run + 1) * 32]
-    for d in range(8):
-      mine = [l for l in part if l.endswith(f" {d}")]
-      assert [l.split("] ")[-1] for l in mine] == [
-          f"ours {d}", f"callback {d}", f"io {d}", f"ours again {d}"], part
+  errors = helpers.flat(info.value)
+  assert len(errors) == 8
+  for err in errors:
+    assert isinstance(err, RuntimeError)
+    assert f"deterministic(): a{'n' if kind[0] == 'i' else ''} {kind} inside " \
+           f"shard_map/pmap" in str(err)
+    assert "refused" in str(err) and "jax_effects.print/log" in str(err)
+  assert [r for r in ran if type(r) is int] == []   # refused before running
+  # What the program printed before it still comes out, sorted.
+  prefix = "[device {d} shard {d} process 0] "
+  assert capfd.readouterr().out.splitlines() == [
+      prefix.format(d=d) + f"ours {d}" for d in range(8)]
+  # The runtime goes on; one that runs once is not refused.
+  with je.deterministic():
+    je.jit(lambda x: (jax.debug.callback(
+        lambda v: ran.append(("once", int(v))), x), x)[1])(jnp.int32(5))
+  assert ran == [("once", 5)]
 
 
 # --- 8. effects_capture records adopted output --------------------------------------

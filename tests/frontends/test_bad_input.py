@@ -84,6 +84,69 @@ def test_callback_returning_wrong_number_of_results(run, effects_capture):
   _still_works(effects_capture)
 
 
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("named", [False, True])
+def test_callback_declaring_a_result_that_returned_none_says_so(
+    run, named, effects_capture):
+  def host(x):
+    x * 2          # forgot the return
+
+  fn = je.register_callback("test_bad_input.host", host) if named else host
+  try:
+    with pytest.raises(TypeError) as info:
+      run(lambda x: je.callback(fn, SPEC, x))(jnp.ones(2))
+      je.effects_barrier()
+  finally:
+    je.register_callback("test_bad_input.host", None)
+  msg = str(info.value)
+  assert "returned None" in msg and "forget a `return`" in msg
+  assert "dtype object" not in msg
+  _still_works(effects_capture)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("named", [False, True])
+def test_callback_without_declared_result_returning_a_value_is_refused(
+    run, named, effects_capture):
+  # As io_callback(fn, None, x) refuses it: the value would be lost.
+  seen = []
+
+  def host(x):
+    seen.append(float(x))
+    return x * 2
+
+  fn = je.register_callback("test_bad_input.host", host) if named else host
+  try:
+    with pytest.raises(TypeError) as info:
+      run(lambda x: je.callback(fn, None, x))(jnp.float32(3))
+      je.effects_barrier()
+    msg = str(info.value)
+    assert "returned np.float32(6.0)" in msg or "returned 6.0" in msg, msg
+    assert "result_shape_dtypes=None" in msg and "return None" in msg
+    # Returning None (or nothing, or a pytree without leaves, as
+    # io_callback takes it) is what a no-result callback does.
+    seen.clear()
+    run(lambda x: je.callback(lambda v: seen.append(float(v)), None, x))(
+        jnp.float32(4))
+    run(lambda x: je.callback(lambda v: (seen.append(5.0), None), None, x))(
+        jnp.float32(5))
+    je.effects_barrier()
+    assert seen == [4.0, 5.0]
+  finally:
+    je.register_callback("test_bad_input.host", None)
+  _still_works(effects_capture)
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_callback_str_argument_suggests_functools_partial(run):
+  with pytest.raises(TypeError) as info:
+    run(lambda v: je.callback(lambda tag, x: None, None, "loss", v))(1.0)
+  msg = str(info.value)
+  assert "argument #0 is of type str" in msg
+  assert "functools.partial(fn, value)" in msg
+  assert "convert others yourself" not in msg
+
+
 def test_wrong_number_of_results_under_vmap(effects_capture):
   def host(x):
     return ()
@@ -115,6 +178,64 @@ def test_host_callback_result_count_is_checked():
 def test_format_with_missing_or_extra_fields(run, fmt, args, kwargs, message):
   with pytest.raises(ValueError, match=rf"print\({fmt!r}\): .*{message}"):
     run(lambda: je.print(fmt, *args, **kwargs))()
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("call", ["print", "log"])
+def test_printf_style_format_names_the_braces_and_the_rewrite(run, call):
+  # The logging habit: %-placeholders are not fields; the error says what
+  # the fields are, that %-formatting is not supported, and the rewrite.
+  fn = getattr(je, call)
+  with pytest.raises(ValueError) as info:
+    run(lambda x, k: fn("loss %s at step %d", x, k))(1.5, 3)
+  msg = str(info.value)
+  assert "does not use argument(s) #0, #1" in msg
+  assert "str.format's {}" in msg
+  assert "not printf-style (%d, %s: %-formatting is not supported)" in msg
+  assert "'loss {} at step {}'" in msg
+  # Unused arguments without %-placeholders: the fields only.
+  with pytest.raises(ValueError) as info:
+    run(lambda x: fn("loss", x))(1.5)
+  assert "str.format's {}" in str(info.value)
+  assert "printf" not in str(info.value)
+
+
+@pytest.mark.parametrize("call", ["print", "log"])
+def test_traced_value_text_in_the_format_warns_once_per_site(
+    call, effects_capture):
+  fn = getattr(je, call)
+
+  def step(loss):
+    fn(f"loss={loss}")            # the text of a tracer, fixed at trace time
+    return loss
+
+  with pytest.warns(UserWarning) as got:
+    je.jit(step)(jnp.float32(1))
+  mine = [w for w in got if "traced value" in str(w.message)]
+  assert len(mine) == 1, [str(w.message) for w in got]
+  msg = str(mine[0].message)
+  assert "Tracer(" in msg and f'jax_effects.{call}("loss={{}}", loss)' in msg
+  assert mine[0].filename == __file__   # the call site, not ours
+  # Python's default filter shows it once per site.
+  import subprocess, sys, textwrap
+  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+      import jax.numpy as jnp, jax_effects as je
+      def step(loss):
+        je.{call}(f"loss={{loss}}")
+        return loss
+      for x in (1.0, 2.0, 3.0):
+        je.jit(step)(jnp.float32(x))
+      je.effects_barrier()
+      """)], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
+  # A value as an argument, or a concrete value's text, is no warning.
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    je.jit(lambda v: (fn("loss={}", v), v)[1])(jnp.float32(1))
+    fn(f"loss={jnp.float32(1)}")
+    fn("TracerSpark(x) is a word")
 
 
 def test_format_error_under_vmap_and_grad_is_raised_at_trace_time():

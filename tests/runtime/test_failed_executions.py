@@ -264,7 +264,7 @@ def scenario_no_unbounded_wait(where: str) -> dict:
 
       @je.jit
       def outer(v):
-        je.callback(lambda w: inner(w), None, v)   # (inline: ready input)
+        je.callback(lambda w: (inner(w), None)[1], None, v)   # (inline: ready input)
         je.print("outer {}", v)
         return v
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jax_effects as je
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import barrier as _barrier
+from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 
 import helpers
@@ -489,6 +490,47 @@ def test_ordering_inside_a_traced_function_is_a_clear_error(mode):
   with pytest.raises(RuntimeError, match="traced"):
     jax.jit(f)(jnp.int32(1))
   assert je.get_ordering() == "per_effect"
+
+
+def _barrier_inside(x):
+  je.print("x={}", x)
+  je.effects_barrier()
+  return x
+
+
+def _deterministic_inside(x):
+  with je.deterministic():
+    je.print("x={}", x)
+  return x
+
+
+def _barrier_in_loop(x):
+  def body(i, c):
+    je.effects_barrier(all_threads=True)
+    return c + i
+  return jax.lax.fori_loop(0, 3, body, x)
+
+
+@pytest.mark.parametrize("fn,call", [
+    (_barrier_inside, "effects_barrier(all_threads=False)"),
+    (_deterministic_inside, "deterministic()"),
+    (_barrier_in_loop, "effects_barrier(all_threads=True)")])
+@pytest.mark.parametrize("jit", [je.jit, jax.jit, jax.make_jaxpr],
+                         ids=["je.jit", "jax.jit", "make_jaxpr"])
+def test_barrier_and_deterministic_inside_a_traced_function_are_clear_errors(
+    fn, call, jit, effects_capture):
+  # Run at trace time they would do nothing when the computation runs.
+  with pytest.raises(RuntimeError) as info:
+    jit(fn)(jnp.int32(1))
+  msg = str(info.value)
+  assert call in msg and "traced" in msg and "around the call" in msg
+  assert not _output.holding()
+  assert effects_capture.printed == []
+  # Eagerly (no jaxpr built) they still do what they do.
+  with je.deterministic():
+    je.print("eager {}", 1)
+  je.effects_barrier()
+  assert effects_capture.printed == ["eager 1"]
 
 
 # --- 8. KeyboardInterrupt during dispatch --------------------------------------

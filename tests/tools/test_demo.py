@@ -29,6 +29,10 @@ def test_demo_runs_every_section_in_order():
       "[metrics] step 0 loss=1.000", "[metrics] step 1 loss=0.500",
       "[metrics] step 2 loss=0.333"]
   assert "in order: [0, 1, 2, 3, 4]" in out.stdout
+  # Its five print sites are host calls in the StableHLO (jax_effects'
+  # target, counted: the while loop's check is lowered twice).
+  said = [l for l in lines if l.startswith("(its StableHLO threads")]
+  assert len(said) == 1 and int(said[0].split()[-3]) >= 5, said
 
 
 def test_demo_options():
