@@ -44,7 +44,7 @@ def run(pos):
                          ordered=True)
       pos = pos + flag.astype(pos.dtype) * 0
     else:
-      je.callback(lambda i: uses_jax(i, MAXITER), None, i + 1)
+      je.callback(lambda i: (uses_jax(i, MAXITER), None)[1], None, i + 1)
     return i + 1, pos + 1
 
   return jax.lax.while_loop(cond, step, (jnp.array(0), pos))[1]

@@ -103,7 +103,7 @@ release = threading.Event()
 @je.jit
 def f(x):
   y = x @ x
-  je.callback(lambda: release.wait(20), None)
+  je.callback(lambda: (release.wait(20), None)[1], None)
   je.print("from cell 1: {}", y[0, 0])
   return y
 
