@@ -27,7 +27,7 @@ The lowering (:func:`lower`), one custom call per device::
   passing the operands' local parts as they are).
 * ``device_id``: an iota over the devices annotated one element per device.
 * Every device's call but the first's leaves its parts in the call site's
-  ``_runtime.host_jobs.Site`` and returns its carrier unchanged. The first device's
+  ``_runtime.host_jobs.Pieces`` and returns its carrier unchanged. The first device's
   call runs the effect (``host_functions.host_function``: placement,
   ``FAILED``, deferred errors as for any effect that runs once) with each
   operand assembled from every device's part (its own last, so a value only
@@ -319,7 +319,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
   inner = _host_functions.host_function(
       host_callback, where, passthrough=1, threaded=True,
       avals_out=avals_out, entry=entry)
-  site = _host_jobs.Site(num_devices, host_callback.chain)
+  site = _host_jobs.Pieces(num_devices, host_callback.chain)
   host = _assembling_host(inner, site, layouts, avals_out)
 
   target = _TARGETS[ctx.module_context.platforms[0]]
@@ -349,7 +349,7 @@ def lower_cached(ctx, key, fn, *args) -> list:
                         multiple_results=True)(ctx, *args)
 
 
-def _assembling_host(inner, site: _host_jobs.Site, layouts: list,
+def _assembling_host(inner, site: _host_jobs.Pieces, layouts: list,
                      avals_out):
   """The function every device's call runs (module docstring): the other
   devices leave their parts; the first device's call runs the effect now if

@@ -2,7 +2,7 @@
 
 An effect whose operands are assembled on the host from every device's part
 (``_primitives.host_assembly``) can run only once every device's call has
-left its part (a *piece*) at the call site (a :class:`Site`). The first
+left its part (a *piece*) at the call site (its :class:`Pieces`). The first
 device's call must not wait for them: XLA's CPU runtime runs each device's
 program in its own, data-driven order, so another device may reach one of
 the program's collectives before its part of the effect, and wait there for
@@ -63,7 +63,7 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import token_value as _token_value
 
 __all__ = ["queues", "waits", "submit", "drain", "wait_turn", "wait_idle",
-           "cancel", "Job", "Site"]
+           "cancel", "Job", "Pieces"]
 
 #: One lock for the lanes, the jobs and the pieces they wait for.
 lock = threading.Condition()
@@ -343,7 +343,7 @@ def forget(slot: int) -> None:
 
 # --- where the pieces meet -------------------------------------------------------
 
-_sites: "weakref.WeakSet[Site]" = weakref.WeakSet()
+_sites: "weakref.WeakSet[Pieces]" = weakref.WeakSet()
 
 
 def sites_lowered() -> bool:
@@ -361,7 +361,7 @@ class _Pieces:
     self.by_device: dict[int, tuple] = {}
 
 
-class Site:
+class Pieces:
   """Where one lowered call site's devices leave their pieces for the first
   device's call, per dispatching thread's slot, matched by the execution's
   sequence number (module docstring). Guarded by :data:`lock`: the jobs that

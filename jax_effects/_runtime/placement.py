@@ -69,7 +69,7 @@ class Placement:
 
 # --- the running callback's placement --------------------------------------------
 
-class _Site(threading.local):
+class _Running(threading.local):
   # ``(placement, threaded)`` set by the host function of an effect whose
   # host side reads its placement on every run (``print``/``log``:
   # ``HostCallback.reads_placement``), and by any host function running
@@ -81,8 +81,8 @@ class _Site(threading.local):
 
 
 #: The ``(placement, threaded)`` of the running host callback, where set (see
-#: ``_Site``; :func:`running` builds the value).
-site = _Site()
+#: ``_Running``; :func:`running` builds the value).
+site = _Running()
 
 #: The name of the local (or free) variable in which a registered host
 #: function's frame holds its ``(placement, threaded)`` (see

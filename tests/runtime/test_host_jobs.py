@@ -82,7 +82,7 @@ def test_cancel_ends_a_failed_executions_waiting_jobs_and_frees_waiters():
 
 
 def test_pieces_are_matched_by_execution_never_first_in_first_out():
-  site = host_jobs.Site(3, CHAIN)
+  site = host_jobs.Pieces(3, CHAIN)
   # execution 5: device 1 and 2 leave pieces; the first device never
   # arrives (it failed before the print)
   site.deposit(SLOT, 5, 1, ("5 from 1",))
@@ -101,7 +101,7 @@ def test_pieces_are_matched_by_execution_never_first_in_first_out():
 
 
 def test_a_failed_executions_pieces_are_dropped_and_late_ones_stale():
-  site = host_jobs.Site(3, CHAIN)
+  site = host_jobs.Pieces(3, CHAIN)
   site.deposit(SLOT, 7, 1, ("7 from 1",))
   host_jobs.cancel(SLOT, {CHAIN: 7})
   assert host_jobs.held(SLOT) == 0
@@ -114,7 +114,7 @@ def test_a_failed_executions_pieces_are_dropped_and_late_ones_stale():
 
 
 def test_nothing_is_kept_for_a_freed_slot():
-  site = host_jobs.Site(2, CHAIN)
+  site = host_jobs.Pieces(2, CHAIN)
   site.deposit(SLOT, 3, 1, ("x",))
   host_jobs.submit(SLOT, CHAIN, 4, _job([], "j", ready=lambda: False))
   assert host_jobs.held(SLOT) == 2
