@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from jax_effects._compat.versions import optional
+from jax_effects._compat.versions import JAX_VERSION, optional
 
 #: The feature that needs these internals (``versions.MISSING``).
 EXPORTED_CALLS = "calling a jax.export function with effects"
@@ -33,7 +33,8 @@ def export_allowed_custom_calls() -> frozenset | None:
   call allows (its ``disabled_checks``), read from its frame (``do_export``
   in ``jax._src.export._export``, whose ``disabled_checks`` is a closure
   variable: JAX 0.8-0.12); None when no such frame is found (another
-  caller, another JAX). ``"ALL"`` stands for every target."""
+  caller, another JAX). ``"ALL"`` stands for every target (from JAX
+  0.10; before, it is no target's name)."""
   import sys
   frame = sys._getframe(1)
   while frame is not None:
@@ -42,7 +43,10 @@ def export_allowed_custom_calls() -> frozenset | None:
       checks = frame.f_locals.get("disabled_checks")
       if checks is None:
         return None
-      return frozenset(t for t in (c.is_custom_call() for c in checks)
-                       if t is not None)
+      targets = {t for t in (c.is_custom_call() for c in checks)
+                 if t is not None}
+      if JAX_VERSION < (0, 10):   # (JAX 0.8, 0.9 take "ALL" as a name)
+        targets.discard("ALL")
+      return frozenset(targets)
     frame = frame.f_back
   return None
