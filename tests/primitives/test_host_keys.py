@@ -119,17 +119,6 @@ def test_a_vmapped_print_and_a_plain_one_never_share_a_key():
                    "v=10.0", "v=11.0", "v=12.0"]
 
 
-def test_a_print_in_a_cond_under_vmap_prints_its_values_not_the_mask():
-  lines = _run("""
-      def c(x):
-        return jax.lax.cond(x > 0.5, lambda y: (je.print("c={}", y), y)[1],
-                            lambda y: y, x)
-      je.jit(c)(jnp.float32(3.0)); je.effects_barrier()
-      je.jit(jax.vmap(c))(jnp.arange(3.0)); je.effects_barrier()
-      """)
-  assert lines == ["c=3.0", "c=1.0", "c=2.0"]
-
-
 _EXPORT_BATCHED = """
 def el(x):
   je.print("el={}", x)
