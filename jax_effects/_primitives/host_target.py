@@ -25,10 +25,21 @@ same keys in every process, and JAX's persistent cache hits; two different
 functions never share a key in one process. A local site cannot be
 exported (:func:`emit` refuses it, naming the effect and the fix).
 
+One key, one host function (``design/host_target.md``): everything that
+decides what the host side does is in the site spec the key is made from
+(the ``vmap`` forms are kinds of their own, ``host_callback.wrapped_spec``);
+a key arriving in a module is made again from its spec (:func:`key_problem`:
+a mismatch is refused and never bound); a module's spec passes the kinds'
+trace-time checks before anything is built from it; every frame's buffers
+are checked against its site (:attr:`Site.match`, and ``Site.sig`` in the
+compiled entry) on every call, before a byte of them is read.
+
 Lifetime: the registry holds sites weakly; a site lives as long as one of
 the executables it was lowered into (a keepalive of the lowering, which JAX
 hands to the executable; never in an exported module) or the effect's
-``HostCallback`` (its jaxpr) does; sites rebuilt from a spec are kept in a
+``HostCallback`` (its jaxpr) or the ``jax_effects.jit`` function that
+lowered it (``keep_sites_in``; across ``jax.clear_caches()``) does; sites
+rebuilt from a spec are kept in a
 bounded store (:data:`REBUILT_KEPT`, the oldest dropped first) and rebuilt
 again if dropped.
 
