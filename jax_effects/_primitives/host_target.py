@@ -215,6 +215,8 @@ def _mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
 #: (dtype code, rank) of an ``XLA_FFI_Buffer`` at its address
 #: (``ffi_abi.B_DTYPE``, ``B_RANK``: bytes 16 and 32).
 _CODE_RANK = struct.Struct("<16xi12xq").unpack_from
+#: The same and its dims' address (``B_DIMS``: byte 40).
+_CODE_RANK_DIMS = struct.Struct("<16xi12xqQ").unpack_from
 
 
 def _matcher(avals_in, avals_out):
@@ -238,6 +240,25 @@ def _matcher(avals_in, avals_out):
                      tuple(shape)))
   checks = tuple(checks)
   code_rank, B_DIMS = _CODE_RANK, _abi.B_DIMS
+  i32 = (_abi.DTYPES[np.dtype(np.int32)], 0)
+  if (n_in == 2 and n_out == 1 and checks[0][2:4] == i32
+      and checks[2][2:4] == i32 and checks[1][3] is not None):
+    # The common site (the carrier and one operand in, the carrier out),
+    # unrolled: the ctypes entry checks it on every call.
+    _, _, code, rank, dims, shape = checks[1]
+    want = (code, rank)
+    code_rank_dims = _CODE_RANK_DIMS
+
+    def match(argv, retv, nargs, nrets, mem8=mem8, mem64=mem64):
+      if nargs != 2 or nrets != 1:
+        return False
+      a = argv >> 3
+      if (code_rank(mem8, mem64[a]) != i32
+          or code_rank(mem8, mem64[retv >> 3]) != i32):
+        return False
+      c, r, d = code_rank_dims(mem8, mem64[a + 1])
+      return (c, r) == want and (dims is None or dims(mem8, d) == shape)
+    return match
 
   def match(argv, retv, nargs, nrets, mem8=mem8, mem64=mem64):
     if nargs != n_in or nrets != n_out:
