@@ -52,6 +52,7 @@ the function and must not keep it alive: ``core``).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import threading
@@ -199,6 +200,9 @@ def names_of(fun) -> dict:
 
 #: How many traces (jaxprs by signature) a function keeps for reuse.
 KEPT_TRACES = 8
+#: Sites of a function's programs kept after ``jax.clear_caches()``
+#: (``TraceCache.clear``), the oldest dropped first.
+KEPT_RETIRED_SITES = 4096
 
 
 class TraceCache:
@@ -232,8 +236,13 @@ class TraceCache:
     self.user_code = False
     #: The host target's sites lowered for this function's programs, kept
     #: while its jax.jit objects (and their executables) may run them
-    #: (``host_target.keep_sites_in``).
+    #: (``host_target.keep_sites_in``): ``jax.clear_caches()`` does not
+    #: drop them (:meth:`clear`).
     self.sites: set = set()
+    #: Sites of programs lowered before a ``jax.clear_caches()``, most
+    #: recent last (at most :data:`KEPT_RETIRED_SITES`).
+    self._retired: collections.deque = collections.deque(
+        maxlen=KEPT_RETIRED_SITES)
     self._lock = threading.Lock()
     _compat.register_cache(self, "jax_effects.jit kept traces")
 
@@ -247,7 +256,14 @@ class TraceCache:
   def clear(self) -> None:
     with self._lock:
       self._traces.clear()
-      self.sites = set()   # (jax.clear_caches: the executables go too)
+      # An executable lowered before the clear may still run: one in
+      # flight, or one that a call racing with the clear put back in
+      # jax.jit's C++ cache after it was emptied (its Python lowering,
+      # whose keepalives hold its sites, gone with JAX's caches). Its
+      # sites stay (retired, in a bounded store): a site in use is never
+      # unbound by a clear (``design/host_target.md``).
+      self._retired.extend(self.sites)
+      self.sites = set()
 
   # JAX's cache protocol (``jax.clear_caches``, its cache statistics)
   cache_clear = clear

@@ -128,6 +128,7 @@ def _named_host(spec: dict) -> _host_callback.HostCallback:
   ...}``), in any process: the function registered under its name when it
   runs."""
   name, args_tree = spec["name"], spec["args"]
+  _host_specs.check_tree(args_tree, f"{spec['what']}: its arguments")
   decode = _host_specs.decode_tree
   results = spec["results"]
   avals = tuple(jax.core.ShapedArray(tuple(shape), _host_specs.decode_aval(

@@ -244,6 +244,11 @@ def _log_host(spec: dict) -> _host_callback.HostCallback:
   process: the logger found by name there."""
   name = spec["logger"]
   extra = spec["extra"]
+  if extra is not None:
+    _host_specs.check_tree(extra, f"{spec['what']}: its extra=")
+  if name is not None and type(name) is not str:
+    raise _host_specs.NotData(f"{spec['what']}: a logger name that is not "
+                              f"a str")
   record = _Record(
       lg=logging.getLogger(name) if name else logging.getLogger(),
       adapters=(), levelno=spec["level"], pathname=spec["pathname"],
@@ -257,7 +262,8 @@ def _log_host(spec: dict) -> _host_callback.HostCallback:
   n = len(text["edges"])
   edges = (*_printing.spec_edges(text), *(None,) * spec["n_extra"])
   return _host_callback.HostCallback(
-      record.jit_side(_printing.text_from_spec(text), n), spec["what"],
+      record.jit_side(_printing.text_from_spec(text, spec["what"]), n),
+      spec["what"],
       reads_placement=True, edges=edges, spec=spec)
 
 

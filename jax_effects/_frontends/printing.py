@@ -331,8 +331,43 @@ def spec_edges(spec: dict) -> tuple:
                for e in spec["edges"])
 
 
-def text_from_spec(spec: dict):
-  """``jit(*np_operands)`` of a :func:`text_spec`."""
+def check_text_spec(what: str, spec) -> None:
+  """Checks a :func:`text_spec` that arrived in a module (exported, or from
+  the persistent cache) as :func:`check_format` checks a traced one: a
+  format string that reaches into an argument (``{0.__class__}``,
+  ``{x[0]}``) or does not fit the arguments' structure is refused, never
+  formatted. Raises ``host_specs.NotData``."""
+  if not isinstance(spec, dict) or not isinstance(spec.get("fmt"), str):
+    raise _host_specs.NotData(f"{what}: a text spec without a format string")
+  n = _host_specs.check_tree(spec.get("args"), f"{what}: its arguments")
+  tree = _host_specs.decode_tree(spec["args"], [0] * n)
+  args, kwargs = tree if type(tree) is tuple and len(tree) == 2 else (None,
+                                                                      None)
+  if type(args) is not tuple or type(kwargs) is not dict:
+    raise _host_specs.NotData(f"{what}: arguments that are not (args, "
+                              f"kwargs)")
+  options = spec.get("options")
+  if not isinstance(options, dict) or not all(
+      type(k) is str and type(v) in (str, int, float, bool, type(None))
+      for k, v in options.items()):
+    raise _host_specs.NotData(f"{what}: print options that are not data")
+  edges = spec.get("edges")
+  if not isinstance(edges, list) or not all(
+      e is None or (isinstance(e, list) and len(e) == 2
+                    and isinstance(e[0], list)
+                    and all(type(d) is int for d in e[0])
+                    and type(e[1]) is int) for e in edges):
+    raise _host_specs.NotData(f"{what}: operand edges that are not data")
+  try:
+    check_format(what, spec["fmt"], args, kwargs)
+  except (ValueError, TypeError) as err:
+    raise _host_specs.NotData(str(err)) from None
+
+
+def text_from_spec(spec: dict, what: str = "jax_effects.print"):
+  """``jit(*np_operands)`` of a :func:`text_spec` (checked first,
+  :func:`check_text_spec`)."""
+  check_text_spec(what, spec)
   return _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
                 spec["options"], spec_edges(spec))
 

@@ -7,7 +7,9 @@
    callback. It takes the GIL, keeps the calling thread's Python thread
    state (as `host_target._pin` does), and runs the common site itself
    (`host_target.Site.compiled`: one operand, one carrier, no result, the
-   operand copied into a new NumPy array, the carrier written back), the
+   frame's buffers checked against the site's signature on every call
+   before any is read, the operand copied into a new NumPy array, the
+   carrier written back), the
    work the Python handler's inline path does in bytecode, at a fraction of
    its cost. Anything else, and any failure before the host function ran,
    goes to the Python handler, which does everything.
@@ -30,7 +32,7 @@
 /* Word indices (8-byte) into the call frame and a buffer; an attribute
    type code (ffi_abi.F_*, B_DATA, ATTR_STRING). */
 static Py_ssize_t f_extension, f_argv, f_retv, f_nattrs, f_attr_types,
-    f_attrv, b_data;
+    f_attrv, b_data, f_nargs, f_nrets, b_dtype, b_rank, b_dims;
 static int32_t attr_string;
 
 static PyObject *handler;   /* host_target._handle(frame) -> error */
@@ -66,6 +68,39 @@ static PyObject *take_exception(void) {
 #endif
 }
 
+/* Whether the frame's buffers are the site's (host_target._signature:
+   int64 words nargs, nrets, then for each argument and result its dtype
+   code, rank (-1: a token, its code only) and dims), read before any byte
+   of a buffer is: a frame that does not fit goes to the Python handler,
+   which refuses it. */
+static int frame_matches(uint64_t frame, const int64_t *sig, Py_ssize_t n) {
+  if (n < 2) return 0;
+  int64_t nargs = sig[0], nrets = sig[1];
+  if ((int64_t)WORD(frame, f_nargs) != nargs ||
+      (int64_t)WORD(frame, f_nrets) != nrets)
+    return 0;
+  Py_ssize_t k = 2;
+  for (int side = 0; side < 2; side++) {
+    uint64_t vec = WORD(frame, side ? f_retv : f_argv);
+    int64_t count = side ? nrets : nargs;
+    for (int64_t i = 0; i < count; i++) {
+      if (k + 2 > n) return 0;
+      uint64_t buf = WORD(vec, i);
+      int32_t code = *(const int32_t *)(uintptr_t)(buf + 8 * b_dtype);
+      int64_t rank = sig[k + 1];
+      if (code != sig[k]) return 0;
+      k += 2;
+      if (rank < 0) continue;   /* (a token) */
+      if ((int64_t)WORD(buf, b_rank) != rank || k + rank > n) return 0;
+      const int64_t *dims = (const int64_t *)(uintptr_t)WORD(buf, b_dims);
+      for (int64_t j = 0; j < rank; j++)
+        if (dims[j] != sig[k + j]) return 0;
+      k += rank;
+    }
+  }
+  return k == n;
+}
+
 /* The site's host function on an operand copied out of the frame: 1 (ran;
    *result: 0 or an XLA_FFI_Error address), 0 (not a common site, or a
    failure before the host function ran: the Python handler runs it). */
@@ -92,8 +127,15 @@ static int run_common(uint64_t frame, void **result) {
   PyObject *spec = PyObject_GetAttr(site, compiled_name);
   Py_DECREF(site);
   if (spec == NULL) return 0;
-  /* (host, shape, dtype, nbytes, per_device) */
-  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) {
+  /* (host, shape, dtype, nbytes, per_device, sig) */
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 6) {
+    Py_DECREF(spec);
+    return 0;
+  }
+  PyObject *sig = PyTuple_GET_ITEM(spec, 5);
+  if (!PyBytes_Check(sig) ||
+      !frame_matches(frame, (const int64_t *)PyBytes_AS_STRING(sig),
+                     PyBytes_GET_SIZE(sig) / 8)) {
     Py_DECREF(spec);
     return 0;
   }
@@ -234,7 +276,8 @@ static PyObject *entry(PyObject *module, PyObject *fn) {
 
 /* configure(words, sites, empty, partitions, raised): enables the common
    sites' path. words: (F_EXTENSION, F_ARGV, F_RETV, F_NATTRS,
-   F_ATTR_TYPES, F_ATTRV, B_DATA, ATTR_STRING). */
+   F_ATTR_TYPES, F_ATTRV, B_DATA, ATTR_STRING, F_NARGS, F_NRETS, B_DTYPE,
+   B_RANK, B_DIMS). */
 static PyObject *configure(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *words, *sites_, *empty_, *partitions_, *raised_;
@@ -242,12 +285,12 @@ static PyObject *configure(PyObject *module, PyObject *args) {
                         &PyDict_Type, &sites_, &empty_, &PyDict_Type,
                         &partitions_, &raised_))
     return NULL;
-  Py_ssize_t w[8];
-  if (PyTuple_GET_SIZE(words) != 8) {
-    PyErr_SetString(PyExc_ValueError, "8 layout words expected");
+  Py_ssize_t w[13];
+  if (PyTuple_GET_SIZE(words) != 13) {
+    PyErr_SetString(PyExc_ValueError, "13 layout words expected");
     return NULL;
   }
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < 13; i++) {
     w[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(words, i));
     if (w[i] < 0) {
       if (!PyErr_Occurred())
@@ -263,6 +306,11 @@ static PyObject *configure(PyObject *module, PyObject *args) {
   f_attrv = w[5];
   b_data = w[6];
   attr_string = (int32_t)w[7];
+  f_nargs = w[8];
+  f_nrets = w[9];
+  b_dtype = w[10];
+  b_rank = w[11];
+  b_dims = w[12];
   Py_INCREF(sites_);
   Py_XSETREF(sites, sites_);
   Py_INCREF(empty_);

@@ -89,7 +89,8 @@ def _masked_effect(eqn, mask, invals):
   hc = eqn.params["host_callback"]
   masked = dataclasses.replace(
       hc, fn=_host_callback.MaskedHost(hc.fn, tuple(hc.result_avals)),
-      traced_in_branch=False, eager=None)
+      traced_in_branch=False, eager=None,
+      spec=_host_callback.wrapped_spec(hc.spec, "masked"))
   return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
 
 

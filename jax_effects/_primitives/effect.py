@@ -238,7 +238,11 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
       host_callback,
       fn=_host_callback.BatchedHost(element, new_shape, tuple(new_levels),
                            element_avals),
-      result_avals=new_avals, eager=None)   # eager too: once per element
+      result_avals=new_avals, eager=None,   # eager too: once per element
+      # (the batched form as data: another key than the element's)
+      spec=_host_callback.wrapped_spec(
+          element.spec, "batched", shape=list(new_shape),
+          levels=[list(lv) for lv in new_levels]))
   outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
                        ordered=ordered)
   return outs, [0] * len(outs)

@@ -244,7 +244,8 @@ def handler_capsule(handler: Callable[[int], int], common=None):
   ``common``: ``(sites, empty, partitions, raised)``, what the compiled
   entry reads to run a common site itself (``_trampoline.c``): the
   handler's sites (key -> weak reference to a site whose ``compiled`` is
-  ``(host, shape, dtype, nbytes, per_device)`` or None), ``numpy.empty``,
+  ``(host, shape, dtype, nbytes, per_device, sig)`` or None, ``sig`` what
+  the frame's buffers are checked against on every call), ``numpy.empty``,
   the partition ids met (int -> ``numpy.uint32``), and ``raised(exc) ->
   error address`` for an exception out of a host function. The layout
   words it reads at are this module's."""
@@ -252,7 +253,8 @@ def handler_capsule(handler: Callable[[int], int], common=None):
     address = _TRAMPOLINE.entry(handler)
     if common is not None:
       words = (F_EXTENSION, F_ARGV, F_RETV, F_NATTRS, F_ATTR_TYPES, F_ATTRV,
-               B_DATA, ATTR_STRING)
+               B_DATA, ATTR_STRING, F_NARGS, F_NRETS, B_DTYPE, B_RANK,
+               B_DIMS)
       _TRAMPOLINE.configure(words, *common)
     _kept.append(handler)
     return jax.ffi.pycapsule(address)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_effects._primitives import host_specs as _host_specs
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostCallback:
@@ -207,6 +209,84 @@ class MaskedHost:
     return tuple(np.zeros(a.shape, a.dtype) for a in self.result_avals)
 
 
+class LiveMasked:
+  """Host function of a vmapped effect inside ``while_loop``s whose
+  predicates ``vmap`` batched: its first ``len(reshapes)`` operands are those
+  predicates, reshaped to broadcast against the batch; an element runs only
+  while every one is True (:func:`masked`)."""
+  __slots__ = ("inner", "reshapes")
+
+  def __init__(self, inner: BatchedHost, reshapes: tuple):
+    self.inner = inner
+    self.reshapes = reshapes
+
+  def __call__(self, *args):
+    k = len(self.reshapes)
+    live = np.ones(self.inner.batch_shape, dtype=bool)
+    for m, rs in zip(args[:k], self.reshapes):
+      live &= np.reshape(np.asarray(m, dtype=bool), rs)
+    return self.inner(*args[k:], live=live)
+
+
+# --- the forms as data ------------------------------------------------------------------
+#
+# A batched, masked or live-masked form runs other code than its element (it
+# loops over the batch, skips elements, reads a mask operand first): its
+# spec (``host_specs``) says so, wrapping the element's, so that its key
+# (``host_target``) is never the element's, and any process rebuilds the
+# same form from it. A form of a local effect stays local.
+
+def wrapped_spec(inner, kind: str, **fields):
+  """The spec of a form ``kind`` of an effect whose spec is ``inner``: data
+  when ``inner`` is, else ``inner`` (the reason it is local)."""
+  if not isinstance(inner, dict):
+    return inner
+  return {"kind": kind, "inner": inner, **fields}
+
+
+def _levels(data) -> tuple:
+  return tuple(tuple(bool(b) for b in lv) for lv in data)
+
+
+def _rebuild_batched(spec) -> HostCallback:
+  element = _host_specs.rebuild_effect(spec["inner"])
+  shape = tuple(int(n) for n in spec["shape"])
+  levels = _levels(spec["levels"])
+  if any(len(lv) != len(shape) for lv in levels):
+    raise _host_specs.NotData("a batched form whose levels do not fit its "
+                              "batch shape")
+  element_avals = element.result_avals
+  avals = tuple(jax.core.ShapedArray(shape + a.shape, a.dtype)
+                for a in element_avals)
+  return dataclasses.replace(
+      element, fn=BatchedHost(element, shape, levels, element_avals),
+      result_avals=avals, eager=None, spec=spec)
+
+
+def _rebuild_masked(spec) -> HostCallback:
+  inner = _host_specs.rebuild_effect(spec["inner"])
+  return dataclasses.replace(
+      inner, fn=MaskedHost(inner.fn, tuple(inner.result_avals)),
+      traced_in_branch=False, eager=None, spec=spec)
+
+
+def _rebuild_live(spec) -> HostCallback:
+  inner = _host_specs.rebuild_effect(spec["inner"])
+  if not isinstance(inner.fn, BatchedHost):
+    raise _host_specs.NotData("a live-masked form of an unbatched effect")
+  reshapes = tuple(tuple(int(n) for n in r) for r in spec["reshapes"])
+  if any(len(r) != len(inner.fn.batch_shape) for r in reshapes):
+    raise _host_specs.NotData("a live-masked form whose masks do not fit "
+                              "its batch")
+  return dataclasses.replace(inner, fn=LiveMasked(inner.fn, reshapes),
+                             spec=spec)
+
+
+_host_specs.register_kind("batched", _rebuild_batched)
+_host_specs.register_kind("masked", _rebuild_masked)
+_host_specs.register_kind("live", _rebuild_live)
+
+
 # --- liveness under vmap-of-while -------------------------------------------------------
 
 def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:
@@ -242,13 +322,9 @@ def masked(host_callback: HostCallback, masks: Sequence):
           f"move the effect out of the loop.")
     (pos,) = found
     reshapes.append(tuple(shape[j] if j in pos else 1 for j in range(len(shape))))
-  k = len(masks)
-
-  def run(*args):
-    live = np.ones(shape, dtype=bool)
-    for m, rs in zip(args[:k], reshapes):
-      live &= np.reshape(np.asarray(m, dtype=bool), rs)
-    return fn(*args[k:], live=live)
-
-  return (dataclasses.replace(host_callback, fn=run),
+  run = LiveMasked(fn, tuple(reshapes))
+  return (dataclasses.replace(
+      host_callback, fn=run, spec=wrapped_spec(
+          host_callback.spec, "live",
+          reshapes=[list(r) for r in run.reshapes])),
           [jnp.asarray(m, dtype=bool) for m in masks])

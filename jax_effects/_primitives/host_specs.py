@@ -177,6 +177,55 @@ def _shallow(data) -> tuple | None:
   return _MAKERS[kind], keys, items, slots
 
 
+def check_tree(data, what: str = "a tree") -> int:
+  """Checks that ``data`` is what :func:`encode_tree` writes (a spec that
+  arrived in a module is checked as a traced one was built): nodes tuple,
+  list, dict with str keys and None, leaves operands ``{"op": j}`` (``j``
+  numbering them from 0, each once) or static values exactly ``str``,
+  ``int``, ``float`` or ``bool``. Returns the number of operands; raises
+  :class:`NotData` naming what is wrong."""
+  ops = []
+
+  def walk(d, depth):
+    if depth > 64:
+      raise NotData(f"{what} nested deeper than 64")
+    if not isinstance(d, dict) or len(d) != 1:
+      raise NotData(f"{what} with a node that is not one of encode_tree's")
+    (tag, v), = d.items()
+    if tag == "op":
+      if type(v) is not int or v < 0:
+        raise NotData(f"{what} with an operand index {v!r}")
+      ops.append(v)
+    elif tag == "v":
+      if type(v) not in _STATIC:
+        raise NotData(f"{what} with a static leaf of type "
+                      f"{type(v).__name__}")
+    elif tag == "n":
+      if v != 0:
+        raise NotData(f"{what} with a bad None node")
+    elif tag in ("t", "l"):
+      if not isinstance(v, list):
+        raise NotData(f"{what} with a bad sequence node")
+      for x in v:
+        walk(x, depth + 1)
+    elif tag == "d":
+      if not isinstance(v, list):
+        raise NotData(f"{what} with a bad dict node")
+      for kv in v:
+        if (not isinstance(kv, list) or len(kv) != 2
+            or type(kv[0]) is not str):
+          raise NotData(f"{what} with a dict entry whose key is not a str")
+        walk(kv[1], depth + 1)
+    else:
+      raise NotData(f"{what} with a node {tag!r}")
+
+  walk(data, 0)
+  if sorted(ops) != list(range(len(ops))):
+    raise NotData(f"{what} whose operands are not numbered 0 to "
+                  f"{len(ops) - 1} once each")
+  return len(ops)
+
+
 def tree_decoder(data) -> Callable:
   """``decode(values)``: :func:`decode_tree` of ``data``, its structure
   read once, here, not on every call of the host side (a warm ``print``'s

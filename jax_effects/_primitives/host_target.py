@@ -25,10 +25,21 @@ same keys in every process, and JAX's persistent cache hits; two different
 functions never share a key in one process. A local site cannot be
 exported (:func:`emit` refuses it, naming the effect and the fix).
 
+One key, one host function (``design/host_target.md``): everything that
+decides what the host side does is in the site spec the key is made from
+(the ``vmap`` forms are kinds of their own, ``host_callback.wrapped_spec``);
+a key arriving in a module is made again from its spec (:func:`key_problem`:
+a mismatch is refused and never bound); a module's spec passes the kinds'
+trace-time checks before anything is built from it; every frame's buffers
+are checked against its site (:attr:`Site.match`, and ``Site.sig`` in the
+compiled entry) on every call, before a byte of them is read.
+
 Lifetime: the registry holds sites weakly; a site lives as long as one of
 the executables it was lowered into (a keepalive of the lowering, which JAX
 hands to the executable; never in an exported module) or the effect's
-``HostCallback`` (its jaxpr) does; sites rebuilt from a spec are kept in a
+``HostCallback`` (its jaxpr) or the ``jax_effects.jit`` function that
+lowered it (``keep_sites_in``; across ``jax.clear_caches()``) does; sites
+rebuilt from a spec are kept in a
 bounded store (:data:`REBUILT_KEPT`, the oldest dropped first) and rebuilt
 again if dropped.
 
@@ -137,7 +148,8 @@ class Site:
   function) called with the operands read from the frame, its results
   written back (:meth:`run`, specialised when first run)."""
   __slots__ = ("key", "spec", "what", "host", "avals_in", "avals_out",
-               "scalars", "run", "inline", "compiled", "__weakref__")
+               "scalars", "run", "inline", "compiled", "match", "sig",
+               "__weakref__")
 
   def __init__(self, key: bytes, spec: str, what: str, host: Callable,
                avals_in: list, avals_out: list, scalars: frozenset):
@@ -154,6 +166,12 @@ class Site:
     self.inline = None
     # The same for the compiled entry (:func:`_compiled`).
     self.compiled = None
+    # ``match(argv, retv, nargs, nrets)``: whether a frame's buffers are
+    # this site's (number, dtype, dims), checked on every call before a
+    # byte of them is read (:func:`_matcher`); ``sig``: the same as the
+    # compiled entry checks it (:func:`_signature`).
+    self.match = _matcher(avals_in, avals_out)
+    self.sig = _signature(avals_in, avals_out)
 
   def _first_run(self, frame: int) -> int:
     problem = _abi.check_frame(frame) or self._check(frame)
@@ -161,31 +179,118 @@ class Site:
       raise SiteMismatch(problem)
     self.run = _runner(self)
     self.inline = _inline(self)
-    self.compiled = _compiled(self.inline)
+    self.compiled = _compiled(self.inline, self.sig)
     return self.run(frame)
 
   def _check(self, frame: int) -> str | None:
     """What differs between the frame's buffers and this site's spec."""
-    f = frame >> 3
-    for what, n_at, v_at, avals in (("operand", _abi.F_NARGS, F_ARGV,
-                                     self.avals_in),
-                                    ("result", _abi.F_NRETS, F_RETV,
-                                     self.avals_out)):
-      n = mem64[f + n_at]
-      if n != len(avals):
-        return f"{self.what}: {n} {what}s in the call, {len(avals)} in its spec"
-      vec = mem64[f + v_at] >> 3
-      for i, aval in enumerate(avals):
-        code, _, dims = _abi.buffer(mem64[vec + i])
-        if aval is None:
-          if code != _abi.DTYPE_TOKEN:
-            return f"{self.what}: {what} {i} is not a token"
-          continue
-        dtype, shape = aval
-        if _abi.DTYPES.get(dtype) != code or dims != shape:
-          return (f"{self.what}: {what} {i} has XLA dtype {code} and shape "
-                  f"{dims}; its spec says {dtype}{list(shape)}")
-    return None
+    return _mismatch(self.what, self.avals_in, self.avals_out, frame)
+
+
+def _mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
+  """What differs between the frame's buffers and a site's avals (None:
+  nothing)."""
+  f = frame >> 3
+  for what, n_at, v_at, avals in (("operand", _abi.F_NARGS, F_ARGV,
+                                   avals_in),
+                                  ("result", _abi.F_NRETS, F_RETV,
+                                   avals_out)):
+    n = mem64[f + n_at]
+    if n != len(avals):
+      return f"{site_what}: {n} {what}s in the call, {len(avals)} in its spec"
+    vec = mem64[f + v_at] >> 3
+    for i, aval in enumerate(avals):
+      code, _, dims = _abi.buffer(mem64[vec + i])
+      if aval is None:
+        if code != _abi.DTYPE_TOKEN:
+          return f"{site_what}: {what} {i} is not a token"
+        continue
+      dtype, shape = aval
+      if _abi.DTYPES.get(dtype) != code or dims != shape:
+        return (f"{site_what}: {what} {i} has XLA dtype {code} and shape "
+                f"{dims}; its spec says {dtype}{list(shape)}")
+  return None
+
+
+#: (dtype code, rank) of an ``XLA_FFI_Buffer`` at its address
+#: (``ffi_abi.B_DTYPE``, ``B_RANK``: bytes 16 and 32).
+_CODE_RANK = struct.Struct("<16xi12xq").unpack_from
+#: The same and its dims' address (``B_DIMS``: byte 40).
+_CODE_RANK_DIMS = struct.Struct("<16xi12xqQ").unpack_from
+
+
+def _matcher(avals_in, avals_out):
+  """``match(argv, retv, nargs, nrets)``: whether a frame with these
+  argument and result lists has this site's buffers (their number, and the
+  XLA dtype code and dims of every one; a token's code only). The handler
+  calls it on every call, before it reads a byte of a buffer: a frame that
+  does not fit (a module whose custom call's operands are not what its key
+  names) fails with :class:`SiteMismatch`, never reads past a buffer."""
+  n_in, n_out = len(avals_in), len(avals_out)
+  checks = []
+  for side, avals in ((0, avals_in), (1, avals_out)):
+    for i, aval in enumerate(avals):
+      if aval is None:
+        checks.append((side, i, _abi.DTYPE_TOKEN, None, None, None))
+        continue
+      dtype, shape = aval
+      rank = len(shape)
+      checks.append((side, i, _abi.DTYPES.get(dtype, -1), rank,
+                     struct.Struct(f"<{rank}q").unpack_from if rank else None,
+                     tuple(shape)))
+  checks = tuple(checks)
+  code_rank, B_DIMS = _CODE_RANK, _abi.B_DIMS
+  i32 = (_abi.DTYPES[np.dtype(np.int32)], 0)
+  if (n_in == 2 and n_out == 1 and checks[0][2:4] == i32
+      and checks[2][2:4] == i32 and checks[1][3] is not None):
+    # The common site (the carrier and one operand in, the carrier out),
+    # unrolled: the ctypes entry checks it on every call.
+    _, _, code, rank, dims, shape = checks[1]
+    want = (code, rank)
+    code_rank_dims = _CODE_RANK_DIMS
+
+    def match(argv, retv, nargs, nrets, mem8=mem8, mem64=mem64):
+      if nargs != 2 or nrets != 1:
+        return False
+      a = argv >> 3
+      if (code_rank(mem8, mem64[a]) != i32
+          or code_rank(mem8, mem64[retv >> 3]) != i32):
+        return False
+      c, r, d = code_rank_dims(mem8, mem64[a + 1])
+      return (c, r) == want and (dims is None or dims(mem8, d) == shape)
+    return match
+
+  def match(argv, retv, nargs, nrets, mem8=mem8, mem64=mem64):
+    if nargs != n_in or nrets != n_out:
+      return False
+    vecs = (argv >> 3, retv >> 3)
+    for side, i, code, rank, dims, shape in checks:
+      b = mem64[vecs[side] + i]
+      c, r = code_rank(mem8, b)
+      if c != code:
+        return False
+      if rank is None:
+        continue
+      if r != rank or (dims is not None and dims(
+          mem8, mem64[(b >> 3) + B_DIMS]) != shape):
+        return False
+    return True
+  return match
+
+
+def _signature(avals_in, avals_out) -> bytes:
+  """What the compiled entry checks a frame's buffers against
+  (``_trampoline.c``, ``frame_matches``): int64 words ``nargs, nrets``,
+  then for each argument and result its dtype code, rank (-1: a token,
+  its code only) and dims."""
+  words = [len(avals_in), len(avals_out)]
+  for aval in (*avals_in, *avals_out):
+    if aval is None:
+      words += [_abi.DTYPE_TOKEN, -1]
+    else:
+      dtype, shape = aval
+      words += [_abi.DTYPES.get(dtype, -1), len(shape), *shape]
+  return struct.pack(f"<{len(words)}q", *words)
 
 
 # NumPy scalars of the partition-id values seen (immutable; a carrier's
@@ -286,8 +391,17 @@ def _runner(site: Site) -> Callable[[int], int]:
           if a is not None]
   # The general case: every operand and result through its reader/writer.
 
+  # (no reference to the site itself: it holds this function)
+  match, what = site.match, site.what
+  avals_in, avals_out = site.avals_in, site.avals_out
+  F_NARGS, F_NRETS = _abi.F_NARGS, _abi.F_NRETS
+
   def run(frame):
     f = frame >> 3
+    if not match(mem64[f + F_ARGV], mem64[f + F_RETV], mem64[f + F_NARGS],
+                 mem64[f + F_NRETS]):
+      raise SiteMismatch(_mismatch(what, avals_in, avals_out, frame) or
+                         f"{what}: a call frame that does not fit its site")
     argv = mem64[f + F_ARGV] >> 3
     out = host(*[read(mem64[(mem64[argv + i] >> 3) + B_DATA])
                  for i, read in ins])
@@ -335,11 +449,12 @@ def _inline(site: Site):
           None if len(shape) == 1 else shape, per_device)
 
 
-def _compiled(inline) -> tuple | None:
+def _compiled(inline, sig: bytes) -> tuple | None:
   """What the compiled entry (``ffi_abi.ENTRY``, ``_trampoline.c``) needs to
-  run a common site itself: ``(host, shape, dtype, nbytes, per_device)``,
-  the operand made as ``numpy.empty(shape, dtype)`` and its ``nbytes``
-  copied in (the bits as they are, a NaN's payload too); None where
+  run a common site itself: ``(host, shape, dtype, nbytes, per_device,
+  sig)``, the operand made as ``numpy.empty(shape, dtype)`` and its
+  ``nbytes`` copied in (the bits as they are, a NaN's payload too), once
+  the frame's buffers matched ``sig`` (:func:`_signature`); None where
   :func:`_inline` is."""
   if inline is None:
     return None
@@ -348,7 +463,8 @@ def _compiled(inline) -> tuple | None:
     shape = ()
   elif shape is None:
     shape = (count,)
-  return (host, tuple(shape), dtype, count * dtype.itemsize, per_device)
+  return (host, tuple(shape), dtype, count * dtype.itemsize, per_device,
+          sig)
 
 
 def _raised(exc: BaseException) -> int:
@@ -409,10 +525,10 @@ mem8 = _abi.mem8
 
 
 #: The words of a call frame the handler reads, at once: extension_start,
-#: args.args, rets.rets, attrs.size, attrs.types, attrs.attrs
-#: (``ffi_abi.F_EXTENSION``, ``F_ARGV``, ``F_RETV``, ``F_NATTRS``,
-#: ``F_ATTR_TYPES``, ``F_ATTRV``).
-_FRAME = struct.Struct("<8xQ56xQ32xQ16xQQ8xQ")
+#: args.size, args.args, rets.size, rets.rets, attrs.size, attrs.types,
+#: attrs.attrs (``ffi_abi.F_EXTENSION``, ``F_NARGS``, ``F_ARGV``,
+#: ``F_NRETS``, ``F_RETV``, ``F_NATTRS``, ``F_ATTR_TYPES``, ``F_ATTRV``).
+_FRAME = struct.Struct("<8xQ40xQ8xQ16xQ8xQ16xQQ8xQ")
 
 
 def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
@@ -429,7 +545,8 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
   except AttributeError:
     _pin()
   try:
-    extension, argv, retv, nattrs, types, attrv = fields(mem8, frame)
+    (extension, nargs, argv, nrets, retv, nattrs, types,
+     attrv) = fields(mem8, frame)
     if extension:   # XLA's metadata query (registration)
       _abi.answer_metadata(frame)
       return 0
@@ -446,7 +563,10 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
       site = _cold(frame, key)
     inline = site.inline
     if inline is None:
-      return site.run(frame)
+      return site.run(frame)   # (which checks the frame's buffers first)
+    if not site.match(argv, retv, nargs, nrets):
+      raise SiteMismatch(site._check(frame) or f"{site.what}: a call frame "
+                         f"that does not fit its site")
     host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
     carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int, as
@@ -490,6 +610,9 @@ def _cold(frame: int, key: bytes) -> Site:
     raise SiteMismatch("a call of jax_effects' host target with attributes "
                        "it does not know")
   text = attrs[SPEC_ATTR]
+  problem = key_problem(key, text)
+  if problem:   # (never bound: the key keeps naming what its spec says)
+    raise SiteMismatch(problem)
   with _lock:
     site = _bound(key)
     if site is not None:
@@ -501,6 +624,41 @@ def _cold(frame: int, key: bytes) -> Site:
       while len(_rebuilt) > REBUILT_KEPT:
         _rebuilt.popitem(last=False)
   return site
+
+
+def key_of(text: str, local_n: int | None = None) -> bytes:
+  """The key of the site spec ``text``: a data site's (``local_n`` None),
+  or the ``local_n``-th local site of that spec."""
+  if local_n is None:
+    return ("jfx1.D" + _specs.digest(text)).encode()
+  return f"jfx1.L{_specs.digest(text, 20)}.{local_n}".encode()
+
+
+_LOCAL_KEY = re.compile(rb"jfx1\.L([0-9a-f]{20})\.(0|[1-9][0-9]{0,17})")
+
+
+def key_problem(key: bytes, text: str) -> str | None:
+  """Why ``key`` is not the key of the spec ``text`` it arrived with (a
+  module from elsewhere: exported, cached, or corrupt), or None. The key is
+  made again from the spec: a data spec's hash; a local spec's hash and a
+  count (such a site is never rebuilt, only named)."""
+  shown = key.decode("utf-8", "replace")[:80]
+  try:
+    spec = json.loads(text)
+    local = isinstance(spec, dict) and isinstance(spec.get("effect"), dict) \
+        and "local" in spec["effect"]
+  except ValueError:
+    return (f"a call of jax_effects' host target whose spec is not JSON "
+            f"(key {shown!r}): refused")
+  if local:
+    m = _LOCAL_KEY.fullmatch(key)
+    if m is not None and m.group(1).decode() == _specs.digest(text, 20):
+      return None
+  elif key == key_of(text):
+    return None
+  return (f"a call of jax_effects' host target whose key {shown!r} is not "
+          f"the key of the spec it carries (a corrupt or foreign module): "
+          f"refused, and the key left unbound")
 
 
 def _rebuild(key: bytes, text: str) -> tuple[Site, bool]:
@@ -661,13 +819,13 @@ def _site_for(side, avals_in, avals_out, for_export: bool) -> Site:
     if site is not None and _bound(site.key) is site:
       return site
     if why is None:
-      key = ("jfx1.D" + _specs.digest(text)).encode()
+      key = key_of(text)
       site = _bound(key)
     else:
       h = _specs.digest(text, 20)
       n = _local_counts.get(h, 0)
       _local_counts[h] = n + 1
-      key = f"jfx1.L{h}.{n}".encode()
+      key = key_of(text, n)
       site = None
     if site is None:
       decoded_in = [_specs.decode_aval(a) for a in spec["site"]["in"]]

@@ -22,6 +22,9 @@ fault injected through a public API:
   ``jax_effects.callback``, on one device or at one step) that launches JAX
   computations and waits for them (JAX issue 25861; ``design/errors.md``,
   "No unbounded wait"): nothing observable changes, nothing may hang.
+* ``clear-caches`` (only when named, ``--faults``; issue 37):
+  ``jax.clear_caches()`` and ``gc.collect()`` in a loop beside the phase of
+  the faulty call, which must change nothing observable.
 
 The model (plain Python, from the contract of issue 31, not from the
 implementation, :func:`check`) says what must be observed: every record
@@ -86,6 +89,12 @@ WRITE_ERROR_SKIPS_LATER_EFFECTS = True
 CASE_BOUND_S = 45
 FAULT_CLASSES = ("none", "xla-stage", "xla-partitioned", "slow",
                  "callback-error", "stdout", "reenter-jax")
+#: Classes drawn only when named (``--faults``; issue 37), so that the
+#: default draw (and every seed's case) stays what it was:
+#: ``clear-caches``: ``jax.clear_caches()`` and ``gc.collect()`` in a loop
+#: beside the faulty call's phase (nothing may change: a site in use is
+#: never unbound, ``design/host_target.md``).
+EXTRA_FAULT_CLASSES = ("clear-caches",)
 TEMPLATES = ("partitioned", "summarized", "shard_map", "loop", "streams",
              "reentrant")
 #: How often each template is drawn.
@@ -255,6 +264,8 @@ def fault_sites(cls: str, template: str) -> list[str]:
   if cls == "reenter-jax":
     return fault_sites("slow", template) + fault_sites("callback-error",
                                                        template)
+  if cls == "clear-caches":
+    return ["beside"]
   if cls == "stdout":
     return {"partitioned": ["S1", "s1.1", "s1.2", "s1.3"],
             "summarized": ["S6", "s6.1"],
@@ -754,6 +765,19 @@ def run_case(runner: Runner, case: Case) -> dict:
                for t, ops in enumerate(phase.threads)]
     for t in threads:
       t.start()
+    clearing = None
+    if fault is not None and fault.cls == "clear-caches" and any(
+        o.kind == "call" and o.uid == fault.uid
+        for ops in phase.threads for o in ops):
+      done = threading.Event()
+
+      def clear(done=done):
+        while not done.is_set():
+          jax.clear_caches()
+          gc.collect()
+          time.sleep(0.002)
+      clearing = (done, threading.Thread(target=clear, daemon=True))
+      clearing[1].start()
     go.set()
     if phase.beside == "set_ordering":
       time.sleep(0.005)
@@ -765,6 +789,9 @@ def run_case(runner: Runner, case: Case) -> dict:
       t.join(CASE_BOUND_S)
       if t.is_alive():
         raise Hang(f"a thread of phase {p} did not finish")
+    if clearing is not None:
+      clearing[0].set()
+      clearing[1].join(CASE_BOUND_S)
     if failures:
       raise RuntimeError("the driver failed:\n" + "\n".join(failures))
   barrier_all("final")
@@ -1094,7 +1121,7 @@ def main(argv=None) -> int:
     parser.error(f"seeds must be within 0:{MAX_SEED}")
   classes = tuple(args.faults.split(","))
   templates = tuple(args.templates.split(","))
-  unknown = (set(classes) - set(FAULT_CLASSES)) | (
+  unknown = (set(classes) - set(FAULT_CLASSES) - set(EXTRA_FAULT_CLASSES)) | (
       set(templates) - set(TEMPLATES))
   if unknown:
     parser.error(f"unknown fault classes or templates {sorted(unknown)}")

@@ -70,3 +70,30 @@ def test_random_programs_under_random_faults_keep_the_contract(part,
       + "\nreplay: JAX_EFFECTS_FAULT_SEED=<seed> pytest "
       "tests/runtime/test_fault_model.py (program and violations on stderr)"
       + f"\n--- driver stderr (end) ---\n{proc.stderr[-8000:]}")
+
+
+#: Seeds of the ``clear-caches`` class (issue 37: a site in use is never
+#: unbound by ``jax.clear_caches()``), drawn only when named, so that the
+#: cases above stay what they were. On the code before issue 37 a few of
+#: these seeds (0, 9, 11, 24, 30 in two runs: the race varies) raise
+#: ``UnboundHostFunction``.
+CLEAR_CASES = helpers.scale(40, 200)
+
+
+def test_random_programs_beside_clear_caches_keep_the_contract(tmp_path):
+  if REPLAY is not None:
+    pytest.skip("replaying one seed (JAX_EFFECTS_FAULT_SEED)")
+  out = tmp_path / "results.jsonl"
+  proc = helpers.run_python(MODEL, "--seeds", f"0:{CLEAR_CASES}", "--faults",
+                            "clear-caches", "--out", str(out),
+                            timeout=180 + 3 * CLEAR_CASES)
+  lines = ([json.loads(line) for line in out.read_text().splitlines()]
+           if out.exists() else [])
+  report = [f"seed {r['seed']}: " + "; ".join(
+      f"{kind}: {detail[:300]}" for kind, detail in r["violations"][:3])
+      for r in lines if r.get("violations")]
+  report += [f"seed {r['seed']} HANGS" for r in lines if r.get("hang")]
+  if not any(r.get("seed") == "done" for r in lines):
+    report.append(f"the driver died (status {proc.returncode})")
+  assert not report, "\n".join(report) + (
+      f"\n--- driver stderr (end) ---\n{proc.stderr[-4000:]}")

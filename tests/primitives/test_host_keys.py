@@ -1,0 +1,334 @@
+"""A key names exactly one host function, in every process (issue 37;
+``design/host_target.md``, "Keys" and "Trust").
+
+* the batched and masked forms ``vmap`` makes of an effect are keys of
+  their own (a vmapped ``print`` is not the plain one of the same format and
+  shape), and an importing process rebuilds them batched;
+* a key arriving in a module is made again from the spec it carries: a
+  mismatch is refused and never binds the key;
+* a module's format strings pass the checks a traced one does;
+* every frame's buffers are checked against the site before a byte is
+  read, on both entries, on every call (not only the site's first);
+* ``jax.clear_caches()`` never unbinds a site a live function still runs.
+
+Modules from elsewhere are made here as another program would: a real
+export whose attributes are rewritten (``_forged``), or a plain ``jax.jit``
+function calling the target with ``jax.ffi.ffi_call``.
+"""
+import textwrap
+
+import pytest
+
+import helpers
+
+ENTRIES = ["compiled", "ctypes"]
+
+# (the child: helpers common to the scripts below)
+_PRELUDE = """
+import dataclasses, json, os, re, sys
+import jax, jax.numpy as jnp, numpy as np
+import jax_effects as je
+from jax.interpreters import mlir
+from jax_effects._primitives import host_target
+
+ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
+
+def export(f, *specs):
+  return jax.export.export(je.jit(f), disabled_checks=ALLOW)(*specs)
+
+def sites(exp):
+  # [(key, spec text)] of the module's host calls, in order
+  text = exp.mlir_module()
+  out = []
+  for m in re.finditer(r'jax_effects_key = "([^"]*)", jax_effects_spec = '
+                       r'"((?:[^"\\\\]|\\\\.)*)"', text):
+    spec = re.sub(r"\\\\([0-9A-Fa-f]{2})",
+                  lambda h: chr(int(h.group(1), 16)), m.group(2))
+    out.append((m.group(1), spec))
+  return out
+
+def effect_site(exp):
+  # (key, spec text) of the module's one print or callback
+  (found,) = [(k, t) for k, t in sites(exp)
+              if json.loads(t)["effect"].get("kind") in ("print", "callback")]
+  return found
+
+def mlir_str(s):
+  return s.replace("\\\\", "\\\\5C").replace('"', "\\\\22")
+
+def forged(exp, old_key, new_key, new_spec):
+  # exp with the host call of old_key given another key and spec
+  text = exp.mlir_module()
+  pattern = (r'jax_effects_key = "' + re.escape(old_key) +
+             r'", jax_effects_spec = "(?:[^"\\\\]|\\\\.)*"')
+  new = ('jax_effects_key = "' + mlir_str(new_key) +
+         '", jax_effects_spec = "' + mlir_str(new_spec) + '"')
+  text, n = re.subn(pattern, lambda m: new, text)
+  assert n == 1, n
+  with mlir.make_ir_context() as ctx:
+    module = jax.interpreters.mlir.ir.Module.parse(text)
+    blob = mlir.module_to_bytecode(module)
+  return dataclasses.replace(exp, mlir_module_serialized=blob)
+
+def key_of(spec):
+  return host_target.key_of(spec).decode()
+
+def effect_spec(spec, **change):
+  d = json.loads(spec)
+  d["effect"].update(change)
+  return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+def text_spec(spec, **change):
+  d = json.loads(spec)
+  d["effect"]["text"].update(change)
+  return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+def run(what, thunk):
+  try:
+    out = thunk()
+    je.effects_barrier()
+    print(what, "ok", flush=True)
+  except Exception as err:
+    print(what, "raised", type(err).__name__, str(err).replace("\\n", " "),
+          flush=True)
+"""
+
+
+def _run(body: str, *args, entry: str = "compiled", timeout: float = 240):
+  proc = helpers.run_script(_PRELUDE + textwrap.dedent(body), *args,
+                            timeout=timeout,
+                            env={"JAX_EFFECTS_FFI_ENTRY": entry})
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return proc.stdout.splitlines()
+
+
+# --- 1. batched and masked forms are keys of their own -------------------------------
+
+def test_a_vmapped_print_and_a_plain_one_never_share_a_key():
+  # Either lowered first: each prints what it is (one process).
+  lines = _run("""
+      def el(x):
+        je.print("v={}", x)
+        return x
+      x = jnp.arange(3.0)
+      je.jit(jax.vmap(el))(x); je.effects_barrier()
+      je.jit(el)(x); je.effects_barrier()
+      je.jit(jax.vmap(el))(x + 10); je.effects_barrier()
+      """)
+  assert lines == ["v=0.0", "v=1.0", "v=2.0", "v=[0. 1. 2.]",
+                   "v=10.0", "v=11.0", "v=12.0"]
+
+
+_EXPORT_BATCHED = """
+def el(x):
+  je.print("el={}", x)
+  je.callback(je.register_callback("keys.note", lambda v: None), None, x)
+  return x * 2
+def c(x):
+  return jax.lax.cond(x > 0.5, lambda y: (je.print("c={}", y), y)[1],
+                      lambda y: y, x)
+def w(x):
+  def body(v):
+    je.print("w={}", v)
+    return v - 1
+  return jax.lax.while_loop(lambda v: v > 0, body, x)
+spec3 = jax.ShapeDtypeStruct((3,), jnp.float32)
+for name, f in (("el", jax.vmap(el)), ("c", jax.vmap(c)),
+                ("w", jax.vmap(w))):
+  open(os.path.join(sys.argv[1], name), "wb").write(
+      export(f, spec3).serialize())
+"""
+
+_IMPORT_BATCHED = """
+je.register_callback("keys.note", lambda v: print("note", v, flush=True))
+def load(name):
+  return jax.export.deserialize(bytearray(open(
+      os.path.join(sys.argv[1], name), "rb").read()))
+print("out", load("el").call(jnp.arange(3.0)).tolist(), flush=True)
+je.effects_barrier()
+load("c").call(jnp.arange(3.0)); je.effects_barrier()
+load("w").call(jnp.array([0.0, 2.0, 1.0])); je.effects_barrier()
+"""
+
+
+def test_an_exported_vmapped_print_and_callback_run_batched_in_the_importer(
+    tmp_path):
+  pytest.importorskip("flatbuffers")   # (jax.export's serialization)
+  assert _run(_EXPORT_BATCHED, str(tmp_path)) == []
+  lines = _run(_IMPORT_BATCHED, str(tmp_path))
+  assert lines == ["el=0.0", "el=1.0", "el=2.0", "note 0.0", "note 1.0",
+                   "note 2.0", "out [0.0, 2.0, 4.0]",
+                   "c=1.0", "c=2.0",
+                   "w=2.0", "w=1.0", "w=1.0"]
+
+
+# --- 2. a module's key is made again from its spec ------------------------------------
+
+_KEY_NOT_ITS_SPECS = """
+def mine(x):
+  je.print("mine {}", x)
+  return x
+def theirs(x):
+  je.print("module says {}", x)
+  return x
+scalar = jax.ShapeDtypeStruct((), jnp.float32)
+mine_key, mine_spec = effect_site(export(mine, scalar))
+exp = export(theirs, scalar)
+theirs_key, theirs_spec = effect_site(exp)
+assert mine_key == key_of(mine_spec) and mine_key != theirs_key
+blob = forged(exp, theirs_key, mine_key, theirs_spec).serialize()
+"""
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_key_that_is_not_its_specs_is_refused_and_never_bound(entry,
+                                                                 tmp_path):
+  # The module is made by another process: in this fresh one, its own
+  # print's key is bound by nobody before the module arrives claiming it
+  # with another spec.
+  pytest.importorskip("flatbuffers")
+  blob = tmp_path / "forged"
+  assert _run(_KEY_NOT_ITS_SPECS + """
+open(sys.argv[1], "wb").write(blob)
+""", str(blob)) == []
+  lines = _run("""
+module = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+run("module", lambda: module.call(jnp.float32(1.0)))
+run("module again", lambda: module.call(jnp.float32(1.5)))
+def mine(x):
+  je.print("mine {}", x)
+  return x
+run("mine", lambda: je.jit(mine)(jnp.float32(2.0)))
+run("module after", lambda: module.call(jnp.float32(3.0)))
+""", str(blob), entry=entry)
+  assert len(lines) == 6, lines
+  for line in lines[:2]:
+    assert " raised " in line and "is not the key of the spec" in line, line
+  # (its key bound now, by this process's own print: the module's frame
+  # runs what the key names, never what the module's spec says)
+  assert lines[2:] == ["mine 2.0", "mine ok", "mine 3.0",
+                       "module after ok"], lines
+
+
+# --- 3. a module's format string is checked as a traced one ---------------------------
+
+@pytest.mark.parametrize("fmt", ["{0.__class__}", "{0.__init__.__globals__}",
+                                 "{0[0]}", "{0:{1}}"])
+def test_a_modules_format_string_is_checked_as_a_traced_one(fmt):
+  pytest.importorskip("flatbuffers")
+  lines = _run("""
+def theirs(x):
+  je.print("module says {}", x)
+  return x
+exp = export(theirs, jax.ShapeDtypeStruct((2,), jnp.float32))
+key, spec = effect_site(exp)
+bad = text_spec(spec, fmt=sys.argv[1])
+module = forged(exp, key, key_of(bad), bad)
+run("module", lambda: module.call(jnp.array([1.0, 2.0])))
+run("module again", lambda: module.call(jnp.array([1.0, 2.0])))
+""", fmt)
+  assert len(lines) == 2, lines   # (nothing formatted, nothing printed)
+  for line in lines:
+    assert " raised UnboundHostFunction " in line, line
+    assert repr(fmt) in line, line
+
+
+def test_a_modules_callback_arguments_must_be_data():
+  pytest.importorskip("flatbuffers")
+  lines = _run("""
+note = je.register_callback("keys.args",
+                            lambda *a, **k: print("called", a, k))
+def theirs(x):
+  je.callback(note, None, x)
+  return x
+exp = export(theirs, jax.ShapeDtypeStruct((), jnp.float32))
+key, spec = effect_site(exp)
+d = json.loads(spec)
+d["effect"]["args"] = {"t": [{"t": [{"op": 0}, {"v": {"x": 1}}]},
+                             {"d": []}]}
+bad = json.dumps(d, sort_keys=True, separators=(",", ":"))
+module = forged(exp, key, key_of(bad), bad)
+run("module", lambda: module.call(jnp.float32(1.0)))
+""")
+  assert len(lines) == 1 and " raised UnboundHostFunction " in lines[0], lines
+  assert "static leaf of type dict" in lines[0], lines
+
+
+# --- 4. every frame's buffers are checked before a byte is read -----------------------
+
+_OTHER_BUFFERS = """
+def mine(x):
+  je.print("mine {}", x)
+  return x
+spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+key, text = effect_site(export(mine, spec))
+f = je.jit(mine)
+f(jnp.arange(4.0)); f(jnp.arange(4.0) + 1); je.effects_barrier()
+
+def call(operand, results=(jax.ShapeDtypeStruct((), jnp.int32),)):
+  return jax.jit(lambda c, v: jax.ffi.ffi_call(
+      je.HOST_TARGET, results, has_side_effect=True)(
+          c, v, jax_effects_key=key, jax_effects_spec=text))(
+      jnp.int32(0), operand)
+
+run("one element", lambda: call(jnp.zeros((1,), jnp.float32)))
+run("a million", lambda: call(jnp.zeros((1 << 20,), jnp.float32)))
+run("int32", lambda: call(jnp.zeros((4,), jnp.int32)))
+run("2x2", lambda: call(jnp.zeros((2, 2), jnp.float32)))
+run("two results", lambda: call(jnp.zeros((4,), jnp.float32), (
+    jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))))
+run("fits", lambda: call(jnp.full((4,), 7.0, jnp.float32)))
+f(jnp.arange(4.0) + 2); je.effects_barrier()
+"""
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call(
+    entry):
+  # The site has run twice (its first call checked the frame, then the
+  # fast paths); frames of other buffers with its key are refused before
+  # a byte of them is read, then the site still runs.
+  lines = _run(_OTHER_BUFFERS, entry=entry)
+  assert lines[:2] == ["mine [0. 1. 2. 3.]", "mine [1. 2. 3. 4.]"], lines
+  for line, what in zip(lines[2:7], ["one element", "a million", "int32",
+                                     "2x2", "two results"]):
+    assert line.startswith(f"{what} raised "), lines
+    assert "SiteMismatch" in line, line
+  assert lines[7:] == ["mine [7. 7. 7. 7.]", "fits ok",
+                       "mine [2. 3. 4. 5.]"], lines
+
+
+# --- 5. a site in use is never unbound by jax.clear_caches() --------------------------
+
+def test_clear_caches_beside_running_calls_never_unbinds_their_sites():
+  lines = _run("""
+import gc, threading
+seen = []
+def f(x):
+  je.callback(lambda v: seen.append(1), None, x)   # (a local site)
+  return x + 1
+g = je.jit(f)
+N, T = 150, 3
+errors = []
+stop = threading.Event()
+def clearer():
+  while not stop.is_set():
+    jax.clear_caches(); gc.collect()
+def worker():
+  for i in range(N):
+    try:
+      g(jnp.float32(i))
+    except Exception as e:
+      errors.append(f"{type(e).__name__}: {e}")
+  try:
+    je.effects_barrier()
+  except Exception as e:
+    errors.append(f"{type(e).__name__}: {e}")
+c = threading.Thread(target=clearer); c.start()
+ws = [threading.Thread(target=worker) for _ in range(T)]
+[w.start() for w in ws]; [w.join(timeout=200) for w in ws]
+stop.set(); c.join()
+je.effects_barrier()
+print(len(seen), N * T, errors[:3])
+""", timeout=280)
+  assert lines == ["450 450 []"]
