@@ -50,3 +50,13 @@ def export_allowed_custom_calls() -> frozenset | None:
       return frozenset(targets)
     frame = frame.f_back
   return None
+
+
+def export_module_bytes(module) -> bytes:
+  """The bytes ``jax.export`` stores for an MLIR ``module``
+  (``Exported.mlir_module_serialized``: a portable StableHLO artifact where
+  the line writes one, JAX 0.8-0.12). Used by the tests that forge a
+  module from elsewhere (``tests/primitives/test_host_keys.py``): plain MLIR
+  bytecode is refused by JAX 0.8's deserializer."""
+  export = importlib.import_module("jax._src.export._export")
+  return export._module_to_bytecode(module)

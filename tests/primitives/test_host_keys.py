@@ -29,6 +29,7 @@ import dataclasses, json, os, re, sys
 import jax, jax.numpy as jnp, numpy as np
 import jax_effects as je
 from jax.interpreters import mlir
+from jax_effects import _compat
 from jax_effects._primitives import host_target
 
 ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
@@ -67,7 +68,7 @@ def forged(exp, old_key, new_key, new_spec):
   assert n == 1, n
   with mlir.make_ir_context() as ctx:
     module = jax.interpreters.mlir.ir.Module.parse(text)
-    blob = mlir.module_to_bytecode(module)
+    blob = _compat.export_module_bytes(module)
   return dataclasses.replace(exp, mlir_module_serialized=blob)
 
 def key_of(spec):
