@@ -101,13 +101,16 @@ def finish(token) -> bool:
       return True
     if _placement.current() is not None:
       return False
-    deadline = time.monotonic() + FINISH_WAIT_S
-    pause = 2e-5   # (the GIL is released while asleep: the callback runs)
+    start = time.monotonic()
+    deadline = start + FINISH_WAIT_S
+    # (the GIL is released while asleep: the callback runs.) The pause is a
+    # tenth of the time waited so far: a computation is noticed within ~10%
+    # of its length (a doubling pause overshot a step by up to 2x).
     while not token.is_ready():
-      if time.monotonic() >= deadline:
+      now = time.monotonic()
+      if now >= deadline:
         return False
-      time.sleep(pause)
-      pause = min(pause * 2, 1e-3)
+      time.sleep(min((now - start) * 0.1, 1e-3))
     token.block_until_ready()
   except Exception:  # noqa: BLE001 - a failed computation: the call's, later
     return False
