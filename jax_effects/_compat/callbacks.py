@@ -19,7 +19,7 @@ from jax._src.lib import xla_client as _xc
 # even before jax_effects is imported (a wrapper that imports it lazily):
 # taken from the modules that define them, these stay JAX's, so jax_effects
 # never calls itself through them (``_jax_api``). The public names are these
-# very objects on JAX 0.8-0.10.
+# very objects on JAX 0.8-0.12.
 from jax._src.api import effects_barrier as jax_effects_barrier  # noqa: E402
 from jax._src.api import jit as jax_jit  # noqa: E402
 from jax._src.callback import io_callback as jax_io_callback  # noqa: E402
@@ -37,7 +37,7 @@ from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 # ``jax.debug.print``/``log`` bind ``debug_print_p``,
 # ``jax.experimental.io_callback`` binds ``io_callback_p``. No public handle
 # on the primitives, their effect types (``jax.debug`` exports only the debug
-# ones). JAX 0.8-0.10.
+# ones). JAX 0.8-0.12.
 from jax._src.debugging import debug_callback_p  # noqa: E402
 from jax._src.debugging import debug_print_p
 from jax._src.debugging import DebugEffect
@@ -52,7 +52,10 @@ from jax._src.debugging import OrderedDebugEffect
 # operands ``device_put`` to the first CPU device, the callback run with that
 # device as ``jax_default_device`` and no concrete or abstract mesh;
 # ``io_callback_impl``: the same, with only the default device set; a failing
-# callback logged by the module's ``logger`` before it propagates).
+# callback logged by the module's ``logger`` before it propagates). JAX
+# 0.11 does the same; 0.12's ``io_callback_impl`` also clears the meshes,
+# which the adopted ``io_callback`` does not yet (a known difference: only a
+# callback that reads the ambient mesh sees it).
 from jax._src import config as _config  # noqa: E402
 from jax._src import debugging as _debugging  # noqa: E402
 from jax._src import mesh as _mesh  # noqa: E402
@@ -82,7 +85,7 @@ def debug_callback_parts(flat_callback):
   ``jax.debug.callback`` binds (its closure: ``_flat_callback`` merges
   ``static_args``, a dict position -> value, into the flat arguments,
   unflattens them with ``in_tree`` to ``(args, kwargs)`` and calls
-  ``callback``; JAX 0.8-0.10), or None for any other callable (one bound
+  ``callback``; JAX 0.8-0.12), or None for any other callable (one bound
   to ``debug_callback_p`` directly): then it is called as it is."""
   code = getattr(flat_callback, "__code__", None)
   closure = getattr(flat_callback, "__closure__", None)
@@ -103,7 +106,7 @@ def debug_callback_parts(flat_callback):
 def io_callback_parts(flat_callback):
   """``(callback, in_tree)`` of io_callback's flat callback (a
   ``_FlatCallback``: unflattens with ``in_tree``, calls ``callback_func``,
-  returns the leaves of its result; JAX 0.8-0.10), or None for another
+  returns the leaves of its result; JAX 0.8-0.12), or None for another
   callable."""
   if type(flat_callback) is not _callback._FlatCallback:
     return None
@@ -122,7 +125,7 @@ batched_device_put = _xc.batched_device_put
 
 # is batched (io_callback's, and Ref effects): a cond holding one is left to
 # JAX's rule and its error (``_primitives.control_flow_batching``). The
-# Ref effect type has no public handle. JAX 0.8-0.10.
+# Ref effect type has no public handle. JAX 0.8-0.12.
 from jax._src.state.types import RefEffect  # noqa: E402
 
 

@@ -41,7 +41,7 @@ def bind_equation(eqn, invals):
 
 
 # The trace that stages a jaxpr and its tracers, and constant folding
-# (JAX 0.8-0.10, the same on all three): re-emitting an equation as it is,
+# (JAX 0.8-0.12, the same on every line): re-emitting an equation as it is,
 # without re-running its abstract evaluation, is what ``jax.jit``'s inlining
 # does (``pe.inline_jaxpr_into_trace``, the loop copied below); no public
 # API re-emits an equation. It makes the token pass cost a copy, not a
@@ -134,7 +134,7 @@ shardable_ordered_effects = _effects.shardable_ordered_effects
 
 
 # Loop-invariant hoisting of scan's partial evaluation (grad, vjp, linearize
-# of a scan), JAX 0.8-0.10: ``_scan_known_hoisting`` re-traces the forward
+# of a scan), JAX 0.8-0.12: ``_scan_known_hoisting`` re-traces the forward
 # ("known") scan body with its consts known, and every equation whose inputs
 # are all consts is evaluated once, outside the loop. For an effect that is
 # wrong: ``print("step")`` or a progress bar's ``bar.update()`` in the body
@@ -201,7 +201,7 @@ def in_cond_branch(name_stack) -> bool:
   """Whether an op lowered under ``name_stack`` is inside a ``cond`` branch.
 
   JAX's cond lowering names each branch's ops ``branch_<i>_fun`` in the name
-  stack (``jax/_src/lax/control_flow/conditionals.py``, JAX 0.8-0.10); a
+  stack (``jax/_src/lax/control_flow/conditionals.py``, JAX 0.8-0.12); a
   branch vmap inlined into a ``select`` has no such name. No public handle.
   """
   return "_fun" in str(name_stack)
@@ -218,7 +218,7 @@ from jax._src.custom_derivatives import linear_call_p  # noqa: E402
 # outputs of a jaxpr vmap batches. The vmap rules of ``while``/``cond`` that
 # jax_effects wraps (``_primitives.control_flow_batching``) call JAX's own rule unchanged
 # and use this, as that rule does, to find whether the predicate is batched
-# (JAX 0.8-0.10: same signature; no public route).
+# (JAX 0.8-0.12: same signature; no public route).
 from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
 from jax._src.lax.lax import composite_p  # noqa: E402
 # ``compute_on`` (``jax.experimental.compute_on``): a primitive of its own

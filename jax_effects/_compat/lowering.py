@@ -20,7 +20,7 @@ callback_op_sharding = _callback._callback_op_sharding
 # ``mlir.emit_python_callback`` does but without its per-call result wrapper
 # and without a token operand: ``set_sharding`` attaches the callback's
 # annotation to the op (``mlir.set_sharding`` differs, shim below). JAX
-# 0.8-0.10.
+# 0.8-0.12.
 from jax._src.interpreters import mlir as _mlir  # noqa: E402
 # A replicated sharding annotation (``Sharding`` custom call or
 # ``sdy.sharding_constraint``) on the array operands of a callback that runs
@@ -34,7 +34,7 @@ from jax._src.lib import xla_client as _xc  # noqa: E402
 from jax._src.named_sharding import SdyDim  # noqa: E402
 # Shardy's per-value sharding, for ``replicated`` and ``on_first_device``
 # below (its fields mesh_shape, dim_shardings and logical_device_ids are the
-# same on JAX 0.8-0.10).
+# same on JAX 0.8-0.12).
 from jax._src.sharding_impls import SdyArray  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def on_first_device(ctx, value, aval):
 # Sharding annotations of ``_primitives.host_assembly`` (the per-device host
 # call of an effect whose operands are assembled on the host): Shardy's list
 # of per-result shardings (``SdyArrayList``, no public handle; same fields
-# on JAX 0.8-0.10) and, below, the annotations that keep its packing local.
+# on JAX 0.8-0.12) and, below, the annotations that keep its packing local.
 from jax._src.sharding_impls import SdyArrayList  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def one_per_device(ctx, value, aval, num_devices: int):
   own element (device ``i`` of the computation's device assignment holds
   element ``i``), with no data movement for a value computed in place (an
   iota). Shardy: a one-axis inline mesh of the devices in order; GSPMD:
-  a tiled ``OpSharding``. JAX 0.8-0.10."""
+  a tiled ``OpSharding``. JAX 0.8-0.12."""
   import jax
   if jax.config.jax_use_shardy_partitioner:
     sharding = SdyArray(
@@ -96,7 +96,7 @@ def one_per_device(ctx, value, aval, num_devices: int):
 def last_axis_whole(ctx, value, aval):
   """``value`` (of ``aval``) annotated with its last axis unsharded and the
   others left to the partitioner (Shardy: open dimensions; GSPMD: a
-  replicated sharding with the others unspecified). JAX 0.8-0.10."""
+  replicated sharding with the others unspecified). JAX 0.8-0.12."""
   import jax
   rows = range(len(aval.shape) - 1)
   if jax.config.jax_use_shardy_partitioner:
@@ -114,7 +114,7 @@ def replicated_results(avals):
   """The sharding annotation of an op whose results (of ``avals``) are all
   replicated: the per-device host call of ``host_assembly`` (JAX's
   partitioned callback target makes every result replicated; Shardy wants
-  one ``SdyArray`` per result, GSPMD a tuple sharding). JAX 0.8-0.10."""
+  one ``SdyArray`` per result, GSPMD a tuple sharding). JAX 0.8-0.12."""
   import jax
   if jax.config.jax_use_shardy_partitioner:
     return SdyArrayList(tuple(
@@ -162,20 +162,20 @@ def with_token_sharding(sharding, has_results: bool):
 
 #: The aval of a compiler token (``jax.core.abstract_token`` is deprecated
 #: from JAX 0.10 and has no replacement in ``jax.extend``): the operand and
-#: result of a host call that takes JAX's token (JAX 0.8-0.10).
+#: result of a host call that takes JAX's token (JAX 0.8-0.12).
 abstract_token = _core.abstract_token
 
 
 def physical_aval(aval):
   """The aval of what a custom call receives for ``aval``: a PRNG key array's
   key data (``uint32[..., 2]`` for threefry), any other array as it is
-  (``core.physical_aval``, JAX 0.8-0.10; no public handle)."""
+  (``core.physical_aval``, JAX 0.8-0.12; no public handle)."""
   return _core.physical_aval(aval)
 
 
 def lowering_for_export(ctx) -> bool:
   """Whether ``ctx`` lowers for ``jax.export`` (``LoweringParameters.for_export``
-  of the module being lowered; the same attribute on JAX 0.8-0.10)."""
+  of the module being lowered; the same attribute on JAX 0.8-0.12)."""
   return bool(ctx.module_context.lowering_parameters.for_export)
 
 
@@ -183,7 +183,7 @@ def keep_alive_with_executable(ctx, obj) -> None:
   """Keeps ``obj`` alive as long as the executable compiled from the module
   ``ctx`` lowers: the module context's keepalives, which JAX hands to the
   executable (``MeshExecutable``); not part of the module, the persistent
-  cache key or its entry (JAX 0.8-0.10; ``jax.export`` refuses a module
+  cache key or its entry (JAX 0.8-0.12; ``jax.export`` refuses a module
   with keepalives)."""
   ctx.module_context.add_keepalive(obj)
 

@@ -21,7 +21,7 @@ from jax_effects._compat.versions import JAX_VERSION
 
 # Whether JAX's backends are initialised (the pytest plugin sets the number
 # of CPU devices and must know whether that can still take effect). No
-# public query: ``jax.devices()`` would initialise them. JAX 0.8-0.10.
+# public query: ``jax.devices()`` would initialise them. JAX 0.8-0.12.
 from jax._src.xla_bridge import backends_are_initialized  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def clear_jax_runtime_tokens() -> None:
 
 # Whether JAX's backend has started (``_runtime.fork``: XLA's runtime does
 # not survive a fork after it). No public route: ``jax.devices()`` would start
-# it. ``backends_are_initialized`` exists on JAX 0.8.3 to 0.10.x.
+# it. ``backends_are_initialized`` exists on JAX 0.8.3 to 0.12.x.
 from jax._src import xla_bridge as _xla_bridge  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def cpu_collectives_on_host(host: str) -> None:
   bound to ``host``. Call after ``jax.distributed.initialize`` (the
   collectives use its client) and before the backend starts. Used by the
   multi-process launcher (``_tools.launcher``: 127.0.0.1). The same names on
-  JAX 0.8.3 to 0.10.x (``jax._src.lib._jax`` is ``xla_client._xla``).
+  JAX 0.8.3 to 0.12.x (``jax._src.lib._jax`` is ``xla_client._xla``).
   """
   import functools
   from jax._src import distributed
@@ -159,7 +159,7 @@ def enclosing_staging() -> str | None:
   return None
 
 
-# BatchTrace: the trace of a jax.vmap (JAX 0.8-0.10; deprecated from
+# BatchTrace: the trace of a jax.vmap (JAX 0.8-0.12; deprecated from
 # jax.interpreters.batching), found around an update of a progress bar.
 from jax._src.interpreters.batching import BatchTrace as _BatchTrace  # noqa: E402
 
@@ -170,7 +170,7 @@ def enclosing_vmaps() -> tuple[tuple[int, int], ...]:
 
   Walks from the current trace through every trace's ``parent_trace`` (a
   sub-jaxpr's trace, a ``scan`` body's, has the trace it was traced in as
-  parent: JAX 0.8-0.10), so a ``vmap`` around a loop whose body is being
+  parent: JAX 0.8-0.12), so a ``vmap`` around a loop whose body is being
   traced is found too. ``jax_effects.progress`` counts an update inside a
   ``vmap`` its bar was not opened in once per element.
   """
@@ -236,7 +236,7 @@ def eager_transformation() -> bool:
   control flow: it has a ``frame``) or a trace of unknown kind (one with no
   ``parent_trace``): what is bound there runs later, if at all. The trace
   classes and their ``parent_trace``/``frame`` attributes are the same on
-  JAX 0.8.3 to 0.10.x.
+  JAX 0.8.3 to 0.12.x.
   """
   trace = _trace_ctx.trace
   if trace is _eval_trace:
@@ -285,19 +285,19 @@ def no_user_mesh():
 # produces (x64, the mesh, ...), JAX's own key for its trace caches; a
 # jax_effects.jit function's kept traces are keyed by it too
 # (``_dispatch.tracing.TraceCache``: its learnt state outlives a config change).
-# No public route; JAX 0.8-0.10.
+# No public route; JAX 0.8-0.12.
 from jax._src.config import trace_context  # noqa: E402
 
 # ``register_cache(obj, for_what)``: ``jax.clear_caches()`` calls
 # ``obj.cache_clear()`` (held weakly). A jax_effects.jit function's kept
 # traces (``_dispatch.tracing.TraceCache``) are a staging cache like JAX's own
-# tracing caches, so they are dropped with them. No public route; JAX 0.8-0.10.
+# tracing caches, so they are dropped with them. No public route; JAX 0.8-0.12.
 from jax._src.util import register_cache  # noqa: E402
 
 # The transfer guard levels in effect (``jax.transfer_guard``): the
 # thread's, else the global one. ``jax.config``'s per-direction states miss
 # the global ``jax_transfer_guard`` flag, which sets guard_lib directly.
-# No public route; JAX 0.8-0.10.
+# No public route; JAX 0.8-0.12.
 from jax._src.lib import guard_lib as _guard_lib  # noqa: E402
 
 
@@ -316,5 +316,5 @@ def host_transfers_guarded() -> bool:
 #: "disallow" lets them through. The adopted host side of JAX's callbacks
 #: sets it around its ``batched_device_put`` calls, so they count as the
 #: explicit puts ``debug_callback_impl``/``io_callback_impl`` make (JAX
-#: 0.8-0.10).
+#: 0.8-0.12).
 transfer_guard_state = _guard_lib.thread_local_state
