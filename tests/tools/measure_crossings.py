@@ -61,7 +61,7 @@ STATES = {
                           ("queues", "_draining", "_sites", "lock"),
                           ("Lane", None)),
     "pieces (sites)": ("jax_effects._runtime.host_jobs", (),
-                       ("Site", None)),
+                       ("Pieces", None)),
     "bars": ("jax_effects._runtime.bars", ("_bars", "_by_slot",
                                            "_last_writer"), None),
     "executions watched": ("jax_effects._runtime.executions",
