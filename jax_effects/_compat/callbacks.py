@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from jax._src import callback as _callback
 from jax._src.lib import xla_client as _xc
+from jax_effects._compat.versions import JAX_VERSION
 
 # JAX's own functions that jax_effects calls and that it also offers a
 # drop-in for: ``jit`` (``jax.jit``), ``effects_barrier``
@@ -53,9 +54,8 @@ from jax._src.debugging import OrderedDebugEffect
 # device as ``jax_default_device`` and no concrete or abstract mesh;
 # ``io_callback_impl``: the same, with only the default device set; a failing
 # callback logged by the module's ``logger`` before it propagates). JAX
-# 0.11 does the same; 0.12's ``io_callback_impl`` also clears the meshes,
-# which the adopted ``io_callback`` does not yet (a known difference: only a
-# callback that reads the ambient mesh sees it).
+# 0.11 does the same; 0.12's ``io_callback_impl`` also clears the meshes
+# (``IO_CALLBACK_CLEARS_MESHES``).
 from jax._src import config as _config  # noqa: E402
 from jax._src import debugging as _debugging  # noqa: E402
 from jax._src import mesh as _mesh  # noqa: E402
@@ -76,6 +76,9 @@ default_device_setting = _config.default_device
 # ``device_context`` and ``abstract_mesh_context_manager`` on JAX 0.8-0.10,
 # ``jax._src.mesh``'s (same names) from 0.11.
 _mesh_states = _config if hasattr(_config, "device_context") else _mesh
+#: Whether ``io_callback_impl`` also runs the callback with no concrete or
+#: abstract mesh (JAX 0.12 on; 0.8-0.11 set only the default device).
+IO_CALLBACK_CLEARS_MESHES = JAX_VERSION >= (0, 12)
 NO_MESH_SETTINGS = ((_mesh_states.device_context, _mesh.empty_concrete_mesh),
                     (_mesh_states.abstract_mesh_context_manager,
                      _mesh.empty_abstract_mesh))

@@ -147,6 +147,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   leaves = tree_util.tree_leaves
   put_all = _jc.putter()
   default_device = _compat.default_device_setting
+  # (JAX 0.12's io_callback_impl also runs it with no mesh: as its)
+  no_mesh = (_compat.NO_MESH_SETTINGS if _compat.IO_CALLBACK_CLEARS_MESHES
+             else ())
   logger = _compat.callback_logger
   release = _output.release_in_callback
   holding = _output.holding
@@ -160,6 +163,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
       device, sharding = _jc.cpu()
       args = put_all(operands, device, sharding)
       d = default_device.swap_local(device)
+      meshes = [state.swap_local(none) for state, none in no_mesh]
       try:
         out = callback(*args)
         if not flat:   # what io_callback's flat callback returns
@@ -171,6 +175,8 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
         logger.exception("jax.io_callback failed")
         raise
       finally:
+        for (state, _), previous in zip(no_mesh[::-1], meshes[::-1]):
+          state.set_local(previous)
         default_device.set_local(d)
       if not n_results and not out:
         return ()

@@ -453,3 +453,32 @@ def test_adopted_jax_debug_log_records_are_jaxs(caplog):
     runs.append([fields(r) for r in caplog.records])
   theirs, ours = runs
   assert theirs and ours == theirs
+
+
+@pytest.mark.parametrize("kind", ["io", "debug"])
+def test_an_adopted_callback_sees_the_meshes_jax_gives_it(devices, kind):
+  # Inside jax_effects.jit, JAX's callbacks run with the default device and
+  # meshes JAX's own impls give them (JAX 0.12's io_callback clears the
+  # meshes; 0.8-0.11's sets only the default device), under a user's mesh.
+  seen = []
+
+  def host(x):
+    seen.append((jax.sharding.get_abstract_mesh().empty,
+                 str(jax.config.jax_default_device)))
+    return x
+
+  def f(x):
+    if kind == "io":
+      return io_callback(host, jax.ShapeDtypeStruct((), jnp.float32), x,
+                         ordered=True)
+    jax.debug.callback(host, x, ordered=True)
+    return x
+
+  x = jnp.float32(1.0)
+  mesh = jax.sharding.Mesh(np.array(devices[:1]), ("i",))   # (ordered: 1)
+  with jax.set_mesh(mesh):
+    jax.jit(f)(x)
+    jax.effects_barrier()
+    je.jit(f)(x)
+    je.effects_barrier()
+  assert len(seen) == 2 and seen[0] == seen[1], seen
