@@ -44,11 +44,6 @@ static PyObject *raised;    /* host_target._raised(exc) -> error */
 static int fast_ready;
 
 static _Thread_local int pinned;
-/* Entries on this thread so far: a dispatch that sees it change ran its
-   computation inline, on its own thread (counter()). */
-static _Thread_local unsigned long entries;
-
-static unsigned long thread_entries(void) { return entries; }
 
 #define WORD(base, i) (((const uint64_t *)(uintptr_t)(base))[(i)])
 
@@ -234,7 +229,6 @@ static int run_common(uint64_t frame, void **result) {
 
 static void *entry0(void *frame) {
   void *result = NULL;
-  entries++;
   PyGILState_STATE state = PyGILState_Ensure();
   if (!pinned) {   /* (keeps this thread's state: see host_target._pin) */
     PyGILState_Ensure();
@@ -327,18 +321,7 @@ static PyObject *configure(PyObject *module, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* counter() -> a capsule ("jax_effects.entries") holding
-   unsigned long (*)(void): the calling thread's count of entries so far. */
-static PyObject *counter(PyObject *module, PyObject *unused) {
-  (void)module;
-  (void)unused;
-  return PyCapsule_New((void *)thread_entries, "jax_effects.entries", NULL);
-}
-
 static PyMethodDef methods[] = {
-    {"counter", counter, METH_NOARGS,
-     "counter() -> a capsule of the C function that returns the calling "
-     "thread's count of entries so far (see the source)."},
     {"entry", entry, METH_O,
      "entry(handler) -> address of the C function XLA calls as the FFI "
      "handler: handler(frame_address) answers what the common path does "
