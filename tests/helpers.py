@@ -303,7 +303,7 @@ def run_python(*argv: str | os.PathLike, timeout: float = 300,
   ``env`` updates this process's environment (a value ``None`` removes the
   variable). The child imports the same ``jax_effects`` as the tests: a
   source checkout's (not an installed package's) folder goes first on
-  ``PYTHONPATH``.
+  ``PYTHONPATH``; an installed one is not shadowed by the working folder.
   """
   full_env = dict(os.environ)
   for name, value in (env or {}).items():
@@ -315,6 +315,11 @@ def run_python(*argv: str | os.PathLike, timeout: float = 300,
   if os.path.basename(root) not in ("site-packages", "dist-packages"):
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (root, full_env.get("PYTHONPATH")) if p)
+  elif argv and argv[0] in ("-c", "-m"):
+    # An installed package (tox): ``-c``/``-m`` would put the working folder
+    # first on sys.path, and from a checkout's root that is the source tree,
+    # whose jax_effects has no compiled parts (a clean clone builds none).
+    full_env["PYTHONSAFEPATH"] = "1"
   return subprocess.run([sys.executable, *map(os.fspath, argv)],
                         capture_output=True, text=True, timeout=timeout,
                         env=full_env, cwd=cwd)
