@@ -182,7 +182,9 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     finally:
       state.end_dispatch()
     if site.finish is not None and not nested:   # (runs the user's code:
-      site.finish(token)                         #  launch_lock.finish)
+      for passed in read:                        #  launch_lock.finish)
+        if passed is not None:
+          state.await_previous(passed, site.finish)
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored

@@ -20,9 +20,12 @@ held by computations that wait, through the thread's token chain or their
 inputs, for the one running the callback: a deadlock, every time a thread
 dispatches more than the limit ahead. So a computation that runs the user's
 own function on the host (``HostCallback.user_code``) is waited for by the
-call that launched it (:func:`finish`, ``LaunchSite.finish``): the thread
-never has one in flight while it dispatches more, and the callback's own
-launches find a place. The wait is bounded (:data:`FINISH_WAIT_S`): a
+thread's next such call, after that call's launch (:func:`finish`,
+``LaunchSite.finish``, ``ThreadTokens.await_previous``): the thread never
+has more than two in flight, far below the client's bound, so the callback's
+own launches find a place, while the host's next dispatch still overlaps the
+device's work (waiting for the call's own computation cost a multi-device
+step 30%: bench row (g)). The wait is bounded (:data:`FINISH_WAIT_S`): a
 callback that waits for what its caller does after the call returns (a
 queue, an event) gets it then.
 """

@@ -82,7 +82,8 @@ class ThreadTokens:
   __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined", "output",
                "last_sharding",
                "last_token", "device_tokens", "fast_mode", "dispatching",
-               "slot", "base", "initial", "thread", "mode", "__weakref__")
+               "slot", "base", "initial", "thread", "mode", "awaited",
+               "__weakref__")
 
   def __init__(self, thread: threading.Thread, slot: int):
     # chain key (Effect) -> uncommitted single-device runtime token, or a
@@ -107,6 +108,7 @@ class ThreadTokens:
     # host callbacks), joined when it stored its own (see update): the next
     # dispatch waits for them.
     self.joined: list = []
+    self.awaited: Any = None
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
     # The sharding of the most recent dispatch's output token, and that token
@@ -377,19 +379,27 @@ class ThreadTokens:
         or (kept and (sharding is not passed.sharding or _output.holding()))):
       self.update((key,), token, (passed,), seq=seq)
       if finish is not None:
-        finish(token)
+        self.await_previous(passed, finish)
       return
     self.last_token = token
     if kept:
       runtime[key] = token
-      if finish is not None:
-        finish(token)
     else:
       stored = runtime[key] = (_compat.uncommitted(token)
                                if _compat.committed(token) else token)
-      if token.is_ready() or (finish is not None and finish(token)):
-        self.verified = stored   # (see verified; finish: waited for)
+      if token.is_ready():
+        self.verified = stored   # (see verified)
     self.seqs[key] = seq
+    if finish is not None:
+      self.await_previous(passed, finish)
+
+  def await_previous(self, passed, finish) -> None:
+    """Waits (``finish``) for the computation this thread's previous call of
+    a site running user code passed its token to, and keeps ``passed`` for
+    the next (``_runtime.launch_lock``: at most two in flight)."""
+    awaited, self.awaited = self.awaited, passed
+    if awaited is not None:
+      finish(awaited)
 
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys`` (read
