@@ -59,7 +59,6 @@ changes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
