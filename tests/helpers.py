@@ -348,17 +348,17 @@ def runtime_inventory() -> dict[str, int]:
   runtime's owners change, re-point this function, not the tests.
   """
   from jax_effects._runtime import (bars, errors, executions, host_jobs,
-                                    interrupts, output, threads)
+                                    interrupts, output, thread_slots)
   # (a thread whose state outlived its end, in a caller's frame or a
   # traceback, leaves its slot when the state goes; the runtime frees such
   # slots at the next thread start or all-threads barrier: here, now)
-  threads.sweep()
+  thread_slots.sweep()
   try:
     import tqdm
     tqdm_bars = len(getattr(tqdm.tqdm, "_instances", ()))
   except ImportError:
     tqdm_bars = 0
-  live = {s.slot for s in threads.all_states() if s.alive()}
+  live = {s.slot for s in thread_slots.all_states() if s.alive()}
   with host_jobs.lock:
     lanes = [lane for lanes in list(host_jobs.queues.values())
              for lane in lanes]
@@ -391,11 +391,11 @@ def runtime_inventory() -> dict[str, int]:
       "tqdm_bars": tqdm_bars,
       "held_output": sum(map(len, list(output._held.values()))),
       # token state of threads that have exited, and their pending tokens
-      "exited_thread_states": sum(not s.alive() for s in threads.all_states()),
-      "orphan_tokens": len(threads.orphans()),
+      "exited_thread_states": sum(not s.alive() for s in thread_slots.all_states()),
+      "orphan_tokens": len(thread_slots.orphans()),
       # slots of ended threads not freed yet, computations watched, calls
       # marked interrupted
-      "ended_slots": threads.held_slots(),
+      "ended_slots": thread_slots.held_slots(),
       "watched_executions": executions.watched(),
       "interrupted_calls": len(interrupts.slots),
   }

@@ -123,7 +123,7 @@ def compiled_dispatch() -> bool:
 
 
 # ``jax.Array.committed`` is a Python property; the C++ attribute behind it is
-# read on every dispatch (``ThreadTokens.update``).
+# read on every dispatch (``TokenStore.update``).
 committed = operator.attrgetter("_committed")
 
 

@@ -4,7 +4,7 @@ Every call of a threaded ``jax.jit`` object (``function.PjitFunction``,
 ``stages.Compiled``) goes through here. Its part of the token calling
 convention: the executable is ``g(t_1, ..., t_k, *args, **kwargs) ->
 (outputs, token)``; the call passes the calling thread's runtime token of
-each chain (``threads.ThreadTokens.runtime``), and the returned token becomes
+each chain (``token_store.TokenStore.runtime``), and the returned token becomes
 the new runtime token of every chain it took and the output token of its
 devices, stored before anything else can happen on the thread. The steps,
 in order:
@@ -25,11 +25,11 @@ in order:
    ``KeyboardInterrupt`` after a SIGINT (``interrupts``); a kept per-device
    token refused because the arguments put the computation elsewhere is
    replaced by its first device's copy and the launch retried;
-6. store the returned token (``ThreadTokens.update``; a call made inside
+6. store the returned token (``TokenStore.update``; a call made inside
    this one, from its host callback, took the next sequence number
    (``ThreadTokens.tokens_for``, nested): of its token and this one's the
    later is kept, the other joined), also when an interrupt
-   lands right after the launch (``ThreadTokens.store_interrupted``); a
+   lands right after the launch (``TokenStore.store_interrupted``); a
    computation over several devices that may leave effects to run on the
    host is watched until it ends (``executions.watch``);
 7. raise ``KeyboardInterrupt`` after a SIGINT during the call; raise the
@@ -60,7 +60,7 @@ step                                   fast path
 4. mark dispatching                    falls back inside a call of the same
                                        thread (a call from a host callback)
 5. elsewhere-retry                     falls back (nothing ran)
-6. store the token                     ``ThreadTokens.store``: one chain,
+6. store the token                     ``TokenStore.store``: one chain,
                                        no sharding hashed in its common
                                        case; a kept token's computation
                                        watched where it may leave effects
@@ -84,6 +84,7 @@ from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
 
 #: Prefix of the token parameters' names (``__jax_effects_runtime_tokens___0``,
@@ -182,13 +183,11 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     finally:
       state.end_dispatch()
     if site.finish is not None and not nested:   # (runs the user's code:
-      for passed in read:                        #  launch_lock.finish)
-        if passed is not None:
-          state.await_previous(passed, site.finish)
+      site.finish(token)                         #  launch_lock.finish)
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
-    if _threads.after_exit_handler:   # dispatched by a late exit handler
+    if _token_store.after_exit_handler:   # dispatched by a late exit handler
       _exit.report_late(state)
     if _errors.own.errors:   # a callback of this call failed (ran inline)
       _errors.raise_own(state, token)
@@ -244,11 +243,11 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   ``call(*args, **kwargs)`` is what calling the function calls: the steps
   of :func:`dispatch` for that chain (the module docstring's table),
   launched under ``launch_lock`` over several CPU devices (``site``: what
-  this hook launched last), the token stored by ``ThreadTokens.store``.
+  this hook launched last), the token stored by ``TokenStore.store``.
   Every other case goes to ``general(*args, **kwargs)``, the function's
   general call, which learns what there is to learn; nothing has run then,
   but for a token of another kind returned (a new signature), which
-  ``ThreadTokens.update`` stores: it changes ``fast_mode``, so the next
+  ``TokenStore.update`` stores: it changes ``fast_mode``, so the next
   call takes the general path.
   """
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
@@ -258,7 +257,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   interrupted = _interrupts.slots
   local = _threads.local
   kept = sharding is not None
-  fast = _threads.devices_mode(mode) if kept else mode
+  fast = _token_store.devices_mode(mode) if kept else mode
   sites_lowered = _host_jobs.sites_lowered
   keys = (key,)
 

@@ -80,6 +80,7 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
     "first", "pure", "threaded", "fast", "fallback")
@@ -162,7 +163,7 @@ class Core:
     out = self.plain(*args, **kwargs)
     token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
     if token is not None:
-      _threads.settled(token)   # (a failure there is the computation's)
+      _token_store.settled(token)   # (a failure there is the computation's)
     if _errors.deferred:
       _errors.raise_deferred(state)
     return out

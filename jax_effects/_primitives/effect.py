@@ -60,6 +60,7 @@ from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
 
 # --- trace-time primitive ------------------------------------------------------
 
@@ -97,7 +98,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
     for jax_effect in (_effects.PLAIN_JIT_ORDER, _effects.EXPORTED_ORDER):
       token = _compat.jax_runtime_token(jax_effect)
       if token is not None:
-        _threads.settled(token)
+        _token_store.settled(token)
   if host_callback.eager is not None:
     host_callback.eager(*args)
     return []

@@ -27,6 +27,8 @@ from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import token_store as _token_store
 
 
 def _wait_host_jobs(all_threads: bool, states: list) -> None:
@@ -44,7 +46,7 @@ def _wait_host_jobs(all_threads: bool, states: list) -> None:
 
 def _settle_orphans(orphans: list) -> None:
   for token in orphans:
-    _threads.settled(token)
+    _token_store.settled(token)
 
 
 def _wait_later_dispatches(waited: list) -> None:
@@ -57,14 +59,14 @@ def _wait_later_dispatches(waited: list) -> None:
   identities are compared.)"""
   seen = {id(t) for t in waited}
   while True:
-    new = [t for state in _threads.all_states() for t in state.pending()
+    new = [t for state in _thread_slots.all_states() for t in state.pending()
            if id(t) not in seen]
-    new += [t for t in _threads.orphans() if id(t) not in seen]
+    new += [t for t in _thread_slots.orphans() if id(t) not in seen]
     if not new:
       return
     seen.update(id(t) for t in new)
     waited += new
-    _threads.wait_quietly(new)
+    _token_store.wait_quietly(new)
 
 
 def _jax_barrier() -> None:
@@ -73,7 +75,7 @@ def _jax_barrier() -> None:
   that call's (``design/errors.md``), and stays for ``jax.effects_barrier``
   as JAX keeps it."""
   for token in _compat.jax_runtime_tokens():
-    _threads.settled(token)
+    _token_store.settled(token)
 
 
 def in_host_callback() -> bool:
@@ -99,11 +101,11 @@ def quiet_barrier(all_threads: bool) -> None:
   ``all_threads``) and reports nothing: each error stays for the thread that
   dispatched it (a mode switch waits like this)."""
   if all_threads:
-    states, orphans = _threads.all_states(), _threads.orphans()
+    states, orphans = _thread_slots.all_states(), _thread_slots.orphans()
   else:
     states, orphans = [_threads.thread_state()], []
   waited = [t for state in states for t in state.pending()]
-  _threads.wait_quietly(waited)
+  _token_store.wait_quietly(waited)
   _settle_orphans(orphans)
   if all_threads:
     _wait_later_dispatches(waited + orphans)
@@ -115,7 +117,7 @@ def wait_for_thread() -> None:
   """Blocks until this thread's dispatched effects have run (raises nothing:
   a failure is reported by the next call or barrier)."""
   state = _threads.thread_state()
-  _threads.wait_quietly(state.pending())
+  _token_store.wait_quietly(state.pending())
   _wait_host_jobs(False, [state])
 
 
@@ -126,7 +128,7 @@ def jax_barrier_hook() -> None:
   errors as :func:`effects_barrier` does. Refused inside a host callback,
   as ours is; nothing after jax_effects' exit handler (JAX's own exit
   handler calls it: everything was waited for)."""
-  if _threads.after_exit_handler or _compat.building_jaxpr():
+  if _token_store.after_exit_handler or _compat.building_jaxpr():
     return   # (JAX's own barrier, called while tracing, is left as it is)
   check_not_in_callback("jax.effects_barrier()")
   quiet_barrier(True)
@@ -188,7 +190,7 @@ def effects_barrier(all_threads: bool = False) -> None:
   check_not_in_traced(f"effects_barrier(all_threads={all_threads})")
   check_not_in_callback(f"effects_barrier(all_threads={all_threads})")
   if all_threads:
-    states, orphans = _threads.all_states(), _threads.orphans()
+    states, orphans = _thread_slots.all_states(), _thread_slots.orphans()
     # Dead before the wait: dispatches nothing after it, so it can be dropped
     # (its thread-local may outlive the thread a little).
     dead = [s for s in states if not s.alive()]
@@ -203,7 +205,7 @@ def effects_barrier(all_threads: bool = False) -> None:
     if state is own:
       state.settle()   # (a failed computation: its call's, see above)
     else:   # (another thread's state is written by that thread only)
-      _threads.wait_quietly(pending)
+      _token_store.wait_quietly(pending)
   _settle_orphans(orphans)
   if all_threads:
     _wait_later_dispatches(waited + orphans)
@@ -215,7 +217,7 @@ def effects_barrier(all_threads: bool = False) -> None:
   report = _errors.pop_deferred(None if all_threads
                                 else tuple(state.slot for state in states))
   if all_threads:
-    _threads.forget(dead)
+    _thread_slots.forget(dead)
   if report is not None:
     try:
       raise report

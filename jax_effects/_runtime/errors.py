@@ -233,7 +233,7 @@ def plain_jit_slot() -> int:
 #: thread new to jax_effects files its error under that thread's slot.
 _thread_slot = None
 #: Whether the calling thread is inside one of its jax_effects calls
-#: (``threads.ThreadTokens.dispatching``, registered here).
+#: (``token_store.TokenStore.dispatching``, registered here).
 _dispatching = None
 
 

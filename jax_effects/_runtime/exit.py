@@ -31,6 +31,7 @@ from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
 
 #: Reports collected before giving up on a barrier that keeps raising.
 _MAX_REPORTS = 16
@@ -85,7 +86,7 @@ def _wait_at_exit() -> None:
   if reports:
     _report_and_exit(reports)
   _executions.stop()   # (none of ours may be inside jaxlib at finalization)
-  _threads.after_exit_handler = True
+  _token_store.after_exit_handler = True
   _threads.mode_changed(all_threads=True)   # (later dispatches: general path)
 
 

@@ -44,7 +44,7 @@ failed execution, which a late effect of it on a device still running must
 find; while it is kept, host functions take their slow path). A memo filed
 after its slot was freed (the watcher learns of a failure on its own time)
 stays until the slot's next owner runs that chain (its sequence numbers
-come after every earlier owner's: ``threads.ThreadTokens.base``): bounded
+come after every earlier owner's: ``token_store.TokenStore.base``): bounded
 by the slots and chains.
 What a thread kept here goes when its slot is freed.
 

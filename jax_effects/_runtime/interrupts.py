@@ -10,7 +10,7 @@ and one landing as the call returns, before its token is stored, would lose
 the token. jax_effects' handler (:func:`_on_sigint`, installed where
 Python's default one is; a user's own handler is left alone) decides by the
 innermost of jax_effects' marked frames (``frames``) while the main thread
-is inside a call (``ThreadTokens.dispatching``):
+is inside a call (``TokenStore.dispatching``):
 
 * in a host function of the call's computation (``frames.HOST``): the
   thread's slot is marked interrupted (:data:`slots`) and
@@ -40,6 +40,7 @@ import threading
 
 from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import thread_slots as _thread_slots
 
 #: Slots whose call in progress was interrupted: their computations' host
 #: functions end them (read without a lock by every host function: empty in
@@ -93,4 +94,4 @@ def dispatching_frame(function) -> None:
   _frames.mark(function.__code__, _frames.DISPATCH)
 
 
-_threads.on_new_thread.append(_install_sigint_handler)
+_thread_slots.on_new_thread.append(_install_sigint_handler)

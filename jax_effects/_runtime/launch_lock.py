@@ -20,12 +20,13 @@ held by computations that wait, through the thread's token chain or their
 inputs, for the one running the callback: a deadlock, every time a thread
 dispatches more than the limit ahead. So a computation that runs the user's
 own function on the host (``HostCallback.user_code``) is waited for by the
-thread's next such call, after that call's launch (:func:`finish`,
-``LaunchSite.finish``, ``ThreadTokens.await_previous``): the thread never
-has more than two in flight, far below the client's bound, so the callback's
-own launches find a place, while the host's next dispatch still overlaps the
-device's work (waiting for the call's own computation cost a multi-device
-step 30%: bench row (g)). The wait is bounded (:data:`FINISH_WAIT_S`): a
+call that launched it (:func:`finish`, ``LaunchSite.finish``): the thread
+never has one in flight while it dispatches more, and the callback's own
+launches find a place. (Waiting instead for the *previous* call's
+computation, after this call's launch, kept a ``shard_map`` step
+asynchronous, bench (g), but deadlocked the issue-25861 program in 3 of 6
+runs: the client does not let the callback's launch pass the computation
+queued behind it.) The wait is bounded (:data:`FINISH_WAIT_S`): a
 callback that waits for what its caller does after the call returns (a
 queue, an event) gets it then.
 """
@@ -95,7 +96,7 @@ FINISH_WAIT_S = 1.0
 def finish(token) -> bool:
   """Waits until the computation that returned ``token`` has ended, at most
   :data:`FINISH_WAIT_S` (the module docstring): True if it ended without
-  failing (the token is verified: ``ThreadTokens.verified``), False if it
+  failing (the token is verified: ``TokenStore.verified``), False if it
   failed (the next call learns it), is still running, or if this is a host
   callback (which never waits here: the computation may be its own)."""
   try:

@@ -21,7 +21,7 @@ import warnings
 import weakref
 
 from jax_effects._runtime import barrier as _barrier
-from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import thread_slots as _thread_slots
 
 #: How long (seconds) the end of a cell waits for its effects.
 CELL_WAIT_S = 10.0
@@ -68,4 +68,4 @@ def install() -> bool:
 
 
 install()
-_threads.on_new_thread.append(install)
+_thread_slots.on_new_thread.append(install)

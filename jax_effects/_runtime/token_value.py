@@ -6,7 +6,7 @@ them, one per device, for a ``shard_map`` program) whose bits are
 
 ==========  ==========================================================
 bits 0-13   the *slot*: the dispatching thread's number
-            (``threads.ThreadTokens.slot``; 0: unknown)
+            (``token_store.TokenStore.slot``; 0: unknown)
 bits 14-29  the *sequence number* of the execution on this chain
 bit 30      ``FAILED``: an earlier effect of this chain in this
             execution failed (``errors``), so the later ones are skipped
@@ -15,7 +15,7 @@ bit 30      ``FAILED``: an earlier effect of this chain in this
 (slot, sequence number) is the *identity* of one execution on one chain,
 unique in the process (a thread that takes a freed slot starts its chains
 past every sequence number the slot's earlier owner used:
-``threads.ThreadTokens.base``, since that thread's failed executions may
+``token_store.TokenStore.base``, since that thread's failed executions may
 still run on a device), the same on every device of that execution: each
 computation advances the
 sequence number of every runtime token it takes as the chain enters it

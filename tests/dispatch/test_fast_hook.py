@@ -3,7 +3,7 @@
 A function's common calls run through the fast hook
 (``call_path.fast_dispatch``), which hands every other case to the
 function's general path. It knows a token verified
-(``ThreadTokens.verified``) by asking whether the token is ready when its
+(``TokenStore.verified``) by asking whether the token is ready when its
 call returns: with the compiled FFI entry (``_trampoline.c``) and with the
 ctypes one (``JAX_EFFECTS_FFI_ENTRY=ctypes``, what an install without a C
 compiler runs). Each runs the same program in a fresh process: the printed

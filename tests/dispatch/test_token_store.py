@@ -2,7 +2,7 @@
 
 A function's warm calls take its fast hook (``call_path.fast_dispatch``),
 which stores the token its computation returned with
-``ThreadTokens.store``: for a scalar token, and for one kept on the
+``TokenStore.store``: for a scalar token, and for one kept on the
 function's devices (a ``shard_map`` program, or effects run once over
 several devices). After every call the thread's runtime token must be the
 one that call returned, the host's sequence number of the chain
@@ -22,6 +22,7 @@ import helpers
 import jax_effects as je
 from jax_effects._core import effects as _effects
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
 
 KINDS = ["scalar", "per-device", "once-over-devices"]
@@ -85,7 +86,7 @@ def test_each_warm_call_stores_its_token_and_advances_the_sequence(
     je.effects_barrier()
     state = _threads.thread_state()
     if kind != "scalar":
-      assert state.fast_mode == _threads.devices_mode(state.mode)
+      assert state.fast_mode == _token_store.devices_mode(state.mode)
     assert f._core.state == "fast"
     history = []
     for _ in range(6):

@@ -19,6 +19,8 @@ from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import token_store as _token_store
+from jax_effects._runtime import thread_slots as _thread_slots
 
 import helpers
 from helpers import flat, reports, sharded
@@ -420,7 +422,7 @@ def test_exited_threads_release_their_token_state_and_arrays():
   je.effects_barrier(all_threads=True)
   gc.collect()
   arrays_before = len(jax.live_arrays())
-  states_before = len(_threads._all_states)
+  states_before = len(_thread_slots._all_states)
 
   def short_lived(i):
     f(jnp.int32(i))
@@ -440,7 +442,7 @@ def test_exited_threads_release_their_token_state_and_arrays():
   for t in list(getattr(_threads, "_orphans", [])):
     t.block_until_ready()
   gc.collect()
-  assert len(_threads._all_states) <= states_before
+  assert len(_thread_slots._all_states) <= states_before
   # 200 threads x (initial token + token) were held before the fix
   assert len(jax.live_arrays()) <= arrays_before + 10
   je.effects_barrier(all_threads=True)   # and the others' lines are all out
@@ -539,7 +541,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   # SIGINT's KeyboardInterrupt is raised at the next Python instruction of
   # the dispatching thread: after a per-device computation is dispatched (it
   # runs asynchronously) and before its token is stored, at the entry of
-  # ThreadTokens.update. Simulated there, deterministically, once.
+  # TokenStore.update. Simulated there, deterministically, once.
   order = []
   lock = threading.Lock()
 
@@ -558,7 +560,7 @@ def test_interrupt_after_dispatch_keeps_the_token(mesh, monkeypatch):
   je.effects_barrier()
   order.clear()
 
-  real_update = _threads.ThreadTokens.update
+  real_update = _token_store.TokenStore.update
   calls = []
 
   def interrupted_update(*args):

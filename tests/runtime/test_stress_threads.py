@@ -21,6 +21,7 @@ import pytest
 
 import jax_effects as je
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import thread_slots as _thread_slots
 import helpers
 from helpers import run_threads
 
@@ -209,8 +210,8 @@ def _churn(n_long, n_short_waves, short_per_wave, n_long_effects,
   assert barrier_calls[0] > 0
   # Exited threads are forgotten once a barrier has waited for them.
   je.effects_barrier(all_threads=True)
-  with _threads._all_lock:
-    states = list(_threads._all_states)
+  with _thread_slots._all_lock:
+    states = list(_thread_slots._all_states)
   assert all(s.alive() for s in states)
 
 

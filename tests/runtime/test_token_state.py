@@ -21,6 +21,8 @@ import jax_effects as je
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._runtime import threads as _threads
+from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
 
 
@@ -263,7 +265,7 @@ def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
     f(jnp.ones(1, jnp.int32))
     state = _threads.thread_state()
     je.effects_barrier()
-    return [_threads.settled(t) for t in state.runtime.values()]
+    return [_token_store.settled(t) for t in state.runtime.values()]
 
   assert helpers.in_thread(go) == [True]
 
@@ -301,9 +303,9 @@ def test_a_reused_slot_never_names_an_earlier_threads_execution():
     je.effects_barrier(all_threads=True)
   # (other tests' ended threads may be freed in the same barriers: the slot
   # taken next is made the first thread's)
-  assert slot in _threads._free_slots, (slot, _threads._free_slots)
-  _threads._free_slots.remove(slot)
-  _threads._free_slots.append(slot)
+  assert slot in _thread_slots._free_slots, (slot, _thread_slots._free_slots)
+  _thread_slots._free_slots.remove(slot)
+  _thread_slots._free_slots.append(slot)
   slot2, seq2, device_seq2 = helpers.in_thread(second)
   assert slot2 == slot   # (the slot freed last is taken first)
   assert device_seq2 == seq2

@@ -1,0 +1,354 @@
+"""The token store: the tokens a thread's chains hold, and their one writer.
+
+Between computations, the order is carried by **runtime tokens**
+(``token_value``: an ``int32`` holding the dispatching thread's slot and the
+execution's sequence number) that every token-threaded executable takes as
+inputs, one per ordered chain it uses, and returns as outputs; an executable
+starts only when its inputs are ready, so passing the token the previous
+computation returned makes the next one wait for it. A thread's
+:class:`TokenStore` holds, per chain, its latest runtime token (``runtime``)
+and sequence number (``seqs``: the host's copy of what the device computes),
+and the output tokens per device set (:class:`OutputTokens`, for the
+barrier). It changes only through its methods: a call's returned token is
+stored by :meth:`TokenStore.update` (:meth:`TokenStore.store` for the fast
+hook's one chain), but for ``dispatching``, which the fast hook sets and
+clears itself. ``threads.ThreadTokens`` reads it for each dispatch.
+
+* A runtime token is kept *uncommitted*: ``jax.jit``'s C++ dispatch copies it
+  to the devices of the next computation when (and only when) they differ.
+  A token returned per device (a ``shard_map`` program) stays on its devices
+  (``device_tokens``).
+* **Calls made inside a call**: a call dispatched from a host callback of the
+  thread's own call in flight stores its token first; the outer call then
+  *joins* it (:meth:`TokenStore.update`) instead of overwriting it, so the
+  next dispatch follows both.
+
+Part in the token calling convention: the runtime tokens passed to and
+returned by every computation; the contract: ``design/tokens.md``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax
+
+from jax_effects import _compat
+from jax_effects._core import effects as _effects
+from jax_effects._runtime import device_tokens as _device_tokens
+from jax_effects._runtime import executions as _executions
+from jax_effects._runtime import output as _output
+from jax_effects._runtime import token_value as _token_value
+
+#: Set once jax_effects' interpreter-exit handler has run (``exit``): a
+#: dispatch after it (from an exit handler that runs later) takes the general
+#: path, which reports its errors itself (``exit.report_late``).
+after_exit_handler = False
+
+
+def is_done(token) -> bool:
+  """Whether ``token``'s computation has ended (failed or not)."""
+  try:
+    return token.is_ready()
+  except Exception:  # noqa: BLE001 - a failed or deleted array is done
+    return True
+
+def settled(token) -> bool:
+  """Whether the computation that returned ``token`` ended without failing
+  (waits for it). A NumPy initial token was returned by none."""
+  if type(token) is not _token_value.TOKEN_DTYPE:
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - an XLA failure: the call's, see above
+      return False
+  return True
+
+def wait_quietly(tokens: Iterable) -> None:
+  """Blocks on each of ``tokens``, ignoring failures: each error stays for
+  the call or barrier that reports it (``design/errors.md``)."""
+  for token in tokens:
+    settled(token)
+
+
+_DEVICES_MODES: dict = {}
+
+
+def devices_mode(mode: str | None) -> str | None:
+  """``TokenStore.fast_mode`` while the thread holds a token kept on
+  devices in ``mode``: the hooks of such tokens run
+  (``call_path.fast_dispatch`` of such a token), the others take the general
+  path (one object per mode: compared by identity)."""
+  if mode is None:
+    return None
+  found = _DEVICES_MODES.get(mode)
+  if found is None:
+    found = _DEVICES_MODES.setdefault(mode, mode + " (devices)")
+  return found
+
+
+class OutputTokens:
+  """A thread's output tokens, for the barrier: the latest on each device
+  set (:attr:`output`), and the fast hook's last one, filed there only when
+  a dispatch on other devices follows (:meth:`file`)."""
+  __slots__ = ("output", "last_sharding", "last_token")
+
+  def __init__(self):
+    # sharding -> latest output token on that device set (insertion = recency)
+    self.output: dict[Any, jax.Array] = {}
+    # The sharding of the most recent dispatch's output token, and that token
+    # when it is not in ``output`` yet (the fast hook stores it without
+    # hashing a sharding).
+    self.last_sharding: Any = None
+    self.last_token: jax.Array | None = None
+
+  def devices(self) -> dict[Any, jax.Array]:
+    """Device -> the latest output token covering that device (only this
+    process's devices: another process's shards, and effects, are its own).
+    """
+    out = {}
+    items = list(self.output.items())
+    if self.last_token is not None:
+      items.append((self.last_sharding, self.last_token))
+    for sharding, token in items:
+      for device in sharding.addressable_devices:
+        out[device] = token
+    return out
+
+  def outputs(self) -> list[jax.Array]:
+    last = [] if self.last_token is None else [self.last_token]
+    return [*self.output.values(), *last]
+
+  def file(self, token: jax.Array) -> None:
+    """Files ``token`` as the latest output token of its device set."""
+    output = self.output
+    sharding = token.sharding
+    if self.last_token is not None:
+      self._file_last()
+    if self.last_sharding is sharding:  # already the most recent entry
+      output[sharding] = token
+    else:  # move to the end (recency)
+      output.pop(sharding, None)
+      output[sharding] = token
+      self.last_sharding = sharding
+
+  def _file_last(self) -> None:
+    token = self.last_token
+    if token is not None:
+      self.last_token = None
+      output = self.output
+      output.pop(self.last_sharding, None)
+      output[self.last_sharding] = token
+
+  def drop_outputs(self, ids) -> None:
+    """Forgets the output tokens whose ``id`` is in ``ids`` (failed)."""
+    for sharding, t in list(self.output.items()):
+      if id(t) in ids:
+        del self.output[sharding]
+    if self.last_token is not None and id(self.last_token) in ids:
+      self.last_token = None
+
+  def reset(self) -> None:
+    self.output.clear()
+    self.last_sharding = None
+    self.last_token = None
+
+
+class TokenStore(OutputTokens):
+  """What a thread's chains hold, and its one writer: the token a call
+  returned is stored by :meth:`update` (or :meth:`store`, the same for the
+  fast hook's one chain); every other change is a method here too, but for
+  :attr:`dispatching`, which the fast hook sets and clears itself."""
+  __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined",
+               "device_tokens", "fast_mode", "dispatching", "mode", "slot",
+               "base")
+
+  def __init__(self, slot: int, base: int):
+    super().__init__()
+    # chain key (Effect) -> uncommitted runtime token (or kept on devices)
+    self.runtime: dict[Any, jax.Array] = {}
+    # chain key -> the sequence number of its latest token (token_value):
+    # the host's copy of what the device computes
+    self.seqs: dict[Any, int] = {}
+    # chain keys whose computation may fail as a whole (tokens_for)
+    self.at_risk: set = set()
+    # The token last stored that was ready when its call returned (a failure
+    # there was raised by the call): handed on without a check.
+    self.verified: Any = None
+    # tokens of calls made inside this thread's call in flight (join)
+    self.joined: list = []
+    # True while some runtime token is kept on its devices (device_tokens)
+    self.device_tokens = False
+    # The mode in which the fast hooks may run (devices_mode(mode) while a
+    # token is kept on devices); None while anything needs the general
+    # path (_refresh_fast): one comparison stands for all those checks.
+    self.fast_mode: str | None = None
+    # dispatches in progress (>1: a call from a host callback of the
+    # thread's own call); while nonzero a SIGINT is handled by interrupts
+    self.dispatching = 0
+    # The ordering mode of this thread's last dispatch (switch_mode).
+    self.mode: str | None = None
+    self.slot = slot
+    # where every chain's numbers start (``thread_slots.base_of``)
+    self.base = base
+
+  def last_seq(self, key) -> int:
+    """The sequence number of ``key``'s latest execution on this thread
+    (:attr:`base` before its first)."""
+    return self.seqs.get(key, self.base)
+
+  def execution_seqs(self, keys) -> dict:
+    """Chain -> the sequence number of the next execution of ``keys`` (read
+    before its dispatch: a call made inside it moves them)."""
+    return {k: (self.last_seq(k) + 1) & _token_value.SEQ_MASK
+            for k in keys if k is not _effects.UNORDERED}
+
+  def execution(self, keys) -> tuple:
+    """``(seqs, seq)`` of the next execution of ``keys``: its identity
+    (:meth:`execution_seqs`) and the sequence number of the token it returns,
+    the maximum of its chains' carriers (``token_value``), as the device
+    computes it."""
+    seqs = self.execution_seqs(keys)
+    return seqs, max(seqs.values(), default=None)
+
+  def update(self, keys, token: jax.Array, read: tuple = (),
+             at_risk: bool = False, seq: int | None = None) -> None:
+    """Records ``token``, returned by one executable given the tokens of
+    ``keys`` (``read``: what ``tokens_for`` returned with them) as the
+    execution ``seq`` (by default read now), for ``keys`` and its devices.
+    ``at_risk``: the computation runs one of JAX's own callbacks. A call
+    made meanwhile from one of its host callbacks that stored a token of a
+    chain: the later of the two (by sequence number) is kept, the other
+    joined (:meth:`join`). Raises nothing."""
+    self.file(token)
+    if keys:
+      if _device_tokens.kept_on_devices(token):
+        # Kept as it is (each device continues its own chain); combined
+        # only for a computation elsewhere or in the deterministic view.
+        if _output.holding():
+          runtime = _device_tokens.combine(token)
+        else:
+          runtime = token
+          self.device_tokens = True
+      else:
+        runtime = (_compat.uncommitted(token) if _compat.committed(token)
+                   else token)
+      store, seqs, risky = self.runtime, self.seqs, self.at_risk
+      if seq is None:
+        seq = self.execution(keys)[1]
+      for i, key in enumerate(keys):
+        if key is not _effects.UNORDERED:
+          if read and self._kept_meanwhile(key, read[i], runtime, seq):
+            continue
+          store[key] = runtime
+          seqs[key] = seq
+          if runtime is token and not self.device_tokens and is_done(token):
+            self.verified = runtime   # (see verified)
+          if at_risk:
+            risky.add(key)
+          elif risky:
+            risky.discard(key)
+    self._refresh_fast()
+
+  def store(self, key, token: jax.Array, sharding, passed, seq: int,
+            kept: bool = False, finish=None) -> None:
+    """:meth:`update` for the fast hook's one chain ``key`` (``kept``: its
+    token is kept on devices): ``token`` (of ``sharding``) returned given
+    ``passed`` as the execution ``seq``. Written out, no sharding hashed,
+    when the token is on the last dispatch's device set and of the kind
+    passed, and no call made inside this one stored a token of ``key``;
+    else :meth:`update`. ``finish``: ``launch_lock.finish`` where the
+    program runs user code, or None."""
+    runtime = self.runtime
+    if (sharding is not self.last_sharding or runtime.get(key) is not passed
+        or self.device_tokens is not kept
+        or (kept and (sharding is not passed.sharding or _output.holding()))):
+      self.update((key,), token, (passed,), seq=seq)
+      if finish is not None:
+        finish(token)
+      return
+    self.last_token = token
+    if kept:
+      runtime[key] = token
+      if finish is not None:
+        finish(token)
+    else:
+      stored = runtime[key] = (_compat.uncommitted(token)
+                               if _compat.committed(token) else token)
+      if token.is_ready() or (finish is not None and finish(token)):
+        self.verified = stored   # (see verified; finish: waited for)
+    self.seqs[key] = seq
+
+  def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
+    """Whether what a call made inside this one left for ``key`` meanwhile
+    stays (see :meth:`update`): when it took a later sequence number than
+    this call's (``seq``), this call's token (``runtime``) is joined and the
+    host's copy stays the later one, with its token, or with none if that
+    call failed as a whole (the chain starts afresh after both: never with
+    a number either execution had). Else a token it stored is joined and
+    this call's is stored."""
+    current = self.runtime.get(key)
+    if current is passed:
+      return False
+    if _token_value.seq_after(self.last_seq(key), seq):
+      self.join(runtime)
+      return True
+    if current is not None:
+      self.join(current)
+    return False
+
+  def _refresh_fast(self) -> None:
+    # (a token at risk is handed on only by the general path: tokens_for)
+    if self.joined or self.at_risk or after_exit_handler:
+      self.fast_mode = None
+    else:
+      # Only if the thread's mode is still this dispatch's: a set_ordering
+      # by another thread meanwhile cleared fast_mode (clear_fast), which
+      # must not be undone (read after the store: set_ordering sets the
+      # mode before clearing).
+      mode = self.mode
+      self.fast_mode = devices_mode(mode) if self.device_tokens else mode
+      if _effects.get_ordering() != mode:
+        self.fast_mode = None
+
+  def join(self, token) -> None:
+    """A call made inside this thread's call in progress stored ``token``
+    meanwhile (see :meth:`update`): the next dispatch waits for it."""
+    self.joined.append(token)
+    self.fast_mode = None
+
+  def store_interrupted(self, keys, token, read=(),
+                        at_risk: bool = False,
+                        seq: int | None = None) -> None:
+    """Stores a dispatched computation's token when an interrupt
+    (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
+    between the dispatch and :meth:`update`: the computation runs anyway, so
+    the thread's next dispatch and its barrier must still follow it. Storing
+    the same token twice is harmless; if storing fails, the token is waited for.
+    """
+    try:
+      self.update(keys, token, read, at_risk, seq)
+    except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
+      wait_quietly((token,))
+
+  def chains_failed(self, keys) -> None:
+    """The computation holding ``keys``' tokens failed (an XLA failure,
+    learnt from its token or raised by its dispatch): those chains start
+    afresh, and what the execution held on the host is freed
+    (``executions.failed``; over several devices, one may still run its
+    part: what skips its later effects stays, see ``executions``)."""
+    ended = True
+    for key in keys:
+      token = self.runtime.pop(key, None)
+      if token is not None and _device_tokens.kept_on_devices(token):
+        ended = False
+    self.fast_mode = None
+    _executions.failed(self.slot, {k: self.last_seq(k) for k in keys},
+                       ended)
+
+  def reset(self) -> None:
+    super().reset()
+    self.runtime.clear()
+    self.seqs.clear()
+    self.at_risk.clear()
+    self.joined.clear()
+    self.fast_mode = None
+    self.device_tokens = False
