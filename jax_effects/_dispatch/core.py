@@ -33,7 +33,7 @@ learns a chain (from the first call's traced program, or a threaded trace's
 token; PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general
 call finds the fast hook applies (FALLBACK first waits). Under an enclosing
 trace every state binds :attr:`Core.plain`, a nested jit
-(:meth:`Core.call_nested`); under ``jax.disable_jit()`` the user function
+(:func:`call_nested`); under ``jax.disable_jit()`` the user function
 runs; neither changes the state.
 
 Learning goes one way: a trace returns what it found to the call that made
@@ -73,6 +73,7 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
+from jax_effects._dispatch import jit_options as _jit_options
 from jax_effects._dispatch import tracing as _tracing
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
@@ -93,7 +94,7 @@ class _Threaded:
   ``keys``: the ordered chains passed as runtime tokens, in order.
   ``per_device_sharding``: sharding of the per-device token returned last
   (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
-  ``len(keys)`` tokens, by ``tracing.n_dynamic``; dropped when ``keys``
+  ``len(keys)`` tokens, by ``jit_options.n_dynamic``; dropped when ``keys``
   grows. ``fast``: the fast hook while it applies, else None. ``launch``:
   whether launches take the launch lock (``_launch_lock``).
   """
@@ -113,11 +114,10 @@ class Core:
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
     self.jit_kwargs = jit_kwargs
-    self.signature = _tracing.signature(fun)
-    self.names = _tracing.names_of(fun)
+    self.signature = _jit_options.signature(fun)
+    self.names = _jit_options.names_of(fun)
     self.traces = _tracing.TraceCache(fun_ref)
-    #: Guards state changes and each mode's ``keys``/``jitted`` (a jax.jit
-    #: is built for ``len(keys)`` tokens while threads learn concurrently).
+    #: Guards state changes and each mode's ``keys``/``jitted``.
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
@@ -129,47 +129,8 @@ class Core:
     self.state = FIRST
     self.call: Callable = self.first_call
 
-  def call_fun(self, *args, **kwargs):
-    """Under ``jax.disable_jit()``: the user function itself (the eager
-    impl of each effect orders it)."""
-    return self.traces.fun()(*args, **kwargs)
-
-  def call_nested(self, *args, **kwargs):
-    """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
-
-    The enclosing trace gets one ``jit`` equation of :attr:`plain` (effects
-    kept), which it transforms, caches and compiles as it does
-    ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
-    and threads its effects with the outer's tokens. Under a transformation
-    applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
-    the jit before the bind returns, its effects ordered by JAX's own
-    ordered effect (``effect._fallback_lowering``): around it the call
-    raises the thread's pending errors, waits for the effects the thread
-    dispatched before, then for the computation's (JAX's runtime token), so
-    the thread's later calls follow it, and raises the errors of its
-    callbacks (``design/errors.md``).
-    """
-    if (_compat.disable_jit_flag.value
-        or _compat.enclosing_staging() == "pmap"):
-      # (pmap staged as itself, an option of JAX 0.8 and 0.9: inside it the
-      # function runs, so an effect refuses it naming itself, bind_effect)
-      return self.call_fun(*args, **kwargs)
-    if not _compat.eager_transformation():
-      return self.plain(*args, **kwargs)
-    state = _threads.thread_state()
-    if _errors.deferred:
-      _errors.raise_deferred(state)
-    _barrier.wait_for_thread()
-    out = self.plain(*args, **kwargs)
-    token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
-    if token is not None:
-      _token_store.settled(token)   # (a failure there is the computation's)
-    if _errors.deferred:
-      _errors.raise_deferred(state)
-    return out
-
   def traceable(self, body: Callable, tokens: int | None):
-    return _tracing.Traceable(body, self.fun_ref, self.names,
+    return _jit_options.Traceable(body, self.fun_ref, self.names,
                               self.signature, tokens)
 
   def enter(self, state: str, mode: str | None = None) -> None:
@@ -186,17 +147,14 @@ class Core:
     self.call = call
 
   def threaded(self, mode: str) -> _Threaded:
-    t = self.modes.get(mode)
-    if t is None:
-      t = self.modes.setdefault(mode, _Threaded())
-    return t
+    return self.modes.get(mode) or self.modes.setdefault(mode, _Threaded())
 
   # --- learning ----------------------------------------------------------
 
   def keys_and_jit(self, mode: str, args: tuple = ()):
     """``(keys, jitted)``: ``mode``'s chains and the ``jax.jit`` of ``g``
     built for exactly ``len(keys)`` tokens, read together."""
-    n_dynamic = _tracing.n_dynamic(self.jit_kwargs, args)
+    n_dynamic = _jit_options.n_dynamic(self.jit_kwargs, args)
     threaded = self.threaded(mode)
     with self.lock:
       keys = threaded.keys
@@ -205,7 +163,7 @@ class Core:
         k = len(keys)
         body = functools.partial(_tracing.threaded, self.traces, mode, keys)
         jitted = _jax_api.jit(self.traceable(body, k),
-                              **_tracing.threaded_jit_kwargs(
+                              **_jit_options.threaded_jit_kwargs(
                                   self.jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted
         self.refresh(mode)
@@ -221,8 +179,7 @@ class Core:
       if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
           and jitted is not None
           and self.state is not FALLBACK and not self.traces.may_fail):
-        # (no hook for a function whose computations may fail as a whole:
-        # its dispatches wait for them, ThreadTokens.tokens_for)
+        # (none where computations may fail as a whole: tokens_for waits)
         threaded.fast = _call_path.fast_dispatch(
             mode, keys[0], jitted, site=threaded.launch,
             general=self.call_threaded,
@@ -244,15 +201,10 @@ class Core:
         self.enter(THREADED)
 
   def effects_found(self) -> None:
-    """:attr:`plain` traced a program with effects (``tracing.plain``).
-
-    The one thing a trace tells the core: in PURE, calls go straight into
-    ``jax.jit``'s C++ path, where no frame of ours runs, so this trace may
-    be one such call's, about to run its effects through JAX's ordered
-    effects: it follows the thread's dispatched effects, and the next call
-    goes the general way (FALLBACK), which waits for it. Any other state
-    learns its chains from its own calls.
-    """
+    """:attr:`plain` traced a program with effects (``tracing.plain``): in
+    PURE this may be a call straight from ``jax.jit``'s C++ path about to
+    run them through JAX's ordered effects: it follows the thread's
+    dispatched effects, and the next call waits for it (FALLBACK)."""
     if self.state is not PURE:
       return
     with self.lock:
@@ -268,7 +220,7 @@ class Core:
     """FIRST: traces :attr:`plain`; with effects the call goes threaded,
     else it is a plain ``jax.jit`` call (PURE)."""
     if not _compat.compiled_dispatch():
-      return self.call_nested(*args, **kwargs)
+      return call_nested(self, *args, **kwargs)
     if _fork.forked_after_backend:
       raise _fork.refused(   # (compiling would hang)
           f"calling jax_effects.jit({self.names['__name__']})")
@@ -278,7 +230,7 @@ class Core:
       if _errors.deferred:
         _errors.raise_deferred(_threads.thread_state())
       mode = _effects.get_ordering()
-      keys = self.chains(_tracing.program_effects(
+      keys = chains(_tracing.program_effects(
           self.traces, self.plain, args, kwargs), mode)
       if keys is not None:
         self.learn(mode, keys)
@@ -289,19 +241,11 @@ class Core:
       # (the trace is jax.jit's: this call compiles it, it does not retrace)
       return self.plain(*args, **kwargs)
 
-  @staticmethod
-  def chains(effects, mode: str) -> tuple | None:
-    """The runtime-token chains of a program with JAX ``effects``, or None
-    when it has nothing to thread (no effect, no counter)."""
-    if not _tracing.has_chains(effects, mode):
-      return None
-    return _effects.runtime_chain_keys(effects, mode)
-
   @_compat.api_boundary
   def call_threaded(self, *args, **kwargs):
     """THREADED, FALLBACK: the general call path."""
     if not _compat.compiled_dispatch():
-      return self.call_nested(*args, **kwargs)
+      return call_nested(self, *args, **kwargs)
     mode = _effects.get_ordering()
     state = _threads.thread_state()
     if self.state is FALLBACK:   # after JAX's ordered effects: wait for them
@@ -325,14 +269,12 @@ class Core:
         self.learn(mode, err.keys)
         continue
       if self.traces.user_code and threaded.launch.finish is None:
-        # (learnt by this call's own trace: its computation runs the
-        # user's code, waited for from now on: launch_lock.finish)
+        # (learnt by this call's trace: it runs user code, launch_lock)
         _launch_lock.wait_for_user_code(threaded.launch)
         if state.dispatching == 0:
           _launch_lock.finish(token)
       if self.traces.may_fail and not may_fail:
-        # (learnt by this call's own trace: its computation may fail as a
-        # whole, and the function's hook goes, ThreadTokens.tokens_for)
+        # (learnt by this call's trace: it may fail as a whole, no hook)
         state.mark_at_risk(keys)
         with self.lock:
           for mode_ in list(self.modes):
@@ -366,6 +308,56 @@ class Core:
 
   def cache_size(self) -> int:
     return sum(j._cache_size() for j in self.jax_jits())
+
+
+def chains(effects, mode: str) -> tuple | None:
+  """The runtime-token chains of a program with JAX ``effects``, or None
+  when it has nothing to thread (no effect, no counter)."""
+  if not _tracing.has_chains(effects, mode):
+    return None
+  return _effects.runtime_chain_keys(effects, mode)
+
+
+# --- outside the threaded path ----------------------------------------------------
+
+def _call_fun(core: Core, *args, **kwargs):
+  """Under ``jax.disable_jit()``: the user function itself (the eager
+  impl of each effect orders it)."""
+  return core.traces.fun()(*args, **kwargs)
+
+def call_nested(core: Core, *args, **kwargs):
+  """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
+
+  The enclosing trace gets one ``jit`` equation of :attr:`Core.plain` (effects
+  kept), which it transforms, caches and compiles as it does
+  ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
+  and threads its effects with the outer's tokens. Under a transformation
+  applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
+  the jit before the bind returns, its effects ordered by JAX's own
+  ordered effect (``effect._fallback_lowering``): around it the call
+  raises the thread's pending errors, waits for the effects the thread
+  dispatched before, then for the computation's (JAX's runtime token), so
+  the thread's later calls follow it, and raises the errors of its
+  callbacks (``design/errors.md``).
+  """
+  if (_compat.disable_jit_flag.value
+      or _compat.enclosing_staging() == "pmap"):
+    # (pmap staged as itself, an option of JAX 0.8 and 0.9: inside it the
+    # function runs, so an effect refuses it naming itself, bind_effect)
+    return _call_fun(core, *args, **kwargs)
+  if not _compat.eager_transformation():
+    return core.plain(*args, **kwargs)
+  state = _threads.thread_state()
+  if _errors.deferred:
+    _errors.raise_deferred(state)
+  _barrier.wait_for_thread()
+  out = core.plain(*args, **kwargs)
+  token = _compat.jax_runtime_token(_effects.PLAIN_JIT_ORDER)
+  if token is not None:
+    _token_store.settled(token)   # (a failure there is the computation's)
+  if _errors.deferred:
+    _errors.raise_deferred(state)
+  return out
 
 
 # --- one core per (function, options) --------------------------------------------

@@ -56,7 +56,7 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
-from jax_effects._dispatch import tracing as _tracing
+from jax_effects._dispatch import jit_options as _jit_options
 from jax_effects._dispatch import exporting as _exporting
 from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import launch_lock as _launch_lock
@@ -80,7 +80,7 @@ class PjitFunction(Generic[_P, _R]):
   def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
-    _tracing.check_names(jit_kwargs)
+    _jit_options.check_names(jit_kwargs)
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._jit_kwargs = jit_kwargs
@@ -401,7 +401,7 @@ def _trace(core: _core.Core, function, args, kwargs) -> Traced:
   mode = _effects.get_ordering()
   if core.state in (_core.FIRST, _core.PURE):
     traced = core.plain.trace(*args, **kwargs)
-    keys = core.chains(traced.jaxpr.effects, mode)
+    keys = _core.chains(traced.jaxpr.effects, mode)
     if keys is None:
       return Traced(function, traced, None, ())
     core.learn(mode, keys)

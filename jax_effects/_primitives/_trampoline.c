@@ -6,7 +6,7 @@
    install, this module is the C function XLA calls instead of a ctypes
    callback. It takes the GIL, keeps the calling thread's Python thread
    state (as `host_target._pin` does), and runs the common site itself
-   (`call_frames.Site.compiled`: one operand, one carrier, no result, the
+   (`host_sites.Site.compiled`: one operand, one carrier, no result, the
    frame's buffers checked against the site's signature on every call
    before any is read, the operand copied into a new NumPy array, the
    carrier written back), the
@@ -63,7 +63,7 @@ static PyObject *take_exception(void) {
 #endif
 }
 
-/* Whether the frame's buffers are the site's (call_frames.signature:
+/* Whether the frame's buffers are the site's (host_sites._signature:
    int64 words nargs, nrets, then for each argument and result its dtype
    code, rank (-1: a token, its code only) and dims), read before any byte
    of a buffer is: a frame that does not fit goes to the Python handler,

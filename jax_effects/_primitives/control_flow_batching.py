@@ -7,7 +7,7 @@ bit for bit, ``tests/primitives/test_vmap_cond.py``).
 
 * **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
   for every element and selects. Here too, but each branch's effects get
-  ``index == i`` as an extra batched operand (``_host_callback.MaskedHost``), at any
+  ``index == i`` as an extra batched operand (``host_callback.in_branch``), at any
   depth (:func:`_eval_masked` re-expresses control flow inside the branch),
   so an element runs only the effects of the branch it took, in batch order,
   branch after branch.
@@ -23,8 +23,6 @@ the user's function is traced; the effects they produce are ordinary
 any other.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 from jax.extend import core as jex_core
@@ -87,10 +85,8 @@ batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
 
 def _masked_effect(eqn, mask, invals):
   hc = eqn.params["host_callback"]
-  masked = dataclasses.replace(
-      hc, fn=_host_callback.MaskedHost(hc.fn, tuple(hc.result_avals)),
-      traced_in_branch=False, eager=None,
-      spec=_host_callback.wrapped_spec(hc.spec, "masked"))
+  masked = _host_callback.in_branch(
+      hc, _host_callback.wrapped_spec(hc.spec, "masked"))
   return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
 
 
@@ -181,13 +177,8 @@ _jax_cond_batcher = batching.fancy_primitive_batchers[jex_prims.cond_p]
 
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
   """JAX's vmap rule of ``cond``, unchanged, unless the predicate is batched
-  and a branch holds an effect of ours.
-
-  JAX's rule then evaluates every branch for every element and selects. Here
-  too, but each branch's effects get ``index == i`` as an extra (batched)
-  operand (:class:`~jax_effects._primitives.host_callback.MaskedHost`), so an element runs only the effects of the
-  branch it took, in batch order, branch after branch.
-  """
+  and a branch holds an effect of ours: then each branch's effects are
+  masked by ``index == i`` (module docstring)."""
   if (dims[0] is None or "branches_platforms" in params
       or not _has_marker(branches)
       or any(_compat.refused_by_jax_in_batched_cond(e)
@@ -207,17 +198,10 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
     batched, _ = _compat.batch_jaxpr(traced, axis_data,
                                      [True] * (1 + len(ops)), [True] * n_outs)
     taken = jax.lax.eq(index, jax.lax.full_like(index, i))
-    ops_ = [_bcast_select(taken, x, jax.lax.stop_gradient(x)) for x in ops]
+    ops_ = [_bcast_select_n(taken, jax.lax.stop_gradient(x), x) for x in ops]
     branch_outs.append(jex_core.jaxpr_as_fun(batched)(taken, *ops_))
   outs = [_bcast_select_n(index, *o) for o in zip(*branch_outs)]
   return outs, [0] * len(outs)
-
-
-def _bcast_select(pred, on_true, on_false):
-  if jnp.ndim(pred) != jnp.ndim(on_true):
-    pred = jax.lax.broadcast_in_dim(pred, jnp.shape(on_true),
-                                    tuple(range(jnp.ndim(pred))))
-  return jax.lax.select(pred, on_true, on_false)
 
 
 def _bcast_select_n(which, *cases):

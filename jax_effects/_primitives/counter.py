@@ -19,25 +19,15 @@ for it), and orders nothing: an effect that must follow a count takes the
 count as an operand. Inside ``shard_map`` each device counts on its own.
 
 Each equation carries a :class:`CounterEffect` marker, registered like the
-effects' markers (``_core.effects``), so JAX keeps it through its
-transformations: never removed as dead code, kept in the forward ("known")
-computation of a derivative, never run again by rematerialization; and
-registered as a chain kind (``_core.effects.register_chain_kind``): its chain
-is its ``Counter``, one that stays in its computation. Rules:
-
-* **vmap**: one count for the whole batch. An unbatched ``x`` (the common
-  ``bar.update()``) stays unbatched, also in a ``while_loop`` whose predicate
-  ``vmap`` batched (the count then advances once per iteration of the batched
-  loop, except an ``"add_elements"``, refused there); a batched ``x`` is
-  refused, naming the counter.
-* **jvp**: the count of the primal computation; its tangent is zero.
-* **eager** (no trace): the count is kept on the host, per thread.
-* **plain ``jax.jit``** (the pass never runs, e.g. an eager ``lax.scan``
-  under ``jax.grad``): nothing carries the count through the program, so
-  each operation is an ordered host callback keeping the count on the host,
-  per device (correct, but one host call per operation).
-
-Used by ``jax_effects.progress`` (``every=k``: one host call per k updates).
+effects' markers, so JAX keeps it through its transformations (never dead
+code, kept in a derivative's forward computation, never rematerialized),
+and as a chain kind whose chain is its ``Counter``. Rules: **vmap**, one
+count for the whole batch (a batched ``x`` is refused, and an
+``"add_elements"`` in a ``while_loop`` whose predicate ``vmap`` batched);
+**jvp**, the primal count, zero tangent; **eager**, the count kept on the
+host per thread; **plain** ``jax.jit`` (the pass never runs): an ordered
+host callback per operation, the count kept on the host per device
+(:func:`_fallback_lowering`). Used by ``jax_effects.progress`` (``every=k``).
 """
 from __future__ import annotations
 
@@ -174,10 +164,10 @@ def _host_count(counter: Counter, op: str, x) -> tuple:
 
 
 def _fallback_lowering(ctx, x, *, counter, op):
-  """Plain ``jax.jit`` (the pass never runs): nothing carries the count
-  through the program, so each ``counter_p`` is an ordered host callback
-  (JAX threads its tokens: ``PLAIN_JIT_ORDER``) keeping the count on the
-  host, per device. Correct, and one host call per operation."""
+  """Plain ``jax.jit`` (the pass never runs, e.g. an eager ``lax.scan``
+  under ``jax.grad``): nothing carries the count through the program, so
+  each ``counter_p`` is an ordered host callback (JAX threads its tokens:
+  ``PLAIN_JIT_ORDER``) keeping the count on the host, per device."""
   host = _host_callback.HostCallback(
       functools.partial(_host_count, counter, op),
       f"{counter.description} (its count, kept on the host under plain "

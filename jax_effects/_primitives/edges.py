@@ -1,29 +1,20 @@
 """What crosses to the host of an array NumPy would print summarized.
 
-NumPy prints an array of more than ``threshold`` elements summarized: of
-every axis longer than ``2 * edgeitems`` only the leading and trailing
-``edgeitems`` entries, with ``...`` between them, and it chooses the format
-of every number (width, precision, sign, exponent) from those entries alone
-(``numpy/_core/arrayprint.py``: ``_array2string`` formats
-``_leading_trailing(data, edgeitems)`` and ``_formatArray`` reads only those
-entries; ``design/formatting.md`` names the NumPy versions checked). So the
-text ``jax.debug.print`` prints for the whole array can be made from its
-*edges*, a small array with every summarized axis cut to its ``2 *
-edgeitems`` end entries, and only the edges need to leave the device.
+NumPy prints an array of more than ``threshold`` elements summarized, and
+chooses the format of every number from the leading and trailing
+``edgeitems`` entries of each long axis alone (``design/formatting.md``,
+"Summarized arrays"). So the text of the whole array can be made from its
+*edges*, and only those leave the device:
 
-* :func:`plan` decides, from an operand's shape and the NumPy print options
-  in effect where the call is traced, whether it will be summarized, and
-  returns its :class:`Edges` (None: the whole array is shown and crosses).
-* :meth:`Edges.take` cuts a traced array to its edges (lowered where the
-  array is whole: one device, or per device in ``shard_map``);
-  ``host_assembly`` takes them from the shards of an array partitioned
-  over several devices. (An eager ``vmap`` hands the host the whole
-  values: a :class:`Summarized` of the whole array formats the same.)
-* :class:`Summarized` stands for the whole array on the host: ``str``,
-  ``format`` and ``repr`` give exactly what the ``jax.Array`` of the whole
-  array gives, from the edges; :class:`Value` does the same for an operand
-  shown whole (:func:`host_values` picks one per operand). Neither calls
-  JAX inside a callback (:func:`array_repr`).
+* :func:`plan` decides at trace time, from the shape and the print options,
+  whether an operand will be summarized: its :class:`Edges`, or None;
+* :meth:`Edges.take` cuts a traced array to its edges where it is whole
+  (:func:`cut`); ``host_assembly`` takes them from the shards of one
+  partitioned over several devices;
+* on the host, :class:`Summarized` stands for the whole array and formats
+  exactly as its ``jax.Array`` would, from the edges; :class:`Value` does
+  the same for an operand shown whole (:func:`host_values`), neither
+  calling JAX inside a callback (:func:`array_repr`).
 
 Part in the token calling convention: none. An :class:`Edges` is attached to
 an effect's operand (``HostCallback.edges``); the effect's lowering decides
@@ -75,7 +66,6 @@ class Edges:
       x = lax.concatenate([lax.slice_in_dim(x, 0, e, axis=axis),
                            lax.slice_in_dim(x, n - e, n, axis=axis)], axis)
     return x
-
 
 
 def plan(shape, options: dict) -> Edges | None:
@@ -173,17 +163,12 @@ def host_values(np_operands, edges) -> list:
 class Summarized:
   """The whole array, on the host, as its edges: formats as the ``jax.Array``.
 
-  ``str``/``format(v, "")``: ``str`` of the NumPy array
-  (``jax.Array.__str__``); ``repr``: ``jax.Array.__repr__``'s text
-  (``Array([...], dtype=float32)``); a non-empty format spec fails as it
-  does for a ``jax.Array`` of more than 0 dimensions. The text is NumPy's
-  own: ``np.array2string`` is given this object, which has the whole
-  array's ``shape``, ``size`` and ``dtype``, converts to the edges
-  (``__array__``), from which NumPy chooses the number format, and indexes
-  into them with the indices NumPy's summarized layout reads (the first
-  ``edgeitems`` of a summarized axis as ``0..e-1``, the last as ``-e..-1``,
-  which address the edges array the same way). The NumPy print options of
-  the call must be in effect (the formatter applies them).
+  ``str``, ``format`` and ``repr`` as ``jax.Array``'s (a non-empty format
+  spec fails as it does). ``np.array2string`` is given this object: it has
+  the whole array's ``shape``, ``size`` and ``dtype``, converts to the edges
+  (``__array__``) and indexes into them with the indices NumPy's summarized
+  layout reads (``design/formatting.md``). The call's NumPy print options
+  must be in effect.
   """
   __slots__ = ("edges", "shape", "size", "ndim", "dtype")
 

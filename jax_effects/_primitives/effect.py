@@ -1,45 +1,32 @@
 """``effect_p``: the side-effect primitive user code binds while it is traced.
 
-``effect_p`` is what user-facing functions (``print``, ``log``, ``callback``)
-bind while a program is being traced::
+Every user-facing effect (``print``, ``log``, ``callback``) binds, through
+:func:`bind_effect`::
 
     results = effect_p(*args; host_callback, effect, ordered)
 
-(``host_callback``, a :class:`~jax_effects._primitives.host_callback.HostCallback`, holds the
-host function and ``result_avals``.) It carries a
-:class:`~jax_effects._core.effects.TraceEffect` marker so JAX keeps it through its
-transformations, and every rule of it lives here: abstract evaluation, the
-eager impl, a fallback lowering for plain ``jax.jit``, and the rules that act
-when a user's function is *traced* (before the pass), inside
-``jax_effects.jit``, under plain ``jax.jit`` and eagerly alike (see
-``design/transformations.md``):
+``host_callback`` (a ``host_callback.HostCallback``) holds the host function
+and ``result_avals``. The primitive carries a ``_core.effects.TraceEffect``
+marker so JAX keeps it through its transformations; every rule of it lives
+here, acting while a function is traced (before the pass), inside
+``jax_effects.jit``, under plain ``jax.jit`` and eagerly alike
+(``design/transformations.md``): the eager impl, the plain-``jax.jit``
+lowering (:func:`fallback_lowering`), **vmap** (no batched operand: one
+run; else a ``BatchedHost`` runs the host function once per element, in
+batch order), **jvp** (runs once on the primals, zero tangents; kept in the
+primal computation, never re-run by ``jax.checkpoint``), **transpose**
+(dropped, as ``jax.debug.print`` is), and the error for an effect in a
+``cond`` branch that vmap of a batched predicate inlined
+(:func:`branch_vmapped_error`).
 
-* **vmap** (a *fancy* batcher, called even when no operand is batched): the
-  equation is re-bound with a :class:`~jax_effects._primitives.host_callback.BatchedHost` that
-  runs the user's host function once per batch element, in batch
-  (row-major) order, and stacks the results. Nested vmaps flatten into one
-  ``BatchedHost`` with a multi-dimensional ``batch_shape`` (outermost vmap
-  first); an operand that is not batched at some level is not broadcast,
-  just reused for every element.
-* **jvp**: the effect runs once, on the primal values; tangents of its
-  results are symbolic zeros (host results are not differentiable). There is
-  no linear part, so linearize/vjp/grad never stage an effect into the
-  tangent or cotangent computation, and rematerialization
-  (``jax.checkpoint``) never re-runs it: the equation carries a marker JAX
-  keeps in the primal ("known") computation (``partial_eval_kept_effects``).
-* **vmap of cond/switch with a batched predicate**: JAX converts it to a
-  ``select`` that evaluates every branch, erasing the ``cond``. An effect
-  records at bind time whether it was traced directly in a ``cond`` branch
-  (``HostCallback.traced_in_branch``); the pass (and the eager impl) then
-  reports an effect that reappears outside any branch with an error naming
-  the limitation (:func:`branch_vmapped_error`).
-
-After the pass it is replaced by ``threaded.threaded_effect_p``.
+Part in the token calling convention: none yet; the token-threading pass
+replaces it with ``threaded.threaded_effect_p``. Under plain ``jax.jit`` an
+ordered effect takes and returns JAX's compiler token for
+``PLAIN_JIT_ORDER`` instead.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
@@ -113,13 +100,10 @@ effect_p.def_impl(_effect_impl)
 
 
 def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
-  """Lowering under plain ``jax.jit`` (no token threading by jax_effects).
-
-  An ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``: JAX
-  passes its own compiler token for it (one stream for all effects) and
-  threads runtime tokens between dispatches, so program order holds, through
-  JAX's slower dispatch path. Unordered effects get no token.
-  """
+  """Lowering under plain ``jax.jit`` (also ``counter.counter_p``'s): an
+  ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``, whose
+  compiler token JAX passes (one stream for all effects) and whose runtime
+  tokens it threads between dispatches; an unordered one gets no token."""
   if (host_callback.traced_in_branch
       and not _compat.in_cond_branch(ctx.name_stack)):
     # A cond branch that vmap inlined (its predicate is batched).
@@ -150,21 +134,15 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
 
 
 mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
-#: (Also the plain-``jax.jit`` lowering of ``_primitives.counter.counter_p``.)
-fallback_lowering = _fallback_lowering
+fallback_lowering = _fallback_lowering   # (counter_p's too)
 
 
 # --- vmap ------------------------------------------------------------------------
 
 class _BatchedControl(threading.local):
-  """Depth of the vmap rules of control flow whose predicate is batched.
-
-  While JAX's rule of such a ``while_loop`` batches the body and ``cond_fun``,
-  an effect there depends on the batch index through the predicate (it runs
-  for an element only while that element iterates) even if none of its
-  operands does: it is batched per element, so the pass can skip the
-  finished elements (``_host_callback.masked``).
-  """
+  """Depth of the vmap rules of control flow whose predicate is batched:
+  an effect there runs per element even with no batched operand, so the
+  pass can skip the finished elements (``host_callback.masked``)."""
   depth = 0
 
 
@@ -206,13 +184,10 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
           f"the elements with jax.lax.map or in a shard_map.")
     if host_callback.counts_elements and control_dependence.depth:
       raise elements_in_batched_loop_error(host_callback.description)
-    outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
-                         ordered=ordered)
-    return outs, [None] * len(outs)
-  if all(d is None for d in dims) and not control_dependence.depth:
-    # No operand depends on the batch index (e.g. the primal values under
-    # jacfwd/hessian, whose tangents vmap batches): one run, as
-    # jax.debug.print does; its results are the same for every element.
+  if host_callback.batch_once or (all(d is None for d in dims)
+                                  and not control_dependence.depth):
+    # One run (also where no operand depends on the batch index, e.g. the
+    # primals under jacfwd, as jax.debug.print does): results unbatched.
     outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
                          ordered=ordered)
     return outs, [None] * len(outs)
@@ -220,10 +195,8 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
   fn = host_callback.fn
   if isinstance(fn, _host_callback.BatchedHost):
     element, shape, levels = fn.element, fn.batch_shape, fn.levels
-    element_avals = fn.element_avals
   else:
     element, shape, levels = host_callback, (), tuple(() for _ in args)
-    element_avals = host_callback.result_avals
   new_args, new_levels = [], []
   for x, d, lv in zip(args, dims, levels):
     if d is None:
@@ -233,17 +206,12 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
       new_args.append(jnp.moveaxis(x, d, 0))
       new_levels.append((True, *lv))
   new_shape = (size, *shape)
-  new_avals = tuple(jax.core.ShapedArray(new_shape + a.shape, a.dtype)
-                    for a in element_avals)
-  batched = dataclasses.replace(
-      host_callback,
-      fn=_host_callback.BatchedHost(element, new_shape, tuple(new_levels),
-                           element_avals),
-      result_avals=new_avals, eager=None,   # eager too: once per element
+  batched = _host_callback.batched(
+      host_callback, element, new_shape, tuple(new_levels),
       # (the batched form as data: another key than the element's)
-      spec=_host_callback.wrapped_spec(
-          element.spec, "batched", shape=list(new_shape),
-          levels=[list(lv) for lv in new_levels]))
+      _host_callback.wrapped_spec(element.spec, "batched",
+                                  shape=list(new_shape),
+                                  levels=[list(lv) for lv in new_levels]))
   outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
                        ordered=ordered)
   return outs, [0] * len(outs)
@@ -264,15 +232,10 @@ ad.primitive_jvps[effect_p] = _effect_jvp
 
 
 def _effect_transpose(cts, *args, host_callback, effect, ordered):
-  """An effect whose operands are linear values (tangents), transposed.
-
-  Only code that passes tangents to an effect explicitly puts one in the
-  linear part of a derivative: a ``custom_jvp`` rule printing its tangent, or
-  a function given to ``linear_transpose``. The reverse pass computes
-  cotangents, never those tangents, so, as ``jax.debug.print`` does there,
-  the effect is dropped (forward mode, ``jvp``/``linearize``, runs it with
-  the tangents). A callback whose results the linear computation uses has no
-  transpose: that is an error naming it.
+  """An effect on linear values (a ``custom_jvp`` rule printing its
+  tangent), transposed: dropped, as ``jax.debug.print`` is; a callback whose
+  results the linear computation uses has no transpose (an error naming
+  it). ``design/transformations.md``, "Effects on tangents and cotangents".
   """
   del effect, ordered
   if any(type(ct) is not ad.Zero for ct in cts):
@@ -314,19 +277,10 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 user_code: bool = False) -> list:
   """Binds ``effect_p``: the one entry point of every user-facing effect.
 
-  ``effect``/``ordered`` are resolved (``_core.effects.resolve``); ``fn`` is the
-  host side (flat NumPy operands -> results matching ``result_avals``);
-  ``eager`` its eager form, ``reads_placement`` whether it reads its
-  placement on every run, ``batch_once`` whether it runs once for a
-  ``vmap`` batch and ``counts_elements`` whether it counts that batch's
-  elements (see :class:`~jax_effects._primitives.host_callback.HostCallback`,
-  built here, complete); ``edges`` one ``edges.Edges`` or None per operand:
-  under ``jit`` ``fn`` receives the operands with edges cut to them.
-  ``cleanup``: runs also after an earlier effect of its chain failed in the
-  same execution (``HostCallback.cleanup``).
-  ``spec``: the host side as data, ``fn`` built from it (or why not,
-  ``HostCallback.spec``). ``user_code``: ``fn`` runs the user's function
-  (``HostCallback.user_code``).
+  ``effect``/``ordered`` are resolved (``_core.effects.resolve``); the
+  other keywords are the fields of the ``host_callback.HostCallback`` built
+  here, complete (``fn``: flat NumPy operands -> results matching
+  ``result_avals``).
   """
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)

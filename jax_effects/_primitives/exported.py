@@ -12,18 +12,14 @@
 every runtime-token argument replaced by one carrier, ``c``.
 :data:`exported_entry_p` and :data:`exported_exit_p` carry JAX's *ordered*
 effect ``EXPORTED_ORDER``, so the module's ``main`` takes and returns a
-``!stablehlo.token`` for it (JAX's calling convention 9, as for any ordered
-effect). Their lowerings tie that token to the carriers with host calls of
-jax_effects' FFI target that take a token and return a carrier or the other
-way round (:func:`_join`): a data dependency XLA keeps (a token passes no
-data, and ``stablehlo.optimization_barrier`` on a token and an array is
-simplified away on CPU, leaving the array independent of the token). The
-entry's carrier follows whatever produced the module's token; the exit's
-token follows the computation's final carrier, so it is ready only after
-every effect has run. The entry's carrier is the slot of the thread the
-module runs on when that is a Python thread (a computation the CPU client
-runs inline: its effects' errors are that thread's), else 0 (an error of an
-exported module's effect run by one of XLA's threads is of unknown origin,
+``!stablehlo.token`` for it (as for any ordered effect). Their lowerings
+tie that token to the carriers with host calls of jax_effects' FFI target
+that take a token and return a carrier or the other way round
+(:func:`_join`): a data dependency XLA keeps (an
+``optimization_barrier`` on a token and an array is simplified away on
+CPU). The exit's token is ready only after every effect has run. The
+entry's carrier is the slot of the thread the module runs on when that is
+a Python thread (run inline), else 0 (errors of unknown origin,
 ``design/errors.md``).
 
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,

@@ -3,41 +3,27 @@
 XLA calls an FFI handler with one pointer, an ``XLA_FFI_CallFrame*``
 (``xla/ffi/api/c_api.h``, shipped with jaxlib under ``jax.ffi.include_dir()``),
 and takes back an ``XLA_FFI_Error*`` (NULL: success). This module is the
-layout of that frame and of what hangs off it (argument and result buffers,
-attributes, the API table), for the FFI API versions whose layout it knows
-(:data:`KNOWN_VERSIONS`: 0.2, jaxlib 0.8; 0.3, jaxlib 0.9 and 0.10; 0.4,
-jaxlib 0.11; 0.5, jaxlib 0.12; the
-call frame, buffers, attributes and metadata are the same in both), and the
-means to read and write that memory fast:
+layout of that frame and of what hangs off it (buffers, attributes, the API
+table) for the FFI API versions it knows (:data:`KNOWN_VERSIONS`: 0.2 to
+0.5, jaxlib 0.8 to 0.12, the same where read), and the means to use it:
 
-* :data:`mem8`, :data:`mem32`, :data:`mem64`: memoryviews over the
-  process's address space (bytes, ``int32``, ``uint64``), indexed by
-  address (``mem64[address >> 3]``): one read is an index (about 40 ns),
-  where a ctypes structure costs a Python object per field. Nothing is read
-  but the addresses indexed.
-* :func:`handler_capsule`: a Python function ``handler(frame_address) ->
-  error_address`` as the C function pointer XLA registers
-  (``jax.ffi.pycapsule``): the compiled entry (``_trampoline.c``, built by
-  ``pip install .`` where a C compiler exists; it also runs the common
-  site itself, reading the frame at this module's word indices), else a
-  ctypes callback (:data:`ENTRY`); the handler answers XLA's
-  registration-time metadata query with :func:`answer_metadata` (the API
-  version the frame layout is read with, after checking the struct
-  sizes).
-* :func:`check_frame` (once per process, on the first call: the API table's
-  version and the struct sizes of the frame) and :func:`error` (an
-  ``XLA_FFI_Error`` made with the API's own ``XLA_FFI_Error_Create``).
-* Buffers: :func:`buffer` (dtype code, data address, dims), :data:`DTYPES`
-  (XLA's dtype codes of the NumPy dtypes JAX has), :func:`view`,
-  :func:`read_array` and :func:`write_array`, with the packing XLA uses for
-  sub-byte types (2-bit and 4-bit integers and ``float4_e2m1fn``: several
-  elements per byte, the first in the lowest bits; NumPy holds one per
-  byte). :func:`attr_strings` reads a frame's attributes (the slow path).
+* :data:`mem8`, :data:`mem32`, :data:`mem64`: memoryviews over the address
+  space, indexed by address (``mem64[address >> 3]``: about 40 ns a read,
+  where ctypes costs a Python object per field);
+* :func:`handler_capsule`: a Python ``handler(frame) -> error`` as the C
+  function XLA registers, through the compiled entry (``_trampoline.c``,
+  built where a C compiler exists; it also runs the common site itself)
+  or a ctypes callback (:data:`ENTRY`); :func:`answer_metadata` answers
+  XLA's registration-time query;
+* :func:`check_frame` (once, on the first call: the API version and struct
+  sizes) and :func:`error` (an ``XLA_FFI_Error`` made by the API itself);
+* buffers: :func:`buffer`, :data:`DTYPES`, :func:`read_array` and
+  :func:`write_array`, with XLA's packing of sub-byte types (several
+  elements per byte, the first in the lowest bits); :func:`attr_strings`.
 
-Which version this process has is read from jaxlib's header
-(:data:`FRAMEWORK_VERSION`); a version or a struct size this module does not
-know makes :data:`UNAVAILABLE` say why (naming the JAX and jaxlib versions)
-and nothing is registered: no memory is read whose layout is unknown.
+A version or struct size this module does not know (the header's,
+:data:`FRAMEWORK_VERSION`) makes :data:`UNAVAILABLE` say why, naming the
+versions, and nothing is registered: no memory of unknown layout is read.
 
 Part in the token calling convention: none; it is the transport under the
 host calls (``host_target``).
@@ -45,6 +31,7 @@ host calls (``host_target``).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import sys
@@ -81,7 +68,6 @@ KNOWN_VERSIONS = ((0, 2), (0, 3), (0, 4), (0, 5))
 FRAME_SIZE = 168             # XLA_FFI_CallFrame_STRUCT_SIZE (up to attrs)
 ARGS_SIZE = RETS_SIZE = 40   # XLA_FFI_Args/Rets_STRUCT_SIZE
 ATTRS_SIZE = 48              # XLA_FFI_Attrs_STRUCT_SIZE
-BUFFER_SIZE = 48             # XLA_FFI_Buffer_STRUCT_SIZE
 # Word (8-byte) indices into the frame:
 F_EXTENSION = 1
 F_API = 2
@@ -234,21 +220,17 @@ ENTRY = "compiled" if _TRAMPOLINE is not None else "ctypes"
 
 
 def handler_capsule(handler: Callable[[int], int], common=None):
-  """``handler`` (called with the frame's address, returning an error's
-  address or 0) as a PyCapsule for ``jax.ffi.register_ffi_target``: through
-  the compiled entry where it was built (:data:`ENTRY`), else a ctypes
-  callback. The handler answers XLA's metadata query itself (a frame whose
-  ``extension_start`` is set: :func:`answer_metadata`): no frame of ours
-  between XLA and it on every call.
+  """``handler`` (frame address -> error address or 0) as a PyCapsule for
+  ``jax.ffi.register_ffi_target``: through the compiled entry where it was
+  built (:data:`ENTRY`), else a ctypes callback. The handler answers XLA's
+  metadata query itself (:func:`answer_metadata`).
 
   ``common``: ``(sites, empty, partitions, raised)``, what the compiled
-  entry reads to run a common site itself (``_trampoline.c``): the
-  handler's sites (key -> weak reference to a site whose ``compiled`` is
-  ``(host, shape, dtype, nbytes, per_device, sig)`` or None, ``sig`` what
-  the frame's buffers are checked against on every call), ``numpy.empty``,
-  the partition ids met (int -> ``numpy.uint32``), and ``raised(exc) ->
-  error address`` for an exception out of a host function. The layout
-  words it reads at are this module's."""
+  entry reads to run a common site itself (``_trampoline.c``, at this
+  module's layout words): the handler's sites (key -> weak reference to a
+  ``host_sites.Site``, whose ``compiled`` it runs), ``numpy.empty``, the
+  partition ids met (int -> ``numpy.uint32``), and ``raised(exc) -> error
+  address`` for an exception out of a host function."""
   if _TRAMPOLINE is not None:
     address = _TRAMPOLINE.entry(handler)
     if common is not None:
@@ -338,40 +320,25 @@ def _span(address: int) -> str:
 
 # --- buffers -----------------------------------------------------------------------
 
-def _dtype_codes() -> dict:
-  """XLA's ``XLA_FFI_DataType`` code of every NumPy dtype JAX has here."""
+def _of_jax(table: dict) -> dict:
+  """``table`` keyed by the NumPy dtypes of the names this JAX has."""
   import jax.numpy as jnp
-  names = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5,
-           "uint8": 6, "uint16": 7, "uint32": 8, "uint64": 9, "float16": 10,
-           "float32": 11, "float64": 12, "complex64": 15, "bfloat16": 16,
-           "complex128": 18, "float8_e5m2": 19, "float8_e4m3fn": 20,
-           "int4": 21, "uint4": 22, "float8_e4m3b11fnuz": 23,
-           "float8_e5m2fnuz": 24, "float8_e4m3fnuz": 25, "int2": 26,
-           "uint2": 27, "float8_e4m3": 28, "float8_e3m4": 29,
-           "float4_e2m1fn": 32, "float8_e8m0fnu": 33}
-  codes = {}
-  for name, code in names.items():
-    dtype = getattr(jnp, name, None)
-    if dtype is not None:
-      codes[np.dtype(dtype)] = code
-  return codes
+  return {np.dtype(getattr(jnp, name)): v for name, v in table.items()
+          if getattr(jnp, name, None) is not None}
 
 
 #: ``{numpy dtype: XLA_FFI_DataType}`` for the dtypes of this JAX.
-DTYPES = _dtype_codes()
-def _sub_byte() -> dict:
-  import jax.numpy as jnp
-  out = {}
-  for name, bits in (("int4", 4), ("uint4", 4), ("float4_e2m1fn", 4),
-                     ("int2", 2), ("uint2", 2)):
-    dtype = getattr(jnp, name, None)
-    if dtype is not None:
-      out[np.dtype(dtype)] = bits
-  return out
-
-
+DTYPES = _of_jax({
+    "bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6,
+    "uint16": 7, "uint32": 8, "uint64": 9, "float16": 10, "float32": 11,
+    "float64": 12, "complex64": 15, "bfloat16": 16, "complex128": 18,
+    "float8_e5m2": 19, "float8_e4m3fn": 20, "int4": 21, "uint4": 22,
+    "float8_e4m3b11fnuz": 23, "float8_e5m2fnuz": 24, "float8_e4m3fnuz": 25,
+    "int2": 26, "uint2": 27, "float8_e4m3": 28, "float8_e3m4": 29,
+    "float4_e2m1fn": 32, "float8_e8m0fnu": 33})
 #: Bits per element of the sub-byte dtypes (packed in XLA's buffers).
-SUB_BYTE = _sub_byte()
+SUB_BYTE = _of_jax({"int4": 4, "uint4": 4, "float4_e2m1fn": 4, "int2": 2,
+                    "uint2": 2})
 
 
 def buffer(address: int) -> tuple[int, int, tuple]:
@@ -385,9 +352,7 @@ def buffer(address: int) -> tuple[int, int, tuple]:
 
 def nbytes(shape: tuple, dtype: np.dtype) -> int:
   """Bytes of an XLA buffer of ``shape`` and ``dtype`` (sub-byte packed)."""
-  count = 1
-  for n in shape:
-    count *= n
+  count = math.prod(shape)
   bits = SUB_BYTE.get(dtype)
   if bits is None:
     return count * dtype.itemsize
@@ -398,18 +363,13 @@ def view(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
   """The buffer data at ``address`` as a NumPy array (no copy; not for
   sub-byte dtypes). ``np.frombuffer`` over :data:`mem8` (the ``ndarray``
   constructor ignores a buffer this large)."""
-  count = 1
-  for n in shape:
-    count *= n
-  flat = np.frombuffer(mem8, dtype, count, address)
+  flat = np.frombuffer(mem8, dtype, math.prod(shape), address)
   return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def read_array(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
   """A NumPy copy of the buffer data at ``address`` (``shape``, ``dtype``)."""
-  count = 1
-  for n in shape:
-    count *= n
+  count = math.prod(shape)
   if not count:
     return np.zeros(shape, dtype)
   bits = SUB_BYTE.get(dtype)

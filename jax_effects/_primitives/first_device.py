@@ -33,32 +33,22 @@ def once_across_devices(ctx) -> bool:
 
 def on_first_device(ctx, side, operands) -> list:
   """The host call of an effect that runs once in a computation over several
-  devices, with a carrier no other device waits for.
+  devices, with a carrier no other device waits for (``design/placement.md``).
 
-  JAX's rule for such a callback (``MAXIMAL`` sharding on device 0) makes
-  its carrier a value only device 0 holds; wherever the chain then needs a
-  replicated value (the carry of a loop, the executable's token) the
-  partitioner broadcasts it from device 0 with an all-reduce, every
-  iteration and at the end, in which the other devices wait for the
-  callback: a callback that takes longer than XLA's collective timeout (a
-  debugger, ``input()``) aborts the process, and executions in flight on
-  several threads stall on the rendezvous. Instead the call is made inside a
-  ``shard_map`` over all the devices, as a per-device call that only the
-  first device's branch of a ``cond`` makes (the others pass their copy of
-  the carrier through)::
+  JAX's rule for such a callback (``MAXIMAL`` on device 0) would make the
+  carrier device 0's alone, broadcast with an all-reduce wherever the chain
+  needs a replicated value, in which every device waits for the callback.
+  Instead the call is made in a ``shard_map`` over all the devices, by the
+  first device's branch of a ``cond`` (the others pass their copy through)::
 
       carrier', results = shard_map(
           lambda c, *a: cond(axis_index == 0, host_call, pass_through, c, *a),
           in_specs=P(), out_specs=P())(carrier, *args)
 
-  The carrier stays replicated, as the partitioner sees it, and needs no
-  collective anywhere; device 0's copy is the chain's (the others' copies
-  are stale and never read by a callback: a ``shard_map`` whose per-device
-  effects follow takes it from device 0, see :data:`from_first_device_p`,
-  and the runtime token is device 0's copy, ``_compat.uncommitted``).
-  Results are device 0's (annotated so, ``_compat.on_first_device``): where
-  other devices use them the partitioner broadcasts them, as for JAX's own
-  callbacks. ``ctx`` has the operands' and results' avals.
+  The carrier stays replicated; device 0's copy is the chain's (the others
+  are stale, never read: see :data:`from_first_device_p`). Results are
+  device 0's (``_compat.on_first_device``). ``ctx`` has the operands' and
+  results' avals.
   """
   avals_out = tuple(ctx.avals_out)
   mesh, names = _all_devices_mesh(ctx.module_context.axis_context.num_devices)

@@ -1,60 +1,35 @@
 """Operands of a once-effect assembled on the host from the devices' parts.
 
 Under automatic partitioning over several devices an effect runs once, on
-the first device (``first_device``), and receives its operands whole: a
-sharded operand is gathered onto every device first (an all-gather, a
-collective in which every device waits). For an operand NumPy will print
-summarized (``edges``) that moves the whole array to print a few dozen
-numbers. Here instead every device passes the part it holds of what the
-host needs (the edges, or the whole array) to its own host call, and the
-parts are assembled on the host, where the effect runs once: no collective
-is added, whatever the operand's sharding.
-
-The lowering (:func:`lower`), one custom call per device::
+the first device (``first_device``), and a sharded operand is gathered onto
+every device first (a collective). Here instead every device passes the
+part it holds of what the host needs (the edges, or the whole array) to its
+own host call, and the parts are assembled on the host: no collective is
+added (``design/formatting.md``, "Where the edges are cut"). The lowering
+(:func:`lower`), one custom call per device (JAX's partitioned callback
+target, which XLA gives each device's local part of the operands)::
 
     carrier', *results = partitioned_host_call(carrier, *parts, device_id)
 
-* ``parts``: per array operand, a ``uint32`` array of shape ``(*rows,
-  1 + words)`` computed from the operand by operations every sharding
-  keeps local (:class:`Layout`): each axis of length ``n`` is split into
-  ``m = gcd(n, devices)`` *rows* (an evenly sharded axis is sharded along
-  its rows: its shard count divides both), the columns of each row are cut
-  to the ``edgeitems`` at either end where the axis is summarized, the
-  values are reinterpreted as 32-bit words, and each row carries its own
-  index (the words axis is annotated unsharded). The partitioner gives each
-  device's call the rows it holds (JAX's
-  ``xla_ffi_partitioned_python_*_callback`` target, which XLA partitions by
-  passing the operands' local parts as they are).
-* ``device_id``: an iota over the devices annotated one element per device.
-* Every device's call but the first's leaves its parts in the call site's
-  ``_runtime.host_jobs.Pieces`` and returns its carrier unchanged. The first device's
-  call runs the effect (``host_functions.host_function``: placement,
-  ``FAILED``, deferred errors as for any effect that runs once) with each
-  operand assembled from every device's part (its own last, so a value only
-  it holds wins) if they are all there; else it leaves the effect as a job
-  of its thread (``_runtime.host_jobs``), which the call bringing the last
-  part runs, and returns. It never waits for the others inside the
-  computation: XLA's CPU runtime runs each device's program in its own
-  order, and another device may first enter one of the program's
-  collectives, which waits for the first device (a deadlock). The first
-  device's carrier is the chain's (the others' are stale copies, never
-  read, as in ``first_device``).
-* Parts are matched by the identity of their execution, which every
-  device's carrier holds alike (the dispatching thread's slot and the
-  execution's sequence number, ``_runtime/token_value``): never first in
-  first out, so a print shows its own execution's values or nothing; the
-  parts of an execution that failed are dropped (``_runtime/host_jobs``,
-  ``_runtime/executions``).
-
-Used where it applies (:func:`applies`): an ordered effect without results
-(its results would be needed by the program before the parts are there),
-lowered for CPU or GPU (JAX's partitioned callback target), every device in
-this process (the parts meet in this process's memory). Elsewhere operands
-are cut (``edges.cut``) and gathered as before.
+``parts``: per array operand, ``uint32`` rows ``(*rows, 1 + words)``, each
+tagged with its index, made by operations every sharding keeps local
+(:class:`Layout`); ``device_id``: an iota annotated one element per device.
+Every call but the first device's leaves its parts in the site's
+``_runtime.host_jobs.Pieces``; the first device's call runs the effect
+(``host_functions.host_function``) with each operand assembled (its own
+part last, so a value only it holds wins) if every part is there, else
+leaves it as a job of its thread (``_runtime.host_jobs``) that the call
+bringing the last part runs: it never waits inside the computation, where
+another device may be in a collective waiting for it. Used where
+:func:`applies`: an ordered effect without results, lowered for CPU or GPU,
+every device in this process; elsewhere operands are cut (``edges.cut``).
 
 Part in the token calling convention: the carrier enters and leaves every
-device's call, as ``first_device``'s ``shard_map`` passes it; nothing else
-changes.
+device's call, as ``first_device``'s ``shard_map`` passes it. Its value (the
+dispatching thread's slot and the execution's sequence number,
+``_runtime/token_value``), alike on every device, matches the parts of one
+execution (never first in first out; a failed execution's are dropped);
+the first device's carrier is the chain's, the others' stale copies.
 """
 from __future__ import annotations
 

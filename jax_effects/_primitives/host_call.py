@@ -91,17 +91,14 @@ def _own_target(ctx, target) -> bool:
 
 def emit(ctx, side, operands, sharding, target=None):
   """Emits the side-effecting custom call of ``side`` (a :class:`HostSide`,
-  or a host function for one of JAX's targets).
+  or a host function for ``target``, another of jaxlib's callback targets:
+  ``host_assembly``'s partitioned one); returns the op's results. ``ctx``
+  has the operands' and results' avals.
 
-  On CPU, jax_effects' FFI target (see the module docstring); else what
-  ``mlir.emit_python_callback`` emits (same target, ``index`` attribute,
-  sharding annotation), minus its per-call wrapper, which re-converts and
-  re-checks every result and costs more than the rest of the callback, and
-  minus the compiler token: the carrier operand orders the call after the
-  chain's previous effect (see ``threaded._threaded_lowering``). ``ctx`` has
-  the operands' and results' avals. Returns the op's results. ``target``:
-  another of jaxlib's callback targets (``host_assembly``'s partitioned
-  one), which takes a host function.
+  On CPU, jax_effects' FFI target (module docstring); else what
+  ``mlir.emit_python_callback`` emits, minus its per-call wrapper (which
+  re-converts and re-checks every result, costing more than the rest of the
+  callback) and minus the compiler token (the carrier orders the call).
   """
   if isinstance(side, HostSide) and _own_target(ctx, target):
     return _host_target.emit(ctx, side, operands, sharding)
@@ -147,16 +144,10 @@ def emit_ordered(ctx, side: HostSide, token, operands, avals_in, avals_out,
 
 
 def gathered(ctx, args, avals) -> list:
-  """The array operands of a callback that runs once, annotated replicated.
-
-  Under automatic partitioning over several devices the callback runs on
-  one device (MAXIMAL sharding). A sharded operand going straight there is
-  what XLA's partitioner calls an "involuntary full rematerialization" (and
-  warns about on stderr); through a replicated annotation it becomes an
-  all-gather, the same data movement, without the warning. Per-device
-  callbacks (manual ``shard_map``) and single-device programs are left as
-  they are.
-  """
+  """The array operands of a callback that runs once, annotated replicated
+  under automatic partitioning over several devices: the same data movement
+  as a sharded operand going straight to the one device, as an all-gather,
+  without XLA's "involuntary full rematerialization" warning."""
   axis_context = ctx.module_context.axis_context
   if (not isinstance(axis_context, _compat.ShardingContext)
       or axis_context.num_devices <= 1):

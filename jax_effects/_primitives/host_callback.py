@@ -27,39 +27,27 @@ class HostCallback:
   """A host function run by a side-effect primitive (a primitive parameter).
 
   ``fn`` takes the flat operands as NumPy arrays; its results must match
-  ``result_avals`` (checked by :func:`check_results`, with a message naming
-  ``description``). ``traced_in_branch``: bound directly in a
-  ``cond``/``switch`` branch; ``traced_in_while_cond``: bound directly in a
-  ``while_loop``'s ``cond_fun``. ``eager`` (optional, result-free effects
-  only): run instead of ``fn`` outside any trace, with the operands as bound
-  (``jax.Array`` and Python values, not NumPy arrays), so ``print``/``log``
-  format eager values as ``jax.debug.print`` does. ``reads_placement``:
-  ``fn`` calls ``_runtime.placement.current()`` on every run (``print``/``log``), so
-  the host function sets ``_runtime.placement.site`` for it. ``batch_once``:
-  runs once for a whole ``vmap`` batch, also where ``vmap`` makes an effect
-  run per element for control dependence (``jax_effects.progress``: one bar
-  counts the batch); a batched operand is refused. ``edges``: an
-  ``edges.Edges`` or None for each of the last ``len(edges)`` operands
-  (those the front end bound): under ``jit`` ``fn`` receives that operand
-  cut to its edges (the lowering cuts it; eagerly it arrives whole, which
-  ``edges.Summarized`` formats the same). ``counts_elements`` (with
-  ``batch_once``): the operands count the elements of the ``vmap``s around
-  it (a progress bar's update inside a ``vmap`` its bar was not opened in),
-  which a ``while_loop`` whose predicate ``vmap`` batched cannot keep (its
-  elements stop at different steps): refused there. ``cleanup``: runs also
-  after an earlier effect of its chain failed in the same execution (a
-  progress bar's close, as a ``finally`` block; ``host_functions.FailedBit``).
-  ``chain``: the chain key the token-threading pass put it on (None before
-  the pass): what the host keeps for an execution is named by it
-  (``_runtime.host_jobs``). ``user_code``: ``fn`` runs the user's own
-  function (``callback``, JAX's adopted ``jax.debug.callback`` and
-  ``io_callback``), which may dispatch JAX computations or block: a
-  computation that runs one is waited for by its call
-  (``_runtime.launch_lock.finish``, ``design/errors.md``).
-  ``spec``: the host side as data
-  (``host_specs``: a JSON-able dict from which ``fn`` was built and any
-  process rebuilds it), or a str saying why it is not data, or None (not
-  data, no reason given). Compared and hashed by identity.
+  ``result_avals`` (:func:`check_results`, naming ``description``).
+  ``traced_in_branch``/``traced_in_while_cond``: bound directly in a
+  ``cond``/``switch`` branch, or a ``while_loop``'s ``cond_fun``. ``eager``
+  (result-free effects): run instead of ``fn`` outside any trace, with the
+  operands as bound (``print``/``log`` format eager values as
+  ``jax.debug.print`` does). ``reads_placement``: ``fn`` calls
+  ``_runtime.placement.current()`` on every run, so the host function sets
+  ``_runtime.placement.site``. ``batch_once``: runs once for a whole ``vmap``
+  batch, even under control dependence (a progress bar); a batched operand
+  is refused. ``edges``: an ``edges.Edges`` or None for each of the last
+  ``len(edges)`` operands, which ``fn`` receives cut to their edges under
+  ``jit``. ``counts_elements`` (with ``batch_once``): the operands count the
+  elements of the ``vmap``s around it, refused in a ``while_loop`` whose
+  predicate ``vmap`` batched. ``cleanup``: runs also after an earlier effect
+  of its chain failed in the same execution (``host_functions.FailedBit``).
+  ``chain``: the chain key the pass put it on (None before), which names what
+  the host keeps for an execution (``_runtime.host_jobs``). ``user_code``:
+  ``fn`` runs the user's own function, which may dispatch or block: a
+  computation running one is waited for (``_runtime.launch_lock``,
+  ``design/errors.md``). ``spec``: the host side as data (``host_specs``),
+  or a str saying why not, or None. Compared and hashed by identity.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -76,8 +64,8 @@ class HostCallback:
   user_code: bool = False
   #: The effect as its front end bound it (``root``), which every form made
   #: of it (batched, masked, on a chain: ``dataclasses.replace``) keeps:
-  #: what the host keeps for a lowered form lives as long as the effect
-  #: does (``host_target``), not as long as the form (made anew by a pass).
+  #: a lowered form's site lives as long as the effect does
+  #: (``host_target``), not as long as the form (made anew by a pass).
   origin: Any = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
@@ -191,6 +179,17 @@ class BatchedHost:
     return tuple(outs)
 
 
+def batched(host_callback: HostCallback, element: HostCallback,
+            shape: tuple, levels: tuple, spec) -> HostCallback:
+  """``host_callback`` run as ``element`` once per element of a vmap batch
+  of ``shape`` (``levels``: :class:`BatchedHost`'s), eagerly too."""
+  avals = element.result_avals if element is host_callback else (
+      host_callback.fn.element_avals)
+  return dataclasses.replace(
+      host_callback, fn=BatchedHost(element, shape, levels, avals),
+      result_avals=tuple(jax.core.ShapedArray(shape + a.shape, a.dtype)
+                         for a in avals), eager=None, spec=spec)
+
 
 class MaskedHost:
   """Host function of an effect in a ``cond`` branch that vmap batched the
@@ -233,7 +232,7 @@ class LiveMasked:
 # A batched, masked or live-masked form runs other code than its element (it
 # loops over the batch, skips elements, reads a mask operand first): its
 # spec (``host_specs``) says so, wrapping the element's, so that its key
-# (``host_target``) is never the element's, and any process rebuilds the
+# (``host_keys``) is never the element's, and any process rebuilds the
 # same form from it. A form of a local effect stays local.
 
 def wrapped_spec(inner, kind: str, **fields):
@@ -255,19 +254,19 @@ def _rebuild_batched(spec) -> HostCallback:
   if any(len(lv) != len(shape) for lv in levels):
     raise _host_specs.NotData("a batched form whose levels do not fit its "
                               "batch shape")
-  element_avals = element.result_avals
-  avals = tuple(jax.core.ShapedArray(shape + a.shape, a.dtype)
-                for a in element_avals)
-  return dataclasses.replace(
-      element, fn=BatchedHost(element, shape, levels, element_avals),
-      result_avals=avals, eager=None, spec=spec)
+  return batched(element, element, shape, levels, spec)
 
 
-def _rebuild_masked(spec) -> HostCallback:
-  inner = _host_specs.rebuild_effect(spec["inner"])
+def in_branch(inner: HostCallback, spec) -> HostCallback:
+  """``inner`` in a ``cond`` branch that vmap batched the predicate of: run
+  only where its first operand (the element took the branch) is True."""
   return dataclasses.replace(
       inner, fn=MaskedHost(inner.fn, tuple(inner.result_avals)),
       traced_in_branch=False, eager=None, spec=spec)
+
+
+def _rebuild_masked(spec) -> HostCallback:
+  return in_branch(_host_specs.rebuild_effect(spec["inner"]), spec)
 
 
 def _rebuild_live(spec) -> HostCallback:

@@ -1,18 +1,18 @@
 """Host functions: what XLA calls when a side effect runs.
 
 :func:`host_function` builds the one Python function XLA calls for a
-lowered effect. Its operands are, in order: ``passthrough`` values it
-returns as received (for a threaded effect the ``int32`` carrier, which
-holds the dispatching thread's slot and the ``_runtime.errors.FAILED`` bit, and
-orders the call after the chain's previous effect; the compiler token stays
-in the program, see ``threaded._threaded_lowering``), the effect's
-operands, and, for a per-device callback, the partition id. While the user's function runs,
+lowered effect, specialised when lowered. Part in the token calling
+convention: its operands are ``passthrough`` values returned as received
+(for a threaded effect the ``int32`` carrier, which holds the dispatching
+thread's slot and the ``FAILED`` bit and orders the call after the chain's
+previous effect; the compiler token stays in the program,
+``threaded._threaded_lowering``), the effect's operands, and, for a
+per-device callback, the partition id. While the user's function runs,
 ``_runtime.placement.site`` says where. A user exception never fails the
-computation: it is deferred to the dispatching thread, which raises it once
-(see ``design/errors.md``), and the results are zeros. The one exception is
-an interrupt (Ctrl-C) of the dispatching thread's call
-(``_runtime.interrupts``): it is raised into XLA, which ends the computation
-at once, and the call raises ``KeyboardInterrupt``.
+computation: it is deferred to the dispatching thread, and the results are
+zeros (:class:`FailedBit`, ``design/errors.md``); an interrupt (Ctrl-C) of
+the dispatching thread's call is raised into XLA, which ends the
+computation (``_runtime.interrupts``).
 """
 from __future__ import annotations
 
@@ -36,25 +36,15 @@ from jax_effects._runtime import token_value as _token_value
 def host_function(host_callback: _host_callback.HostCallback, where: _placement.Where, *,
                   passthrough: int, threaded: bool, avals_out: Sequence,
                   entry: bool = False, operands: int | None = None):
-  """The function XLA calls for one lowered effect (see the module docstring).
+  """The function XLA calls for one lowered effect (module docstring).
 
-  ``where``: from ``_runtime.placement.at_lowering``. ``threaded``: lowered from
-  ``threaded_effect_p`` (the carrier, the last passthrough operand, holds the
-  dispatching thread's slot and the ``FAILED`` bit). ``avals_out``: of all
-  results, passthrough ones first. ``entry``: the carrier is the chain's
-  runtime token (``threaded_effect_p``'s parameter): a ``FAILED`` bit there
-  is an earlier execution's, cleared instead of skipping the effect.
-  ``operands``: how many operands the effect has (after the passthrough
-  ones; None if unknown).
-
-  It never fails its computation (``design/errors.md``): a user exception is
-  deferred to the dispatching thread (``_runtime.errors.defer``) and
-  the results are zeros (the passthrough ones as received, the carrier with
-  ``FAILED`` set, so the later effects of the chain are skipped).
-
-  Specialised when lowered: the common case (a threaded effect with a scalar
-  carrier, running once at a fixed placement) gets
-  :func:`_threaded_once`, which does only what that case needs.
+  ``where``: from ``_runtime.placement.at_lowering``. ``threaded``: lowered
+  from ``threaded_effect_p`` (the carrier is the last passthrough operand).
+  ``avals_out``: of all results, passthrough ones first. ``entry``: the
+  carrier is the chain's runtime token (a ``FAILED`` bit there is an earlier
+  execution's, cleared). ``operands``: how many operands the effect has
+  after the passthrough ones (None if unknown). The common case (threaded,
+  a scalar carrier, one fixed placement) gets :func:`_threaded_once`.
   """
   if threaded and passthrough == 1 and avals_out[0].shape == ():
     if where.table is None:
@@ -129,36 +119,21 @@ def _behind(run, running, result_avals, skipped, chain):
   return behind
 
 
-# The host functions below set nothing per run for ``_runtime.placement.current()``:
-# it finds the innermost host frame on the stack and reads its ``running``
-# (a keyword-only default here, never passed: XLA passes operands
-# positionally), see ``_runtime.placement``. ``index(carrier)`` is the fastest read of
-# a 0-d integer array.
+# The host functions below set nothing per run for
+# ``_runtime.placement.current()``, which reads ``running`` in the innermost
+# host frame (a keyword-only default, never passed). ``index(carrier)`` is
+# the fastest read of a 0-d integer array.
 
 class FailedBit:
   """The ``FAILED``-bit rule of a threaded effect, written once
-  (``design/errors.md``):
-
-  * a carrier with ``FAILED`` set means an earlier effect of the chain failed
-    in this execution: this one is skipped (results zeros, carrier as
-    received), as nothing runs after a ``raise`` in Python
-    (:meth:`on_failed` returns None) -- unless this effect is the chain's
-    entry (``entry``: its carrier is the runtime token), where the bit is an
-    earlier execution's and is cleared (:meth:`on_failed` returns the
-    carrier to run with);
-  * a user exception never fails the computation: it is deferred to the
-    thread whose slot the carrier holds, and the carrier gets ``FAILED``
-    (:meth:`fail`); the results are zeros.
-
-  * a *cleanup* effect (``HostCallback.cleanup``: a progress bar's close)
-    runs whatever the bit, as a ``finally`` block does, and passes the
-    carrier on as received;
-  * an interrupt of the dispatching thread's call (``_runtime.interrupts``)
-    is not a user exception: it is raised into XLA, ending the computation
-    (:meth:`fail` re-raises it).
-
-  Host functions test the bit themselves (``index(carrier) & FAILED``, the
-  hot path) and call these only when it matters.
+  (``design/errors.md``): a carrier with ``FAILED`` set skips the effect
+  (results zeros, carrier as received: :meth:`on_failed` returns None),
+  unless the effect is the chain's entry (an earlier execution's bit,
+  cleared) or a *cleanup* (``HostCallback.cleanup``, run as a ``finally``
+  block); a user exception is deferred to the thread whose slot the carrier
+  holds and sets ``FAILED`` (:meth:`fail`), an interrupt of that thread's
+  call is raised into XLA instead. Host functions test the bit themselves
+  (the hot path) and call these only when it matters.
   """
   __slots__ = ("entry", "cleanup")
   FAILED = int(_errors.FAILED)

@@ -12,17 +12,12 @@ not (a closure, an object formatted by its own ``__format__``),
 ``HostCallback.spec`` is a string saying why, and the host side exists only
 in the process that traced it (*local*).
 
-A *site spec* adds what the lowering decided (``host_target``): the
-placement, the operands' and results' avals, the carrier's place, whether
-the effect is its chain's entry. Serialized canonically (:func:`dumps`), it
-is the custom call's ``jax_effects_spec`` attribute; its hash is the call's
-key (``host_target``).
-
-:func:`encode_tree`/:func:`decode_tree` write the argument pytrees of
-``print``/``log``/``callback`` as data (tuples, lists, dicts with string
-keys and None as nodes, the operands by position, static leaves that are
-exactly ``str``/``int``/``float``/``bool``), so that decoding gives what
-``jax.tree_util`` would have unflattened.
+A *site spec* adds what the lowering decided (``host_keys.site_spec``:
+placement, avals, the carrier's place, entry). Serialized canonically
+(:func:`dumps`), it is the custom call's ``jax_effects_spec`` attribute; its
+hash is the call's key (``host_keys.key_of``). :func:`encode_tree` and
+:func:`decode_tree` write the argument pytrees of ``print``/``log``/
+``callback`` as data.
 
 Part in the token calling convention: none (the carrier's place in a site
 spec is the convention's: ``passthrough`` operands first).
@@ -96,10 +91,10 @@ _STATIC = (str, int, float, bool)
 
 
 def encode_tree(tree, operand_leaves: set) -> Any:
-  """``tree`` as data: the leaf at flat position ``i`` (``jax.tree_util``'s
-  order) is ``{"op": j}`` when ``i`` is the ``j``-th of ``operand_leaves``
-  (flat positions), else its value, which must be exactly a str, int, float
-  or bool. Raises :class:`NotData` naming what is not data."""
+  """``tree`` as data (nodes tuple, list, dict with str keys, None): the leaf
+  at flat position ``i`` is ``{"op": j}`` when ``i`` is the ``j``-th of
+  ``operand_leaves``, else its value, exactly a str, int, float or bool.
+  Raises :class:`NotData` naming what is not data."""
   leaves = tree_util.tree_leaves(tree)
   order = sorted(operand_leaves)
   index = {pos: j for j, pos in enumerate(order)}
@@ -178,11 +173,8 @@ def _shallow(data) -> tuple | None:
 
 
 def check_tree(data, what: str = "a tree") -> int:
-  """Checks that ``data`` is what :func:`encode_tree` writes (a spec that
-  arrived in a module is checked as a traced one was built): nodes tuple,
-  list, dict with str keys and None, leaves operands ``{"op": j}`` (``j``
-  numbering them from 0, each once) or static values exactly ``str``,
-  ``int``, ``float`` or ``bool``. Returns the number of operands; raises
+  """Checks that ``data`` (from a module) is what :func:`encode_tree` writes,
+  its operands numbered from 0, each once; returns their number, or raises
   :class:`NotData` naming what is wrong."""
   ops = []
 
@@ -227,11 +219,9 @@ def check_tree(data, what: str = "a tree") -> int:
 
 
 def tree_decoder(data) -> Callable:
-  """``decode(values)``: :func:`decode_tree` of ``data``, its structure
-  read once, here, not on every call of the host side (a warm ``print``'s
-  or ``log``'s text): a tuple of nodes of leaves (the ``(args, kwargs)`` of
-  plain arguments) is built by ``decode`` alone; a deeper tree by
-  :func:`decode_tree`."""
+  """``decode(values)``: :func:`decode_tree` of ``data``, its structure read
+  once here, not on every call of the host side: a tuple of nodes of leaves
+  (plain ``(args, kwargs)``) directly, a deeper tree by :func:`decode_tree`."""
   parts = ([_shallow(d) for d in data["t"]] if "t" in data else [None])
   if None in parts:
     def decode_deep(values):

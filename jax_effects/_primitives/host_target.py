@@ -3,42 +3,27 @@
 Every effect lowered for CPU is one custom call to :data:`TARGET`, an XLA
 FFI handler registered once per process (``ffi_abi.handler_capsule``,
 written in Python: no C compiler), with two string attributes:
+``jax_effects_key``, naming the call site's host side (a ``host_sites.Site``
+bound to each key in this process, :data:`_sites`, looked up on every call),
+and ``jax_effects_spec``, the site spec the key was made from
+(``host_keys``). A key not bound here (a module from another process:
+exported, or an executable whose host side is gone) is bound on its first
+call by rebuilding the site from its spec, once the key is made again from
+it (``host_keys.key_problem``), when the spec is data; otherwise the call's
+effect fails with a clear error, deferred like a callback's
+(``design/errors.md``), never an XLA error. A local site cannot be exported
+(:func:`emit` refuses it, naming the effect and the fix).
 
-* ``jax_effects_key``: names the call site's host side. A ``call_frames.Site``
-  (the host function and how to read its operands and write its results) is
-  bound to each key in this process (:data:`_sites`); the handler looks the
-  key up on every call.
-* ``jax_effects_spec``: the site spec (``host_specs``) the key was made
-  from. A key not bound here (a module from another process: an exported
-  one, or an executable whose host side is gone) is bound on its first call
-  by rebuilding the site from its spec, when the spec is data
-  (``host_specs``); otherwise the call's effect fails with a clear error,
-  deferred like a callback's (``design/errors.md``), never an XLA error.
-
-Keys and specs (``site_keys``, ``design/host_target.md``): a data site's
-key is the hash of its site spec, a local one's a hash and a count, so a
-program traced in the same order gets the same keys in every process (JAX's
-persistent cache hits) and two functions never share one; a key arriving in
-a module is made again from its spec and a mismatch is refused and never
-bound; a module's spec passes the kinds' trace-time checks before anything
-is built from it; every frame's buffers are checked against its site
-(``call_frames``) on every call, before a byte of them is read. A local
-site cannot be exported (:func:`emit` refuses it, naming the effect and the
-fix).
-
-Lifetime: the registry holds sites weakly; a site lives as long as one of
-the executables it was lowered into (a keepalive of the lowering, which JAX
-hands to the executable; never in an exported module) or the effect's
-``HostCallback`` (its jaxpr) or the ``jax_effects.jit`` function that
-lowered it (``keep_sites_in``; across ``jax.clear_caches()``) does; sites
-rebuilt from a spec are kept in a
-bounded store (:data:`REBUILT_KEPT`, the oldest dropped first) and rebuilt
-again if dropped.
+Lifetime (``design/host_target.md``): the registry holds sites weakly; a
+site lives as long as an executable it was lowered into (a keepalive of the
+lowering; never in an exported module), the effect's ``HostCallback``, or
+the ``jax_effects.jit`` function that lowered it (:func:`keep_sites_in`;
+across ``jax.clear_caches()``) does; sites rebuilt from a spec are kept in
+a bounded store (:data:`REBUILT_KEPT`, the oldest dropped first).
 
 The handler runs on the thread XLA calls it on: the dispatching thread when
 the CPU client runs the computation inline, else one of XLA's threads, whose
-Python thread state it keeps (:func:`_pin`: created once per thread, not on
-every call).
+Python thread state it keeps (:func:`_pin`, once per thread).
 
 Part in the token calling convention: none of its own; it carries the
 carrier operand and result like any other (``host_call``).
@@ -46,8 +31,6 @@ carrier operand and result like any other (``host_call``).
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import struct
 import threading
 import weakref
@@ -55,12 +38,10 @@ import weakref
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects._primitives import call_frames as _frames
 from jax_effects._primitives import ffi_abi as _abi
-from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._primitives import host_keys as _keys
+from jax_effects._primitives import host_sites as _host_sites
 from jax_effects._primitives import host_specs as _specs
-from jax_effects._primitives import site_keys as _keys
 from jax_effects._runtime import interrupts as _interrupts
 
 #: The custom-call target name (CPU).
@@ -71,15 +52,10 @@ SPEC_ATTR = "jax_effects_spec"
 #: first; one dropped is rebuilt at its next call).
 REBUILT_KEPT = 4096
 
-mem32, mem64 = _abi.mem32, _abi.mem64
+mem8, mem32, mem64 = _abi.mem8, _abi.mem32, _abi.mem64
 
 
-class UnboundHostFunction(LookupError):
-  """A host call whose host side this process does not have: a named
-  callback nobody registered, or a local host side that is gone."""
-
-
-# --- registration ------------------------------------------------------------------
+# --- registration ----------------------------------------------------
 
 _registered = False
 _unavailable: str | None = None
@@ -104,7 +80,7 @@ def _register() -> None:
       import jax
       try:
         capsule = _abi.handler_capsule(
-            _handle, (_sites, np.empty, _frames.partition_ids, _raised))
+            _handle, (_sites, np.empty, _host_sites.uint32s, _raised))
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
                                     api_version=1)
       except Exception as err:  # noqa: BLE001 - XLA refused the handler
@@ -113,15 +89,15 @@ def _register() -> None:
     _registered = True
 
 
-# --- sites --------------------------------------------------------------------------
+# --- sites -----------------------------------------------------------
 
 _lock = threading.RLock()
-#: key (bytes) -> weak reference to its Site (``call_frames``).
+#: key (bytes) -> weak reference to its Site.
 _sites: dict[bytes, weakref.ref] = {}
 #: HostCallback -> {site spec text: Site}: a site lives while its effect does.
 _holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: Sites rebuilt from a spec, most recently bound last.
-_rebuilt: "collections.OrderedDict[bytes, _frames.Site]" = (
+_rebuilt: "collections.OrderedDict[bytes, _host_sites.Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
@@ -138,7 +114,7 @@ def _raised(exc: BaseException) -> int:
     return 0
 
 
-def _bind(key: bytes, site: _frames.Site) -> None:
+def _bind(key: bytes, site: _host_sites.Site) -> None:
   """Binds ``key`` to ``site`` (weakly; under the lock)."""
   def dropped(ref, key=key, lock=_lock, sites=_sites):
     # (the lock and dict bound here: at interpreter exit the module's
@@ -149,12 +125,12 @@ def _bind(key: bytes, site: _frames.Site) -> None:
   _sites[key] = weakref.ref(site, dropped)
 
 
-def _bound(key: bytes) -> _frames.Site | None:
+def _bound(key: bytes) -> _host_sites.Site | None:
   ref = _sites.get(key)
   return None if ref is None else ref()
 
 
-# --- the handler --------------------------------------------------------------------
+# --- the handler -----------------------------------------------------
 
 class _Pinned(threading.local):
   """``done``: this thread's Python thread state is kept (:func:`_pin`);
@@ -166,11 +142,9 @@ _ensure = None
 
 
 def _pin() -> None:
-  """Keeps the Python thread state of an XLA thread calling the handler:
-  ctypes creates one for a thread without one on every call and deletes it
-  after (a dozen microseconds a call); one more ``PyGILState_Ensure``,
-  never released, keeps it (one per XLA thread, for the process's life).
-  Threads Python started have theirs already."""
+  """Keeps the Python thread state of an XLA thread calling the handler
+  (ctypes would make and delete one on every call, a dozen microseconds):
+  one more ``PyGILState_Ensure``, never released, once per such thread."""
   global _ensure
   thread = threading._active.get(threading.get_ident())
   if thread is None or isinstance(thread, threading._DummyThread):
@@ -180,8 +154,6 @@ def _pin() -> None:
     _ensure()
   _pinned.done = True
 
-
-mem8 = _abi.mem8
 
 
 #: The words of a call frame the handler reads, at once: extension_start,
@@ -193,13 +165,13 @@ _FRAME = struct.Struct("<8xQ40xQ8xQ16xQ8xQ16xQQ8xQ")
 
 def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
             pinned=_pinned,
-            pids=_frames.partition_ids, uint32=np.uint32, array=np.array,
+            pids=_host_sites.uint32s, uint32=np.uint32, array=np.array,
             frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
   """The FFI handler (see the module docstring): the address of an
   ``XLA_FFI_Error``, or 0. It runs on every host call, so a common site
-  (:func:`_inline`) is run here, with no frame of its own; any other through
-  its ``Site.run``. (Names bound as defaults, local to the frame; a
-  buffer's data address is its word ``ffi_abi.B_DATA``, 3.)"""
+  (``host_sites.inline_form``) is run here, with no frame of its own; any
+  other through its ``Site.run``. (Names bound as defaults, local to the
+  frame; a buffer's data address is its word ``ffi_abi.B_DATA``, 3.)"""
   try:
     pinned.done
   except AttributeError:
@@ -211,8 +183,8 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
       _abi.answer_metadata(frame)
       return 0
     if nattrs != 2 or mem32[types >> 2] != 4:
-      raise _frames.SiteMismatch("a call of jax_effects' host target with "
-                         "attributes it does not know")
+      raise _host_sites.SiteMismatch(
+          "a call of jax_effects' host target with attributes it does not know")
     # The key: attribute 0 (attributes are sorted by name), a byte span.
     a = mem64[attrv >> 3] >> 3
     p = mem64[a]
@@ -225,8 +197,9 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
     if inline is None:
       return site.run(frame)   # (which checks the frame's buffers first)
     if not site.match(argv, retv, nargs, nrets):
-      raise _frames.SiteMismatch(site._check(frame) or f"{site.what}: a "
-                                 f"call frame that does not fit its site")
+      raise _host_sites.SiteMismatch(
+          site._check(frame)
+          or f"{site.what}: a call frame that does not fit its site")
     host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
     carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int, as
@@ -258,26 +231,26 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
 _interrupts.entry_frame(_handle)
 
 
-def _cold(frame: int, key: bytes) -> _frames.Site:
+def _cold(frame: int, key: bytes) -> _host_sites.Site:
   """The site of a key not bound in this process, rebuilt from the call's
   spec (and bound), or one whose effect fails with the reason it cannot be."""
   problem = _abi.check_frame(frame)
   if problem:
-    raise _frames.SiteMismatch(problem)
+    raise _host_sites.SiteMismatch(problem)
   attrs = _abi.attr_strings(frame)
   if attrs is None or set(attrs) != {KEY_ATTR, SPEC_ATTR} or (
       attrs[KEY_ATTR].encode() != key):
-    raise _frames.SiteMismatch("a call of jax_effects' host target with "
-                               "attributes it does not know")
+    raise _host_sites.SiteMismatch(
+        "a call of jax_effects' host target with attributes it does not know")
   text = attrs[SPEC_ATTR]
   problem = _keys.key_problem(key, text)
   if problem:   # (never bound: the key keeps naming what its spec says)
-    raise _frames.SiteMismatch(problem)
+    raise _host_sites.SiteMismatch(problem)
   with _lock:
     site = _bound(key)
     if site is not None:
       return site
-    site, failing = _rebuild(key, text)
+    site, failing = _keys.rebuild(key, text)
     if not failing:   # (a failing one is made again: a later registration
       _bind(key, site)   # of a named callback makes it run)
       _rebuilt[key] = site
@@ -286,59 +259,8 @@ def _cold(frame: int, key: bytes) -> _frames.Site:
   return site
 
 
-def _rebuild(key: bytes, text: str) -> tuple[_frames.Site, bool]:
-  """``(site, failing)`` rebuilt from the spec ``text``; a failing site's
-  effect reports why it cannot run (``UnboundHostFunction``, deferred as a
-  callback's error)."""
-  try:
-    spec = json.loads(text)
-    if spec.get("v") != _specs.VERSION:
-      raise ValueError(f"spec version {spec.get('v')!r}, this jax_effects "
-                       f"writes {_specs.VERSION}")
-    data = spec["site"]
-    avals_in = [_specs.decode_aval(a) for a in data["in"]]
-    avals_out = [_specs.decode_aval(a) for a in data["out"]]
-    where = _keys.decode_where(data["where"])
-    passthrough = int(data["passthrough"])
-    results = [_keys.aval_of(a) for a in avals_out if a is not None]
-  except Exception as err:  # noqa: BLE001 - a spec this version cannot read
-    raise _frames.SiteMismatch(
-        f"a call site spec jax_effects cannot read ({err})")
-  effect = spec.get("effect") or {}
-  failing = False
-  try:
-    if "local" in effect:
-      raise UnboundHostFunction(
-          f"{effect['local']}: its host function is a Python object of the "
-          f"process that lowered it and is not bound in this one (its "
-          f"executable outlived it, or the module came from another "
-          f"process)")
-    host_callback = _specs.rebuild_effect(effect)
-    host_callback = dataclasses.replace(
-        host_callback, chain=_keys.decode_chain(data.get("chain")),
-        cleanup=bool(data.get("cleanup", False)))
-  except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
-    what = effect.get("what") or effect.get("local") or "a jax_effects effect"
-    exc = err if isinstance(err, UnboundHostFunction) else (
-        UnboundHostFunction(f"{what} cannot run in this process: {err}"))
-
-    def fail(*args):
-      raise exc
-    host_callback = _host_callback.HostCallback(
-        fail, what, tuple(results[passthrough:]))
-    failing = True
-  host = _host_functions.host_function(
-      host_callback, where, passthrough=passthrough,
-      threaded=bool(data["threaded"]), avals_out=results,
-      entry=bool(data["entry"]), operands=data.get("operands"))
-  site = _frames.Site(key, text, host_callback.description, host, avals_in,
-                      avals_out, _keys.scalars(data, avals_in, where))
-  return site, failing
-
-
-# --- lowering -----------------------------------------------------------------------
-
-def _site_for(side, avals_in, avals_out, for_export: bool) -> _frames.Site:
+def _site_for(side, avals_in, avals_out,
+              for_export: bool) -> _host_sites.Site:
   """The site of ``side`` (bound to its key, made if new)."""
   try:
     spec, why = _keys.site_spec(side, avals_in, avals_out)
@@ -346,9 +268,9 @@ def _site_for(side, avals_in, avals_out, for_export: bool) -> _frames.Site:
     spec, why = None, f"it has {err}"
   description = side.host_callback.description
   if for_export and why is not None:
-    raise NotExportable(description, why)
+    raise _keys.NotExportable(description, why)
   if spec is None:   # (symbolic shapes: never lowered for execution)
-    raise NotExportable(description, why)
+    raise _keys.NotExportable(description, why)
   text = _specs.dumps(spec)
   with _lock:
     held = _holders.setdefault(side.host_callback.root, {})
@@ -369,31 +291,12 @@ def _site_for(side, avals_in, avals_out, for_export: bool) -> _frames.Site:
       decoded_out = [_specs.decode_aval(a) for a in spec["site"]["out"]]
       host = side.function([a for a in avals_out
                             if getattr(a, "dtype", None) is not None])
-      site = _frames.Site(key, text, description, host, decoded_in,
-                          decoded_out,
-                          _keys.scalars(spec["site"], decoded_in,
-                                        side.where))
+      site = _host_sites.Site(
+          key, text, description, host, decoded_in, decoded_out,
+          _keys.scalars(spec["site"], decoded_in, side.where))
       _bind(key, site)
     held[text] = site
   return site
-
-
-class NotExportable(ValueError):
-  """An effect whose host side only its own process has, lowered for
-  ``jax.export``."""
-
-  def __init__(self, what: str, why: str):
-    fix = ("give it a stable name, jax_effects.callback("
-           "jax_effects.register_callback('my_callback', fn), ...), and "
-           "register the function under that name in the process that calls "
-           "the exported function too: "
-           "jax_effects.register_callback('my_callback', fn)"
-           if what.startswith("jax_effects.callback") else
-           "export the function without it, or run it around the exported "
-           "call")
-    super().__init__(
-        f"jax.export cannot export {what}: {why}, which another process "
-        f"cannot rebuild. Fix: {fix}.")
 
 
 _lowerings: dict = {}
@@ -401,14 +304,12 @@ _lowerings: dict = {}
 
 class _Owner(threading.local):
   """Where the sites lowered on this thread are kept strongly: the kept
-  traces of the ``jax_effects.jit`` function whose program was traced last
-  on it (``keep_sites_in``, set by its bodies when ``jax.jit`` traces them;
-  the lowering follows on the same thread). ``jax.jit``'s C++ dispatch runs
-  an executable long after the Python objects of its lowering (and their
-  keepalives) may have gone, as long as the function's ``jax.jit`` objects
-  live: so do its sites. (A lowering of no function of ours, plain
-  ``jax.jit`` code, keeps them in the last one traced: longer than needed,
-  never shorter.)"""
+  traces of the ``jax_effects.jit`` function traced last on it
+  (:func:`keep_sites_in`; the lowering follows on the same thread).
+  ``jax.jit``'s C++ dispatch runs an executable as long as the function's
+  ``jax.jit`` objects live, after its lowering's keepalives may have gone:
+  so do its sites. (Plain ``jax.jit`` code keeps them in the last one
+  traced: longer than needed, never shorter.)"""
   holder = None   # (a weak reference to an object with ``sites``)
 
 

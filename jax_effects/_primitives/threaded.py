@@ -1,44 +1,38 @@
 """``threaded_effect_p``: an effect after the token-threading pass.
 
-``threaded_effect_p`` is what the token-threading pass replaces it with::
+The token-threading pass replaces each effect with::
 
     token', carrier', results = threaded_effect_p(token, carrier, *args;
                                                   host_callback, entry,
                                                   ordered)
 
-``token`` is a *compiler token* (``!stablehlo.token``): consecutive side
-effects of one chain are linked by it in the program. ``carrier`` is an
-``int32`` scalar standing for the same chain where a token cannot go (across
-``cond``/``while``/``scan`` boundaries, and out to the runtime token): the
-host callback takes it as an operand and returns it, a real data dependency
-XLA must respect, so it is what orders the lowered calls (the custom call
-does not take the token on CPU and GPU, see :func:`_threaded_lowering`). Its
-value is the dispatching thread's slot and the ``FAILED`` bit
-(``design/errors.md``); ``entry``: the carrier is the chain's runtime token
-and this effect runs once per execution, so a ``FAILED`` bit there is an
-earlier execution's and the host clears it; ``ordered``: the chain is an
-ordered one (its carrier comes from a runtime token; an unordered chain's
-starts at 0 in every execution). The primitive has *no* JAX-level
-effect, so after the pass JAX sees an effect-free function and ``jax.jit``'s
-C++ fast path stays in use.
+Part in the token calling convention: ``token`` is a *compiler token*
+(``!stablehlo.token``) linking consecutive effects of one chain in the
+program; ``carrier`` is an ``int32`` scalar standing for the same chain
+where a token cannot go (across ``cond``/``while``/``scan`` boundaries, out
+to the runtime token). The host call takes the carrier as an operand and
+returns it, the data dependency that orders the lowered calls (on CPU and
+GPU the call does not take the token, :func:`_threaded_lowering`). Its value
+is the dispatching thread's slot and the ``FAILED`` bit
+(``design/errors.md``). ``entry``: the carrier is the chain's runtime token
+and the effect runs once per execution, so a ``FAILED`` bit there is an
+earlier execution's, cleared by the host; ``ordered``: the carrier comes
+from a runtime token (an unordered chain's starts at 0 in every execution).
+The primitive has *no* JAX-level effect: after the pass ``jax.jit``'s C++
+fast path stays in use.
 
-Both lower to one ``xla_ffi_python_*_callback`` custom call with
-``has_side_effect = true``. In a computation over several devices under
-automatic partitioning, where the effect runs once, that call is made
-inside a ``shard_map`` by the first device only (``first_device``:
-the carrier stays replicated, so no device waits in a collective for a
-callback); ``from_first_device_p`` takes a carrier from that device where
-per-device effects follow. An operand ``print``/``log`` will show summarized
-is cut to its edges before the call (``edges``); in that case the devices
-pass their parts of it to the host instead (``host_assembly``: every device
-makes a call, the first one's runs the effect).
+Where the effect runs once over several devices under automatic
+partitioning, its call is made inside a ``shard_map`` by the first device
+only (``first_device``: the carrier stays replicated). An operand
+``print``/``log`` will show summarized is cut to its edges first
+(``edges``), or every device passes its part to the host
+(``host_assembly``).
 
-It has no eager rule of its own: it exists only inside a threaded
-computation. The one place it is evaluated outside one is JAX's
-de-optimized re-run of a computation that produced a NaN or Inf
-(``jax_debug_nans``/``jax_debug_infs``, see ``_dispatch.tracing.replay``),
-inside :func:`already_ran`: the effect ran in that computation, so it
-returns its token and carrier unchanged and zeros for its results.
+It has no eager rule: it is evaluated outside a threaded computation only
+in JAX's de-optimized re-run of one that produced a NaN or Inf
+(``jax_debug_nans``/``jax_debug_infs``, ``_dispatch.tracing.replay``),
+inside :func:`already_ran`, where it returns its token and carrier
+unchanged and zeros for its results.
 """
 from __future__ import annotations
 
@@ -108,20 +102,13 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   """Lowers one threaded effect to a host callback ``carrier', results =
   host(carrier, *args)``.
 
-  The compiler token is threaded through the program by the pass, but the
-  custom call need not take it: the carrier is an operand and a result of
-  every effect of the chain, a data dependency that orders the call after
-  the chain's previous effect as the token would, and the token costs an
-  operand and a result of every call (about 3% of a whole dispatch). The
-  token operand is returned as this effect's token result; XLA removes the
-  unused ``create_token``. (On platforms without JAX's FFI callback target,
-  ``emit_python_callback`` takes the token itself.)
-
-  Operands with :class:`~jax_effects._primitives.edges.Edges`
-  (``print``/``log`` operands NumPy will summarize) are cut to their edges
-  first; under automatic partitioning over several devices the devices
-  pass their parts to the host instead, where ``host_assembly`` applies
-  (``ordered``: the carrier holds the dispatching thread's slot).
+  The custom call does not take the compiler token: the carrier orders it
+  after the chain's previous effect as the token would, and the token
+  costs an operand and a result of every call (about 3% of a dispatch).
+  The token operand is returned as the token result; XLA removes the
+  unused ``create_token``. (Off CPU and GPU, ``emit_python_callback`` takes
+  the token itself.) Operands with ``edges.Edges`` are cut to their edges
+  first, or passed in parts by the devices where ``host_assembly`` applies.
   """
   edges = _edges.of_operands(host_callback, len(args))
   if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
-from jax_effects._dispatch import tracing as _tracing
+from jax_effects._dispatch import jit_options as _jit_options
 
 
 def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
@@ -31,7 +31,7 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
 
   f(0, 0)   # learnt in "per_effect"; "global" is learnt below, by two threads
   je.effects_barrier()
-  original = _tracing.Traceable
+  original = _jit_options.Traceable
   building = threading.Event()
   other_done = threading.Event()
   slow = {}
@@ -44,8 +44,8 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
       other_done.wait(3)   # (times out where building holds a lock)
     return original(body, fun_ref, names, sig, k)
 
-  # (the g a jax.jit object of f is built around, tracing.Traceable)
-  monkeypatch.setattr(_tracing, "Traceable", traceable)
+  # (the g a jax.jit object of f is built around, jit_options.Traceable)
+  monkeypatch.setattr(_jit_options, "Traceable", traceable)
   errors = []
 
   def run(t):
@@ -71,7 +71,7 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
     b.join(60)
   finally:
     je.set_ordering(previous)
-    monkeypatch.setattr(_tracing, "Traceable", original)
+    monkeypatch.setattr(_jit_options, "Traceable", original)
   assert errors == []
   assert logs[1] == [0, 1, 2] and logs[2] == [0, 1, 2]
   assert f.keys["global"] == (je.GLOBAL,)

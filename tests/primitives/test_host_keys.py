@@ -30,7 +30,7 @@ import jax, jax.numpy as jnp, numpy as np
 import jax_effects as je
 from jax.interpreters import mlir
 from jax_effects import _compat
-from jax_effects._primitives import site_keys
+from jax_effects._primitives import host_keys
 
 ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
 
@@ -72,7 +72,7 @@ def forged(exp, old_key, new_key, new_spec):
   return dataclasses.replace(exp, mlir_module_serialized=blob)
 
 def key_of(spec):
-  return site_keys.key_of(spec).decode()
+  return host_keys.key_of(spec).decode()
 
 def effect_spec(spec, **change):
   d = json.loads(spec)

@@ -1,23 +1,20 @@
-"""Sites and their call frames: one call site's host side (:class:`Site`), its
-operands read from and its results written to the ``XLA_FFI_CallFrame`` of
-a host call (``ffi_abi`` gives the layout).
+"""A call site's host side as the FFI handler runs it (``host_target``).
 
-A site is checked before a byte of a frame's buffers
-is read: :func:`matcher` (the ctypes entry, every call) and
-:func:`signature` (what the compiled entry, ``_trampoline.c``, compares)
-say whether the frame's buffers are the site's (number, XLA dtype code,
-dims); :func:`mismatch` says how they differ. :func:`runner` reads every
-operand and writes every result; :func:`inline` and :func:`compiled`
-describe the common site (the carrier and one operand in, the carrier out),
-which the handler and the compiled entry run themselves.
+A :class:`Site` is what a key is bound to: the host function, and how to
+read its operands from an XLA call frame and write its results back. Every
+frame's buffers are checked against the site (:attr:`Site.match`; the
+compiled entry checks ``Site.sig``, ``_trampoline.c``) on every call, before
+a byte of them is read; a frame that does not fit fails with
+:class:`SiteMismatch`, never reads past a buffer. The common site (the
+carrier and one operand in, the carrier out) is run by the handler or the
+compiled entry itself (:func:`inline_form`, :func:`compiled_form`).
 
-Part in the token calling convention: the carrier (an ``int32`` scalar, the
-first passthrough operand and the first result) is read and written as a
-scalar, never copied as a buffer; a token operand is checked by its code
-only.
+Part in the token calling convention: reads the carrier operand as a NumPy
+scalar and writes the carrier result like any other int32 (``host_call``).
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Callable
 
@@ -33,7 +30,6 @@ B_DATA = _abi.B_DATA
 class SiteMismatch(Exception):
   """A call frame whose buffers are not what its spec says (never a user's
   error: the computation fails with it)."""
-
 
 
 class Site:
@@ -54,33 +50,29 @@ class Site:
     self.avals_out = avals_out
     self.scalars = scalars       # operand positions passed as NumPy scalars
     self.run = self._first_run
-    # (host, view, shift, dtype, count, shape) of the common site, which the
-    # handler runs itself once checked (:func:`_inline`); else None.
-    self.inline = None
-    # The same for the compiled entry (:func:`compiled`).
-    self.compiled = None
-    # ``match(argv, retv, nargs, nrets)``: whether a frame's buffers are
-    # this site's (number, dtype, dims), checked on every call before a
-    # byte of them is read (:func:`matcher`); ``sig``: the same as the
-    # compiled entry checks it (:func:`signature`).
-    self.match = matcher(avals_in, avals_out)
-    self.sig = signature(avals_in, avals_out)
+    # How the handler and the compiled entry run a common site themselves,
+    # once checked (:func:`inline_form`, :func:`compiled_form`); else None.
+    self.inline = self.compiled = None
+    # Whether a frame's buffers are this site's, checked on every call
+    # (:func:`_matcher`); the same as the compiled entry checks it.
+    self.match = _matcher(avals_in, avals_out)
+    self.sig = _signature(avals_in, avals_out)
 
   def _first_run(self, frame: int) -> int:
     problem = _abi.check_frame(frame) or self._check(frame)
     if problem:
       raise SiteMismatch(problem)
-    self.run = runner(self)
-    self.inline = inline(self)
-    self.compiled = compiled(self.inline, self.sig)
+    self.run = _runner(self)
+    self.inline = inline_form(self)
+    self.compiled = compiled_form(self.inline, self.sig)
     return self.run(frame)
 
   def _check(self, frame: int) -> str | None:
     """What differs between the frame's buffers and this site's spec."""
-    return mismatch(self.what, self.avals_in, self.avals_out, frame)
+    return _mismatch(self.what, self.avals_in, self.avals_out, frame)
 
 
-def mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
+def _mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
   """What differs between the frame's buffers and a site's avals (None:
   nothing)."""
   f = frame >> 3
@@ -112,13 +104,11 @@ _CODE_RANK = struct.Struct("<16xi12xq").unpack_from
 _CODE_RANK_DIMS = struct.Struct("<16xi12xqQ").unpack_from
 
 
-def matcher(avals_in, avals_out):
+def _matcher(avals_in, avals_out):
   """``match(argv, retv, nargs, nrets)``: whether a frame with these
   argument and result lists has this site's buffers (their number, and the
-  XLA dtype code and dims of every one; a token's code only). The handler
-  calls it on every call, before it reads a byte of a buffer: a frame that
-  does not fit (a module whose custom call's operands are not what its key
-  names) fails with :class:`SiteMismatch`, never reads past a buffer."""
+  XLA dtype code and dims of every one; a token's code only), checked on
+  every call before a byte of a buffer is read (module docstring)."""
   n_in, n_out = len(avals_in), len(avals_out)
   checks = []
   for side, avals in ((0, avals_in), (1, avals_out)):
@@ -171,7 +161,7 @@ def matcher(avals_in, avals_out):
   return match
 
 
-def signature(avals_in, avals_out) -> bytes:
+def _signature(avals_in, avals_out) -> bytes:
   """What the compiled entry checks a frame's buffers against
   (``_trampoline.c``, ``frame_matches``): int64 words ``nargs, nrets``,
   then for each argument and result its dtype code, rank (-1: a token,
@@ -189,50 +179,40 @@ def signature(avals_in, avals_out) -> bytes:
 # NumPy scalars of the partition-id values seen (immutable; a carrier's
 # value names its execution, ``_runtime/token_value``: made anew each call,
 # never kept).
-partition_ids: dict[int, np.uint32] = {}
+uint32s: dict[int, np.uint32] = {}
 
 
 #: memoryview formats of the dtypes whose 0-d operands are read as one
 #: value (``np.array(value, dtype)`` is a third of a buffer copy's cost).
 _SCALAR_FORMATS = {"bool": "?", "int8": "b", "uint8": "B", "int16": "h",
                    "uint16": "H", "int32": "i", "uint32": "I", "int64": "q",
-                   "uint64": "Q", "float32": "f",
-                   "float64": "d"}
-_typed_views: dict[str, memoryview] = {}
+                   "uint64": "Q", "float32": "f", "float64": "d"}
 
 
+@functools.cache
 def _typed(fmt: str) -> memoryview:
-  view = _typed_views.get(fmt)
-  if view is None:
-    view = _typed_views[fmt] = _abi.mem8.cast(fmt)
-  return view
-
-
-def _scalar(cache: dict | None, dtype):
-  """``read(address)``: a NumPy scalar (``cache``d by value, if given) of a
-  0-d ``dtype`` operand passed as a scalar (the carrier, a partition id)."""
-  view = _typed(_SCALAR_FORMATS[dtype.name])
-  shift = dtype.itemsize.bit_length() - 1
-  make = dtype.type
-  if cache is None:
-    return lambda address: make(view[address >> shift])
-
-  def read(address):
-    v = view[address >> shift]
-    s = cache.get(v)
-    if s is None:
-      s = cache[v] = make(v)
-    return s
-  return read
+  return _abi.mem8.cast(fmt)
 
 
 def _reader(aval, scalar: bool):
   """``read(address)``: the operand at ``address`` as the host function
-  receives it: a NumPy scalar (``scalar``: the carrier, a partition id),
-  else a NumPy array of its own (the host function may keep it)."""
+  receives it: a NumPy scalar (``scalar``: the carrier, a partition id,
+  made once per value: :data:`uint32s`), else a NumPy array of its own
+  (the host function may keep it)."""
   dtype, shape = aval
   if scalar and shape == () and dtype in (np.int32, np.uint32):
-    return _scalar(None if dtype == np.int32 else partition_ids, dtype)
+    view, make = _typed(_SCALAR_FORMATS[dtype.name]), dtype.type
+    shift = dtype.itemsize.bit_length() - 1
+    if dtype == np.int32:
+      return lambda address: make(view[address >> shift])
+
+    def read_partition(address):
+      v = view[address >> shift]
+      p = uint32s.get(v)
+      if p is None:
+        p = uint32s[v] = make(v)
+      return p
+    return read_partition
   if dtype in _abi.SUB_BYTE:
     return lambda address: _abi.read_array(address, shape, dtype)
   count = int(np.prod(shape, dtype=np.int64))
@@ -273,17 +253,15 @@ def _writer(aval):
   return write
 
 
-def runner(site) -> Callable[[int], int]:
+def _runner(site: Site) -> Callable[[int], int]:
   """``run(frame)`` of a checked site: reads the operands, calls the host
   function, writes its results (the handler runs the common site itself,
-  :func:`inline`)."""
+  :func:`inline_form`)."""
   host = site.host
   ins = [(i, _reader(a, i in site.scalars)) for i, a in
          enumerate(site.avals_in) if a is not None]
   outs = [(i, _writer(a)) for i, a in enumerate(site.avals_out)
           if a is not None]
-  # The general case: every operand and result through its reader/writer.
-
   # (no reference to the site itself: it holds this function)
   match, what = site.match, site.what
   avals_in, avals_out = site.avals_in, site.avals_out
@@ -293,7 +271,7 @@ def runner(site) -> Callable[[int], int]:
     f = frame >> 3
     if not match(mem64[f + F_ARGV], mem64[f + F_RETV], mem64[f + F_NARGS],
                  mem64[f + F_NRETS]):
-      raise SiteMismatch(mismatch(what, avals_in, avals_out, frame) or
+      raise SiteMismatch(_mismatch(what, avals_in, avals_out, frame) or
                          f"{what}: a call frame that does not fit its site")
     argv = mem64[f + F_ARGV] >> 3
     out = host(*[read(mem64[(mem64[argv + i] >> 3) + B_DATA])
@@ -305,32 +283,24 @@ def runner(site) -> Callable[[int], int]:
   return run
 
 
-def _common(site) -> bool:
-  """The common site: the carrier and one operand in (and a per-device
-  call's partition id), the carrier out (``print``, ``log``, a
-  ``callback`` without results)."""
+def inline_form(site: Site):
+  """What the handler needs to run a common site (the carrier and one
+  operand in, and a per-device call's partition id; the carrier out:
+  ``print``, ``log``, a result-free ``callback``) itself, with no frame of
+  its own (``host_target._handle``): ``(host, view, shift, dtype, count,
+  shape, per_device)``, ``view`` a typed view of memory for a 0-d operand
+  read as one value (else None: a buffer copy of ``count`` elements,
+  reshaped to ``shape`` unless None), ``per_device``: a partition id
+  follows; None for any other site, or an operand of a sub-byte dtype or
+  with no elements."""
   i32, u32 = (np.dtype(np.int32), ()), (np.dtype(np.uint32), ())
-  ins = site.avals_in
-  if len(ins) == 3:   # (the partition id last)
-    if ins[2] != u32 or 2 not in site.scalars:
-      return False
-    ins = ins[:2]
-  return (len(ins) == 2 and len(site.avals_out) == 1
-          and ins[0] == i32 and site.avals_out[0] == i32
-          and ins[1] is not None and 0 in site.scalars
-          and 1 not in site.scalars)
-
-
-def inline(site):
-  """What the handler needs to run a common site itself, with no frame of
-  its own (:func:`_handle`): ``(host, view, shift, dtype, count, shape,
-  per_device)``, ``view`` a typed view of memory for a 0-d operand read as
-  one value (else None: a buffer copy of ``count`` elements, reshaped to
-  ``shape`` unless None), ``per_device``: a partition id follows; None for
-  any other site, or an operand of a sub-byte dtype or with no elements."""
-  if not _common(site):
+  ins, per_device = site.avals_in, len(site.avals_in) == 3
+  if per_device and (ins[2] != u32 or 2 not in site.scalars):
+    return None   # (the partition id last)
+  if not (len(ins) - per_device == 2 and site.avals_out == [i32]
+          and ins[0] == i32 and ins[1] is not None and 0 in site.scalars
+          and 1 not in site.scalars):
     return None
-  per_device = len(site.avals_in) == 3
   dtype, shape = site.avals_in[1]
   count = int(np.prod(shape, dtype=np.int64))
   if not count or dtype in _abi.SUB_BYTE:
@@ -342,13 +312,12 @@ def inline(site):
           None if len(shape) == 1 else shape, per_device)
 
 
-def compiled(inline, sig: bytes) -> tuple | None:
-  """What the compiled entry (``ffi_abi.ENTRY``, ``_trampoline.c``) needs to
-  run a common site itself: ``(host, shape, dtype, nbytes, per_device,
-  sig)``, the operand made as ``numpy.empty(shape, dtype)`` and its
-  ``nbytes`` copied in (the bits as they are, a NaN's payload too), once
-  the frame's buffers matched ``sig`` (:func:`signature`); None where
-  :func:`inline` is."""
+def compiled_form(inline, sig: bytes) -> tuple | None:
+  """What the compiled entry (``_trampoline.c``) needs to run a common site
+  itself: ``(host, shape, dtype, nbytes, per_device, sig)``, the operand
+  made as ``numpy.empty(shape, dtype)`` and its ``nbytes`` copied in (a
+  NaN's payload too) once the frame matched ``sig`` (:func:`_signature`);
+  None where :func:`inline_form` is."""
   if inline is None:
     return None
   host, view, _, dtype, count, shape, per_device = inline
@@ -358,3 +327,4 @@ def compiled(inline, sig: bytes) -> tuple | None:
     shape = (count,)
   return (host, tuple(shape), dtype, count * dtype.itemsize, per_device,
           sig)
+
