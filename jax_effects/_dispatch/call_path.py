@@ -239,7 +239,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
   ``jitted`` (``jitted(token, *args, **kwargs) -> (outputs, token)``) in
   ordering mode ``mode``, its token a scalar (``sharding`` None) or one
   kept on the devices of ``sharding``, passed back whole (then the thread's
-  ``fast_mode`` is ``threads.devices_mode(mode)``). The returned
+  ``fast_mode`` is ``token_store.devices_mode(mode)``). The returned
   ``call(*args, **kwargs)`` is what calling the function calls: the steps
   of :func:`dispatch` for that chain (the module docstring's table),
   launched under ``launch_lock`` over several CPU devices (``site``: what

@@ -10,7 +10,7 @@ exception (``design/errors.md``).
 registered before jax_effects was imported run after this one, and nothing
 of Python runs after them while XLA's threads can still run callbacks. A
 computation such a late handler dispatches therefore reports its errors
-itself: once this handler has run (``threads.after_exit_handler``), every
+itself: once this handler has run (``token_store.after_exit_handler``), every
 ``jax_effects`` dispatch takes the general call path, which, once the
 computation is launched, waits for everything dispatched and reports like
 this handler (:func:`report_late`): printed, exit status 1.
