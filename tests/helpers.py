@@ -391,7 +391,8 @@ def runtime_inventory() -> dict[str, int]:
       "tqdm_bars": tqdm_bars,
       "held_output": sum(map(len, list(output._held.values()))),
       # token state of threads that have exited, and their pending tokens
-      "exited_thread_states": sum(not s.alive() for s in thread_slots.all_states()),
+      "exited_thread_states": sum(not s.alive()
+                                  for s in thread_slots.all_states()),
       "orphan_tokens": len(thread_slots.orphans()),
       # slots of ended threads not freed yet, computations watched, calls
       # marked interrupted

@@ -318,23 +318,25 @@ def chains(effects, mode: str) -> tuple | None:
   return _effects.runtime_chain_keys(effects, mode)
 
 
-# --- outside the threaded path ----------------------------------------------------
+# --- outside the threaded path ---------------------------------------------
+
 
 def _call_fun(core: Core, *args, **kwargs):
   """Under ``jax.disable_jit()``: the user function itself (the eager
   impl of each effect orders it)."""
   return core.traces.fun()(*args, **kwargs)
 
+
 def call_nested(core: Core, *args, **kwargs):
   """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
 
-  The enclosing trace gets one ``jit`` equation of :attr:`Core.plain` (effects
-  kept), which it transforms, caches and compiles as it does
+  The enclosing trace gets one ``jit`` equation of :attr:`Core.plain`
+  (effects kept), which it transforms, caches and compiles as it does
   ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
   and threads its effects with the outer's tokens. Under a transformation
   applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
   the jit before the bind returns, its effects ordered by JAX's own
-  ordered effect (``effect._fallback_lowering``): around it the call
+  ordered effect (``effect.fallback_lowering``): around it the call
   raises the thread's pending errors, waits for the effects the thread
   dispatched before, then for the computation's (JAX's runtime token), so
   the thread's later calls follow it, and raises the errors of its

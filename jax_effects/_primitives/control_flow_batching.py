@@ -7,10 +7,10 @@ bit for bit, ``tests/primitives/test_vmap_cond.py``).
 
 * **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
   for every element and selects. Here too, but each branch's effects get
-  ``index == i`` as an extra batched operand (``host_callback.in_branch``), at any
-  depth (:func:`_eval_masked` re-expresses control flow inside the branch),
-  so an element runs only the effects of the branch it took, in batch order,
-  branch after branch.
+  ``index == i`` as an extra batched operand (``host_callback.in_branch``),
+  at any depth (:func:`_eval_masked` re-expresses control flow inside the
+  branch), so an element runs only the effects of the branch it took, in
+  batch order, branch after branch.
 * **while** (:func:`_while_batcher`): JAX's rule, unchanged; while it batches
   the body and ``cond_fun`` of a loop whose predicate is batched, every
   effect there is batched per element even with no batched operand

@@ -99,7 +99,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
 effect_p.def_impl(_effect_impl)
 
 
-def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
+def fallback_lowering(ctx, *args, host_callback, effect, ordered):
   """Lowering under plain ``jax.jit`` (also ``counter.counter_p``'s): an
   ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``, whose
   compiler token JAX passes (one stream for all effects) and whose runtime
@@ -133,8 +133,7 @@ def _fallback_lowering(ctx, *args, host_callback, effect, ordered):
   return results
 
 
-mlir.register_lowering(effect_p, _fallback_lowering, cacheable=False)
-fallback_lowering = _fallback_lowering   # (counter_p's too)
+mlir.register_lowering(effect_p, fallback_lowering, cacheable=False)
 
 
 # --- vmap ------------------------------------------------------------------------

@@ -47,8 +47,8 @@ _generation = 0
 # Slots of ended threads -> their tokens that were pending when they ended.
 _ended: dict[int, list] = {}
 # Slots of ended threads, and freed slots -> the sequence number their next
-# owner's chains start from (``TokenStore.base``: :func:`base_of`): past every one the ended
-# thread used, on any chain.
+# owner's chains start from (``TokenStore.base``: :func:`base_of`): past
+# every one the ended thread used, on any chain.
 _ended_base: dict[int, int] = {}
 _slot_base: dict[int, int] = {}
 

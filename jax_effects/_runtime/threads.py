@@ -2,8 +2,9 @@
 
 Each Python thread has its own streams, so threads never wait for each
 other: its :class:`ThreadTokens` (made on first use, :func:`thread_state`)
-holds its chains' runtime tokens and output tokens (``token_store``, their
-one writer) and hands them to each dispatch (:meth:`ThreadTokens.tokens_for`).
+holds its chains' runtime tokens and output tokens (``token_store``, where
+a call's returned token is stored) and hands them to each dispatch
+(:meth:`ThreadTokens.tokens_for`).
 
 * **A failed token is never handed on** (``design/errors.md``): a
   computation that failed as a whole (an XLA failure: the call's results
@@ -40,11 +41,10 @@ from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
 
 
-
 class ThreadTokens(_token_store.TokenStore):
   """The token state of one Python thread (see the module docstring): the
-  chains' tokens (``token_store.TokenStore``, their one writer), read for
-  each dispatch here."""
+  chains' tokens (``token_store.TokenStore``, which stores a call's returned
+  token), read for each dispatch here."""
   __slots__ = ("initial", "thread", "__weakref__")
 
   def __init__(self, thread: threading.Thread, slot: int):
@@ -115,7 +115,8 @@ class ThreadTokens(_token_store.TokenStore):
       if token is None:
         token = self._fresh(key)
       elif token is not self.verified and (
-          (key in self.at_risk or _token_store.is_done(token)) and not _token_store.settled(token)):
+          (key in self.at_risk or _token_store.is_done(token))
+          and not _token_store.settled(token)):
         failed += (key,)
         token = self._fresh(key)
       if nested:
@@ -183,7 +184,7 @@ class ThreadTokens(_token_store.TokenStore):
   def _wait_joined(self) -> None:
     joined, self.joined = self.joined, []
     for token in joined:
-      _token_store.settled(token)   # (a failure is the joined call's own, see update)
+      _token_store.settled(token)   # (a failure is the joined call's own)
 
   def switch_mode(self, mode: str) -> None:
     """Called before a dispatch in a mode other than the thread's last one.
@@ -223,6 +224,7 @@ class ThreadTokens(_token_store.TokenStore):
   def clear_fast(self) -> None:
     """The thread's mode changed: its next dispatch takes the general path."""
     self.fast_mode = None
+
 
 local = threading.local()
 
@@ -284,8 +286,6 @@ def mode_changed(all_threads: bool) -> None:
     states = [] if state is None else [state]
   for state in states:
     state.clear_fast()
-
-
 
 
 @_fork.reset_in_child

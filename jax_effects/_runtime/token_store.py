@@ -1,4 +1,5 @@
-"""The token store: the tokens a thread's chains hold, and their one writer.
+"""The token store: the tokens a thread's chains hold, and how a call's
+returned token is stored.
 
 Between computations, the order is carried by **runtime tokens**
 (``token_value``: an ``int32`` holding the dispatching thread's slot and the
@@ -9,10 +10,13 @@ computation returned makes the next one wait for it. A thread's
 :class:`TokenStore` holds, per chain, its latest runtime token (``runtime``)
 and sequence number (``seqs``: the host's copy of what the device computes),
 and the output tokens per device set (:class:`OutputTokens`, for the
-barrier). It changes only through its methods: a call's returned token is
-stored by :meth:`TokenStore.update` (:meth:`TokenStore.store` for the fast
-hook's one chain), but for ``dispatching``, which the fast hook sets and
-clears itself. ``threads.ThreadTokens`` reads it for each dispatch.
+barrier). It changes only through the methods of the thread's state (one
+object: ``threads.ThreadTokens`` is a :class:`TokenStore`), but for
+``dispatching``, which the fast hook sets and clears itself: a call's
+returned token is stored here, by :meth:`TokenStore.update`
+(:meth:`TokenStore.store` for the fast hook's one chain); what a dispatch
+reads, and changes as it reads (a fresh token, a failed chain, the mode),
+is ``ThreadTokens``'.
 
 * A runtime token is kept *uncommitted*: ``jax.jit``'s C++ dispatch copies it
   to the devices of the next computation when (and only when) they differ.
@@ -52,15 +56,17 @@ def is_done(token) -> bool:
   except Exception:  # noqa: BLE001 - a failed or deleted array is done
     return True
 
+
 def settled(token) -> bool:
   """Whether the computation that returned ``token`` ended without failing
   (waits for it). A NumPy initial token was returned by none."""
   if type(token) is not _token_value.TOKEN_DTYPE:
     try:
       token.block_until_ready()
-    except Exception:  # noqa: BLE001 - an XLA failure: the call's, see above
+    except Exception:  # noqa: BLE001 - an XLA failure: its call's (errors.md)
       return False
   return True
+
 
 def wait_quietly(tokens: Iterable) -> None:
   """Blocks on each of ``tokens``, ignoring failures: each error stays for
@@ -153,10 +159,10 @@ class OutputTokens:
 
 
 class TokenStore(OutputTokens):
-  """What a thread's chains hold, and its one writer: the token a call
-  returned is stored by :meth:`update` (or :meth:`store`, the same for the
-  fast hook's one chain); every other change is a method here too, but for
-  :attr:`dispatching`, which the fast hook sets and clears itself."""
+  """What a thread's chains hold: a call's returned token is stored by
+  :meth:`update` (:meth:`store`: the fast hook's one chain); its other
+  changes are methods here or of ``threads.ThreadTokens`` (the same
+  object), but for :attr:`dispatching`, set by the fast hook itself."""
   __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined",
                "device_tokens", "fast_mode", "dispatching", "mode", "slot",
                "base")
