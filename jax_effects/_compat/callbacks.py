@@ -136,3 +136,29 @@ def refused_by_jax_in_batched_cond(effect) -> bool:
   """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
   whose predicate is batched (see the imports above)."""
   return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
+
+
+# Program order across ordered-effect kinds under plain ``jax.jit``
+# (``_primitives.plain_order``): from JAX 0.10 an uncacheable lowering rule
+# is given every ordered effect's compiler token of its region (0.8/0.9: its
+# own only). JAX's ordered callbacks' rules are read from the registries
+# behind ``mlir.register_lowering`` (no public getter; JAX 0.10-0.12) and
+# registered again, wrapped and uncacheable (``debug_callback_p``'s CPU/GPU
+# rules are cached otherwise: a cached rule sees its own token only).
+from jax._src.interpreters import mlir as _mlir  # noqa: E402
+
+RULES_SEE_EVERY_TOKEN = JAX_VERSION >= (0, 10)
+
+
+def wrap_jax_callback_lowerings(wrap) -> None:
+  """Registers ``wrap(rule)`` for each lowering rule (every platform's) of
+  ``io_callback_p`` and ``debug_callback_p``, once."""
+  for prim in (io_callback_p, debug_callback_p):
+    registries = [(None, _mlir._lowerings)] + list(
+        _mlir._platform_specific_lowerings.items())
+    for platform, rules in registries:
+      entry = rules.get(prim)
+      if entry is None or hasattr(entry.rule, "jax_effects_wraps"):
+        continue
+      _mlir.register_lowering(prim, wrap(entry.rule), platform=platform,
+                              inline=entry.inline, cacheable=False)

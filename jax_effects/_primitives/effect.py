@@ -43,6 +43,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_call as _host_call
+from jax_effects._primitives import plain_order as _plain_order
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -111,7 +112,8 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(
       effect, ordered, host_callback.traced_in_while_cond)
-  token = ctx.tokens_in.get(marker) if ordered else None
+  # (in program order with JAX's own ordered callbacks: plain_order)
+  token = _plain_order.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
   avals_in = list(ctx.avals_in)
   if any(edges):   # (summarized operands: only their edges cross)
@@ -127,9 +129,7 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
       _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
-    # Uncacheable lowering: tokens_in holds every ordered effect of the
-    # enclosing region (e.g. a cond's branches); pass the others through.
-    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({marker: token})))
+    _plain_order.set_joined(ctx, marker, token)
   return results
 
 
