@@ -38,13 +38,24 @@ the tree", places them among the modules):
 
 :func:`dispatch` runs them all. :func:`fast_dispatch` builds the hook of one
 function in its common case (one ordered chain, its token a scalar or kept
-on the function's devices), the same steps inlined, stored by
-``TokenStore.store``. It hands every other case to the function's general
-call, nothing having run: an error pending (1), the thread's ``fast_mode``
-not the function's (2; cleared by any mode change, and while a joined
-token or one at risk is held), a chain starting, a token of another kind or
-a failed one (3), a call from a host callback (4), a refused placement (5),
-a first call, a call under a trace and a ``NeedsTokens``.
+on the function's devices), the same steps inlined; what it cannot take it
+hands to the function's general call, nothing having run (so do a first
+call, a call under a trace and a ``NeedsTokens``):
+
+====  ====================================================================
+step  the fast hook
+====  ====================================================================
+1     falls back when any error is pending (one dict check)
+2     falls back unless the thread's ``fast_mode`` is the function's mode
+      (cleared by a mode change, and while a joined token or one at risk
+      is held)
+3     one chain: one dict get and a check of its token (a scalar, or kept
+      on the function's devices); a chain starting, a token of another
+      kind or a failed one falls back
+4     falls back inside a call of the same thread (from a host callback)
+5     falls back when JAX refuses the token's placement
+6     ``TokenStore.store``: one chain, no sharding hashed in its common case
+====  ====================================================================
 """
 from __future__ import annotations
 
