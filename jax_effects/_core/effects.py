@@ -1,29 +1,18 @@
 """Effects: named streams of ordered side effects, and the ordering mode.
 
-An :class:`Effect` names one *runtime-token stream*. Two ordered side effects
-with the same ``Effect`` happen in program order, within one computation (a
-compiler-token chain) and across dispatches (a runtime token per thread).
-Side effects with different effects are not ordered relative to each other,
-unless the ordering mode is ``"global"``, where every ordered effect shares one
-stream (:data:`GLOBAL`) and so one total order. The mode is state here
-(:func:`get_ordering`); switching it (``_dispatch.modes``) first waits for the effects
-dispatched under the old one.
+An :class:`Effect` names one *runtime-token stream*: two ordered side
+effects with the same ``Effect`` happen in program order, within one
+computation and across dispatches; in ``"global"`` mode every ordered
+effect shares one stream (:data:`GLOBAL`). The mode is state here
+(:func:`get_ordering`); switching it: ``_dispatch.modes``.
 
-Inside a trace, every side-effect primitive carries a :class:`TraceEffect`, a
-JAX-level effect that tells JAX's transformations to keep the equation (no
-dead-code elimination, no duplication under remat). It is not one of JAX's
-*ordered* effects; ordered side effects also carry :data:`PLAIN_JIT_ORDER`,
-which is, but only matters where the pass never runs (plain ``jax.jit``). The
-token-threading pass (``_pass.token_pass``) reads these markers to learn which
-streams a sub-computation touches and then removes them: after the pass, JAX
-sees an effect-free function.
-
-Which chain a JAX effect is on (its *chain key*) is answered by one registry
-of effect types, as JAX answers what kind an effect is
-(:func:`register_chain_kind`): the markers here, the effects of JAX's own
-callbacks the pass adopts, device-side counters. The pass and the dispatch
-ask only it (:func:`chain_keys`, :func:`runtime_chain_keys`,
-:func:`has_chain`, :func:`has_own_marker`).
+Its part of the token calling convention (``design/tokens.md``): a side
+effect's equation carries a :class:`TraceEffect` marker (which JAX's
+transformations keep, and the pass removes), ordered ones also
+:data:`PLAIN_JIT_ORDER` for plain ``jax.jit``; which chain a JAX effect is
+on is one registry of effect types (:func:`register_chain_kind`), which the
+pass and the dispatch alone ask (:func:`chain_keys`,
+:func:`runtime_chain_keys`, :func:`has_chain`, :func:`has_own_marker`).
 """
 from __future__ import annotations
 
@@ -129,7 +118,7 @@ class _Unordered:
 UNORDERED = _Unordered()
 
 
-# --- ordering mode (state; switching waits for dispatched effects: _modes) ---------
+# --- ordering mode (state; switching waits for dispatched effects: _modes) ---
 
 class _ModeStack(threading.local):
   # Class default: reading ``stack`` on a thread that never entered
@@ -178,7 +167,7 @@ def pop_mode() -> None:
   _local.stack.pop()
 
 
-# --- resolving a call's settings ---------------------------------------------------
+# --- resolving a call's settings ---------------------------------------------
 
 def resolve(what: str, effect, ordered) -> tuple[Effect, bool]:
   """``(effect, ordered)`` of a ``print``/``log``/``callback`` call.
@@ -201,7 +190,7 @@ def resolve(what: str, effect, ordered) -> tuple[Effect, bool]:
   return effect, bool(ordered)
 
 
-# --- trace-time marker --------------------------------------------------------
+# --- trace-time marker -------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class TraceEffect(_compat.Effect):
@@ -218,15 +207,10 @@ class TraceEffect(_compat.Effect):
 
 @dataclasses.dataclass(frozen=True)
 class PlainJitOrder(_compat.Effect):
-  """A JAX *ordered* effect carried by every ordered side effect (one value).
-
-  Only for code that ends up under plain ``jax.jit`` (or JAX's eager dispatch
-  of ``cond``/``while``/``scan``), never seen by the token-threading pass:
-  JAX then threads its own runtime and compiler tokens through these effects,
-  one stream for all of them, so they happen in one program order (through
-  JAX's slower dispatch path). The pass removes every side-effect equation,
-  so ``jax_effects.jit`` never meets JAX's machinery.
-  """
+  """A JAX *ordered* effect carried by every ordered side effect (one
+  value), for code that ends up under plain ``jax.jit`` (or JAX's eager
+  ``cond``/``while``/``scan``): JAX's own tokens order them there. The pass
+  removes it with the equation."""
 
   def __str__(self):
     return "jax_effects[plain jax.jit order]"
@@ -238,16 +222,9 @@ PLAIN_JIT_ORDER = PlainJitOrder()
 @dataclasses.dataclass(frozen=True)
 class ExportedOrder(_compat.Effect):
   """The JAX *ordered* effect of a ``jax_effects.jit`` function exported
-  with ``jax.export`` (one value; ``_dispatch.exporting``).
-
-  The exported module's ``main`` takes and returns a ``!stablehlo.token``
-  for it (calling convention 9), so JAX orders ``exp.call`` s after one
-  another with its runtime tokens; inside ``jax_effects.jit`` the pass
-  threads an ``exp.call`` on the chain of :data:`DEFAULT`
-  (``_pass.exported_rule``). Serialized by its class's name
-  (``<class 'jax_effects._core.effects.ExportedOrder'>``: part of the
-  exported format, ``design/host_target.md``), found again when the
-  importing process has imported jax_effects.
+  with ``jax.export`` (one value; ``_dispatch.exporting``,
+  ``_pass.exported_rule``). Serialized by its class's name: part of the
+  exported format (``design/host_target.md``).
   """
 
   def __str__(self):
@@ -264,12 +241,9 @@ def marker(effect: Effect, ordered: bool) -> TraceEffect:
 
 def jax_effects_of(effect: Effect, ordered: bool,
                    in_while_cond: bool = False) -> set:
-  """The JAX effects of an effect equation: its marker (+ PLAIN_JIT_ORDER).
-
-  An effect traced directly in a ``while_loop``'s ``cond_fun`` is not
-  JAX-ordered: JAX's lowering of a ``while`` with ordered effects in
-  ``cond_fun`` ignores a vmap-batched predicate (wrong results).
-  """
+  """The JAX effects of an effect equation: its marker (+ PLAIN_JIT_ORDER,
+  but not directly in a ``cond_fun``: JAX's lowering of a ``while`` with
+  ordered effects there ignores a vmap-batched predicate)."""
   if ordered and not in_while_cond:
     return {marker(effect, ordered), PLAIN_JIT_ORDER}
   return {marker(effect, ordered)}
@@ -294,18 +268,7 @@ _compat.ordered_effects.add_type(ExportedOrder)
 _compat.shardable_ordered_effects.add_type(ExportedOrder)
 
 
-# --- which chain a JAX effect is on: one registry ------------------------------
-#
-# JAX answers "what kind of effect is this" with registries of effect types
-# (``ordered_effects.add_type``); "which chain does it join" is answered
-# here, once, for ours and JAX's alike: each effect type that puts an
-# equation on a chain registers how its chain key is computed
-# (:func:`register_chain_kind`), and the pass and the dispatch ask only these
-# functions. Registered: :class:`TraceEffect` (here: its effect, GLOBAL in
-# global mode, UNORDERED when unordered), the effects of JAX's callbacks the
-# pass adopts (``_pass.adopted``: DEFAULT, GLOBAL in global mode) and
-# device-side counters (``_primitives.counter``: the ``Counter``, a chain
-# that never leaves its computation).
+# --- which chain a JAX effect is on: one registry (``design/tokens.md``) ---
 
 class ChainKind(NamedTuple):
   """How an effect type joins a chain (see :func:`register_chain_kind`)."""

@@ -1,22 +1,12 @@
 """Evaluating a jaxpr equation by equation into the current trace.
 
-The two jaxpr interpreters of jax_effects (the token-threading pass,
-``_pass.token_pass``, and the masking of effects in a vmapped ``cond`` branch,
-``_primitives.control_flow_batching``) walk a jaxpr the same way and differ only in what
-they do with an equation: :func:`eval_jaxpr` is that walk, with the
-equation's source info and context in effect, and a ``handle(eqn, invals)``
-that returns its outputs (:func:`rebind` re-emits it unchanged). An
-equation the caller leaves unchanged is copied into the trace instead of
-re-bound where it can be (``_compat.equation_copier``, as ``jax.jit``'s
-inlining does): the pass then costs a copy, not a trace, per such equation
-(a fresh process's first call from JAX's persistent cache pays it).
-
-:data:`CALLEES` names the call-like primitives (a callee jaxpr run as it is:
-``jit``, ``checkpoint``, ``closed_call``, custom derivatives and batching,
-``composite``, ``linear_call``) and the parameter holding the callee; both
-interpreters inline them (their custom rules have done their work when
-jax_effects sees the jaxpr). No part of the token calling convention: the
-callers add it.
+The walk both jaxpr interpreters share (the token-threading pass and the
+masking of effects in a vmapped ``cond`` branch,
+``_primitives.control_flow_batching``): :func:`eval_jaxpr`, with a
+``handle(eqn, invals)`` per interpreter; an equation it leaves unchanged is
+copied into the trace, not re-bound (``_compat.equation_copier``).
+:data:`CALLEES`: the call-like primitives both inline. No part of the
+token calling convention: the callers add it.
 """
 from __future__ import annotations
 
@@ -62,11 +52,8 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                handle: Callable[[Any, list], Any],
                unchanged: Callable[[Any], bool] | None = None) -> list:
   """Evaluates ``jaxpr`` in the current trace; ``handle(eqn, invals)``
-  returns each equation's output(s) (one value unless the primitive has
-  multiple results). An equation for which ``unchanged(eqn)`` holds (its
-  handler would :func:`rebind` it) is copied into the trace instead where
-  it can be (``_compat.equation_copier``): the same equation, without
-  re-running its abstract evaluation (several times cheaper)."""
+  returns each equation's output(s). One for which ``unchanged(eqn)``
+  holds is copied where it can be (no abstract evaluation: cheaper)."""
   env: dict = {}
   copy = (_compat.equation_copier(jaxpr) if unchanged is not None
           else None)

@@ -2,74 +2,60 @@
 
 Every call of a threaded ``jax.jit`` object (``function.PjitFunction``,
 ``stages.Compiled``) goes through here. Its part of the token calling
-convention: the executable is ``g(t_1, ..., t_k, *args, **kwargs) ->
-(outputs, token)``; the call passes the calling thread's runtime token of
-each chain (``token_store.TokenStore.runtime``), and the returned token becomes
-the new runtime token of every chain it took and the output token of its
-devices, stored before anything else can happen on the thread. The steps,
-in order:
+convention (``design/tokens.md``): the executable is ``g(t_1, ..., t_k,
+*args, **kwargs) -> (outputs, token)``; the call passes the thread's runtime
+token of each chain (``token_store.TokenStore.runtime``), and the returned
+token becomes the new runtime token of every chain it took and the output
+token of its devices, stored before anything else can happen on the thread.
 
-1. raise the errors earlier computations of this thread deferred, before
-   dispatching anything (``errors.raise_deferred``);
+The steps, told here only (``design/architecture.md``, "One call, through
+the tree", places them among the modules):
+
+1. raise the errors earlier computations of this thread deferred
+   (``errors.raise_deferred``);
 2. after a switch of the thread's ordering mode, wait for its earlier
    dispatches (``ThreadTokens.switch_mode``);
-3. fetch the runtime tokens (``ThreadTokens.tokens_for``): the computations
-   that returned them have ended without failing (a failed one's chain
-   starts afresh: a failed token is never handed on); a token kept on other
-   devices is combined (``device_tokens``);
-4. mark the thread dispatching (``ThreadTokens.begin_dispatch``: a SIGINT is
-   now handled by ``interrupts``);
-5. launch ``g``, under the launch lock when it spans several CPU devices
-   (``launch_lock``); an execution error is raised as it is, after what the
-   host kept for the execution is freed (``executions.failed``), or as
-   ``KeyboardInterrupt`` after a SIGINT (``interrupts``); a kept per-device
-   token refused because the arguments put the computation elsewhere is
-   replaced by its first device's copy and the launch retried;
-6. store the returned token (``TokenStore.update``; a call made inside
-   this one, from its host callback, took the next sequence number
-   (``ThreadTokens.tokens_for``, nested): of its token and this one's the
-   later is kept, the other joined), also when an interrupt
-   lands right after the launch (``TokenStore.store_interrupted``); a
-   computation over several devices that may leave effects to run on the
-   host is watched until it ends (``executions.watch``);
-7. raise ``KeyboardInterrupt`` after a SIGINT during the call; raise the
-   errors of callbacks that ran inline in this call (``errors.raise_own``);
-   after jax_effects' own exit handler (a call from a later one), report
-   every error at once and exit (``exit.report_late``).
+3. fetch the runtime tokens (``ThreadTokens.tokens_for``: a failed token is
+   never handed on, its chain starts afresh; one kept on other devices is
+   combined, ``device_tokens``);
+4. mark the thread dispatching (``ThreadTokens.begin_dispatch``: a SIGINT
+   is now handled by ``interrupts``);
+5. launch ``g``, under ``launch_lock`` when it spans several CPU devices; a
+   failure frees what the host kept for the execution
+   (``executions.failed``) and is raised as it is, or as
+   ``KeyboardInterrupt`` after a SIGINT; a kept per-device token refused
+   because the arguments put the computation elsewhere is replaced by its
+   first device's copy and the launch retried;
+6. store the returned token (``TokenStore.update``: of a nested call's
+   token and this one's the later is kept, the other joined;
+   ``TokenStore.store_interrupted`` when a SIGINT lands right after the
+   launch); watch a computation over several devices that may leave
+   effects to run on the host (``executions.watch_failure``);
+7. raise ``KeyboardInterrupt`` after a SIGINT during the call, else the
+   errors of callbacks that ran inline in it (``errors.raise_own``); after
+   jax_effects' own exit handler, report every error and exit
+   (``exit.report_late``).
 
-:func:`dispatch` is the general path. :func:`fast_dispatch` builds the hot
-path of one function in its common case, as a closure installed as the
-function's ``__call__``; it runs the same steps, inlined, and skips what its
-case cannot need:
+:func:`dispatch` runs them all. :func:`fast_dispatch` builds the hook of one
+function in its common case (one ordered chain, its token a scalar or kept
+on the function's devices), the same steps inlined; what it cannot take it
+hands to the function's general call, nothing having run (so do a first
+call, a call under a trace and a ``NeedsTokens``):
 
-=====================================  =====================================
-step                                   fast path
-=====================================  =====================================
-1. raise deferred errors               falls back to :func:`dispatch` when
-                                       any error is pending (one dict check)
-2. mode switch                         falls back unless the thread's
-                                       ``fast_mode`` is the function's mode
-                                       (cleared by any mode change)
-3. fetch tokens                        one chain: one dict get and a check
-                                       of its token, a scalar or one kept on
-                                       the devices of the function's token
-                                       (``fast_mode`` is None while a joined
-                                       one or one at risk is held); a failed
-                                       one falls back (the general path
-                                       learns it)
-4. mark dispatching                    falls back inside a call of the same
-                                       thread (a call from a host callback)
-5. elsewhere-retry                     falls back (nothing ran)
-6. store the token                     ``TokenStore.store``: one chain,
-                                       no sharding hashed in its common
-                                       case; a kept token's computation
-                                       watched where it may leave effects
-                                       to run on the host
-=====================================  =====================================
-
-A first call, a call under a trace, a trace that finds another chain
-(``NeedsTokens``) and a token of another kind returned go back to the
-function's general path.
+====  ====================================================================
+step  the fast hook
+====  ====================================================================
+1     falls back when any error is pending (one dict check)
+2     falls back unless the thread's ``fast_mode`` is the function's mode
+      (cleared by a mode change, and while a joined token or one at risk
+      is held)
+3     one chain: one dict get and a check of its token (a scalar, or kept
+      on the function's devices); a chain starting, a token of another
+      kind or a failed one falls back
+4     falls back inside a call of the same thread (from a host callback)
+5     falls back when JAX refuses the token's placement
+6     ``TokenStore.store``: one chain, no sharding hashed in its common case
+====  ====================================================================
 """
 from __future__ import annotations
 
@@ -93,13 +79,8 @@ TOKENS_KW = "__jax_effects_runtime_tokens__"
 
 
 class NeedsTokens(Exception):
-  """A threaded trace found chains its call passed no runtime token for.
-
-  Raised out of ``jax.jit``'s trace (``tracing.threaded``) to the call,
-  which learns ``keys`` and calls again (``core.Core.call_threaded``,
-  ``PjitFunction.trace``); :func:`dispatch` lets it through, nothing having
-  run; the fast hook hands the call to its general path.
-  """
+  """A threaded trace (``tracing.threaded``) found chains ``keys`` its call
+  passed no runtime token for: raised to the call, which learns them."""
 
   def __init__(self, keys):
     super().__init__(f"jax_effects: retrace with runtime tokens for {keys}")
@@ -108,8 +89,7 @@ class NeedsTokens(Exception):
 
 def _launch(site: _launch_lock.LaunchSite, call, tokens, args, kwargs):
   """``call(*tokens, *args, **kwargs)``, under the launch lock where
-  ``site`` needs it. (SIGINT landing here, as the call returns, is deferred
-  like in ``_dispatch``: registered below.)"""
+  ``site`` needs it."""
   if _launch_lock.serialize_launch(site):
     with _launch_lock.launch_lock:
       return call(*tokens, *args, **kwargs)
@@ -118,7 +98,7 @@ def _launch(site: _launch_lock.LaunchSite, call, tokens, args, kwargs):
 
 def _placed_elsewhere(err: ValueError, tokens) -> bool:
   """Whether ``err`` is JAX refusing a runtime token kept on other devices
-  than those of the computation (it names the token's parameter)."""
+  than the computation's (step 5)."""
   message = str(err)
   return ("incompatible devices" in message and TOKENS_KW in message
           and any(_device_tokens.kept_on_devices(t) for t in tokens))
@@ -126,28 +106,21 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
 
 def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
              kwargs, site: _launch_lock.LaunchSite, at_risk: bool = False):
-  """One dispatch step (every threaded call: :class:`~jax_effects._dispatch.core.Core`, :class:`Compiled`).
-
-  The steps of the module docstring, in order. Passes the thread's runtime
-  tokens of ``keys`` to ``call(*tokens, *args, **kwargs)`` and stores the
-  returned token. Returns ``(outputs, token)``. :class:`NeedsTokens`
-  propagates unchanged. A computation over several CPU devices is launched
-  under ``_launch_lock.launch_lock`` (``site``: what this call site launched
-  last). ``at_risk``: the computation runs one of JAX's own callbacks and
-  may fail as a whole (``ThreadTokens.tokens_for``).
-  """
-  if _errors.deferred:   # an earlier call's callback failed
-    _errors.raise_deferred(state)   # before dispatching anything
-  if state.mode != mode:   # after a mode switch: follow earlier dispatches
+  """The general path: the steps of the module docstring for the chains
+  ``keys``; returns ``(outputs, token)``. ``site``: what this call site
+  launched last (``launch_lock``); ``at_risk``: the computation may fail as
+  a whole (``ThreadTokens.tokens_for``). :class:`NeedsTokens` propagates."""
+  if _errors.deferred:
+    _errors.raise_deferred(state)
+  if state.mode != mode:
     state.switch_mode(mode)
   nested = state.dispatching   # (a call from a host callback of its call)
   tokens, read = state.tokens_for(keys, device_sharding, nested)
-  # This execution's identity (token_value), read before the launch: a call
-  # made inside it (from its host callback) moves the thread's copies.
+  # Read before the launch: a call made inside it moves the thread's copies.
   seqs, seq = state.execution(keys)
   outer = _errors.enter_call() if nested else None
   try:
-    state.begin_dispatch()   # (SIGINT now: interrupts)
+    state.begin_dispatch()
     try:
       elsewhere = False
       try:
@@ -158,11 +131,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         elsewhere = True
       except BaseException as err:  # noqa: BLE001 - an execution error or not
         _failed(state, seqs, err)
-      if elsewhere:
-        # A token kept on the devices of this function's last computation
-        # (device_tokens.kept_on_devices), while this call's arguments put
-        # the computation on others: JAX refused it before running anything.
-        # Its first device's copy (or combination) goes instead.
+      if elsewhere:   # (JAX refused it before running anything)
         tokens, read = state.tokens_for(keys, None, nested)
         seqs, seq = state.execution(keys)
         try:
@@ -173,8 +142,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         _launch_lock.launched(site, token.sharding)
         state.update(keys, token, read, at_risk, seq)
       except BaseException:
-        # KeyboardInterrupt (SIGINT) landing in update, after the computation
-        # was dispatched: its token is still stored, so what follows waits.
+        # (a SIGINT: the token is still stored, so what follows waits)
         state.store_interrupted(keys, token, read, at_risk, seq)
         raise
       if (seqs and len(token.sharding.device_set) > 1
@@ -187,9 +155,9 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
-    if _token_store.after_exit_handler:   # dispatched by a late exit handler
+    if _token_store.after_exit_handler:
       _exit.report_late(state)
-    if _errors.own.errors:   # a callback of this call failed (ran inline)
+    if _errors.own.errors:   # (callbacks that ran inline)
       _errors.raise_own(state, token)
   finally:
     if outer is not None:
@@ -199,10 +167,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
 
 @_compat.api_boundary   # (its traceback shows no frame of ours: jax.jit's)
 def _failed(state, seqs: dict, err: BaseException) -> None:
-  """Raises the error of a dispatch that failed (step 5): an XLA failure
-  frees what the host kept for the execution (``seqs``: its identity,
-  ``executions.failed``); after a SIGINT during the call (``interrupts``)
-  it is ``KeyboardInterrupt``."""
+  """Raises the error of a failed launch (step 5; ``seqs``: the
+  execution's identity)."""
   try:
     if _interrupts.slots and _interrupts.take(state):
       _executions.failed(state.slot, seqs)
@@ -220,10 +186,8 @@ _interrupts.dispatching_frame(_launch)
 
 
 def _fast_after(state, token) -> None:
-  """Step 7 of the fast hook (:func:`fast_dispatch`), once its token is
-  stored, when a SIGINT landed or a callback failed during the call: raises
-  ``KeyboardInterrupt`` (the computation ran; its token is stored), or the
-  errors of callbacks that ran inline in the call."""
+  """Step 7 of :func:`fast_dispatch`, when a SIGINT landed or a callback
+  failed during the call."""
   if _interrupts.slots and _interrupts.take(state):
     _errors.move_own_errors()
     raise KeyboardInterrupt
@@ -233,23 +197,11 @@ def _fast_after(state, token) -> None:
 
 def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
                   general, sharding=None):
-  """The dispatch hook of one function in its common case (``_dispatch.core``).
-
-  Valid while the function threads one ordered chain ``key`` through
-  ``jitted`` (``jitted(token, *args, **kwargs) -> (outputs, token)``) in
-  ordering mode ``mode``, its token a scalar (``sharding`` None) or one
-  kept on the devices of ``sharding``, passed back whole (then the thread's
-  ``fast_mode`` is ``token_store.devices_mode(mode)``). The returned
-  ``call(*args, **kwargs)`` is what calling the function calls: the steps
-  of :func:`dispatch` for that chain (the module docstring's table),
-  launched under ``launch_lock`` over several CPU devices (``site``: what
-  this hook launched last), the token stored by ``TokenStore.store``.
-  Every other case goes to ``general(*args, **kwargs)``, the function's
-  general call, which learns what there is to learn; nothing has run then,
-  but for a token of another kind returned (a new signature), which
-  ``TokenStore.update`` stores: it changes ``fast_mode``, so the next
-  call takes the general path.
-  """
+  """The hook ``call(*args, **kwargs)`` of a function threading the one
+  chain ``key`` through ``jitted(token, *args, **kwargs) -> (outputs,
+  token)`` in ``mode`` (the module docstring); ``sharding``: its kept
+  per-device token's (None: a scalar); ``general``: its general call. A
+  token of another kind returned is stored, and changes ``fast_mode``."""
   trace, axis_env, eval_trace, top_axis_env = _compat.TOP_LEVEL
   seq_mask = _token_value.SEQ_MASK
   errors = _errors.deferred   # (the registry dict itself: emptied, never replaced)

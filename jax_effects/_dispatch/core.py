@@ -1,62 +1,17 @@
-"""The learnt state of one ``jax_effects.jit`` function, and the states its calls go through.
+"""The learnt state of one ``jax_effects.jit`` function: its dispatch states.
 
 A :class:`Core` belongs to one (function, ``jit`` options) and is shared by
-every ``PjitFunction`` of them (:func:`core_for`, below). It holds what
-calls learn: per ordering mode the chains passed as runtime tokens and the
-``jax.jit`` objects of ``g`` for them (``tracing``); the kept traces; and
-the dispatch state, which decides what calling a ``PjitFunction`` calls
-(:attr:`Core.call`):
-
-==========  =================================================================
-state       call target
-==========  =================================================================
-FIRST       :meth:`Core.first_call`: traces :attr:`Core.plain`; a program
-            with effects learns its chains (:meth:`Core.learn`) and the call
-            goes threaded, one without is a plain call (PURE)
-PURE        :attr:`Core.plain` itself: a plain ``jax.jit`` call, no Python
-            frame of ours
-THREADED    :meth:`Core.call_threaded`: the general call path
-            (``call_path.dispatch``)
-FAST        the current mode's fast hook (``call_path.fast_dispatch``): one
-            ordered chain, its token a scalar or kept on its devices
-FALLBACK    :meth:`Core.call_threaded`, after :attr:`Core.plain` traced a
-            program with effects in PURE (:meth:`Core.effects_found`):
-            possibly a call straight from ``jax.jit``'s C++ path, which ran
-            them through JAX's ordered effects; the next threaded call first
-            waits for them
-==========  =================================================================
-
-Transitions, each through :meth:`Core.enter` under :attr:`Core.lock`: FIRST
--> PURE when a first call found no effect; any -> THREADED when a call
-learns a chain (from the first call's traced program, or a threaded trace's
-:class:`NeedsTokens`, raised to the call) or a call returns a per-device
-token; PURE -> FALLBACK (above); THREADED/FALLBACK -> FAST when a general
-call finds the fast hook applies (FALLBACK first waits). Under an enclosing
-trace every state binds :attr:`Core.plain`, a nested jit
-(:func:`call_nested`); under ``jax.disable_jit()`` the user function
-runs; neither changes the state.
-
-Learning goes one way: a trace returns what it found to the call that made
-it (the first call's traced plain program; a threaded trace's
-``call_path.NeedsTokens``, raised to the call), and the call learns it
-(:meth:`Core.learn`); the hot path (the fast hook) is built from plain
-callables and falls back to :meth:`Core.call_threaded` for everything it
-does not do. The only thing a trace tells the core is
-:meth:`Core.effects_found` (see there).
-
-Sharing, as ``jax.jit``'s caches: ``jax.jit(f)`` written inline (a new
-object per call: in a loop, a lambda, a library) traces ``f`` once, because
-JAX keys its caches by the function and the options, holding the function
-weakly. Every ``PjitFunction`` of the same function object and equal
-options shares one core (:func:`core_for`), so a new ``PjitFunction`` of a
-known function starts where the last one left off. Identity of the
-function, as JAX's C++ cache: a bound method, a ``functools.partial`` or a
-lambda made anew for each call is a new function (and is traced again, as
-under ``jax.jit``). The registry holds the function weakly and drops its
-entry when it goes; the core holds it weakly too, so nothing here keeps a
-function alive (each ``PjitFunction`` holds it strongly). A function that
-cannot be weakly referenced, or options that cannot be hashed, get a core
-of their own, not shared.
+every ``PjitFunction`` of them (:func:`core_for`, keyed weakly by the
+function as ``jax.jit``'s caches are; a function that cannot be weakly
+referenced, or options that cannot be hashed, get a core of their own).
+It holds what calls learn: per ordering mode the chains passed as runtime
+tokens and the ``jax.jit`` objects of ``g`` for them (``tracing``), the kept
+traces, and the dispatch state (FIRST, PURE, THREADED, FAST, FALLBACK),
+which decides what calling a ``PjitFunction`` calls (:attr:`Core.call`);
+every change goes through :meth:`Core.enter` under :attr:`Core.lock`. The
+states, their transitions and how learning goes one way (a trace returns
+what it found to its call): ``design/architecture.md``, ``_dispatch``.
+Nothing here keeps a function alive.
 
 Its part of the token calling convention: which tokens a call passes
 (``keys``), see ``tracing``.
@@ -67,7 +22,6 @@ import functools
 import threading
 from typing import Any, Callable
 import weakref
-
 
 from jax_effects import _compat
 from jax_effects import _jax_api
@@ -85,18 +39,16 @@ from jax_effects._runtime import token_store as _token_store
 
 FIRST, PURE, THREADED, FAST, FALLBACK = (
     "first", "pure", "threaded", "fast", "fallback")
-NeedsTokens = _call_path.NeedsTokens
 
 
 class _Threaded:
   """A function's threaded path in one ordering mode.
 
   ``keys``: the ordered chains passed as runtime tokens, in order.
-  ``per_device_sharding``: sharding of the per-device token returned last
-  (None: scalar tokens). ``jitted``: the ``jax.jit`` objects of ``g`` for
-  ``len(keys)`` tokens, by ``jit_options.n_dynamic``; dropped when ``keys``
-  grows. ``fast``: the fast hook while it applies, else None. ``launch``:
-  whether launches take the launch lock (``_launch_lock``).
+  ``per_device_sharding``: that of the per-device token returned last (None:
+  scalar tokens). ``jitted``: ``g``'s ``jax.jit`` objects for ``len(keys)``
+  tokens, by ``jit_options.n_dynamic``. ``fast``: the fast hook while it
+  applies. ``launch``: the ``launch_lock`` site of its launches.
   """
   __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
 
@@ -109,7 +61,7 @@ class _Threaded:
 
 
 class Core:
-  """What every ``PjitFunction`` of one (function, options) learnt (see above)."""
+  """What every ``PjitFunction`` of one (function, options) learnt."""
 
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
@@ -121,9 +73,8 @@ class Core:
     self.lock = threading.RLock()
     self.first_call_guard = _compat.first_call_guard()
     self.modes: dict[str, _Threaded] = {}
-    #: ``jax.jit`` of the user function as ``jax.jit`` traces it, effects
-    #: kept (``tracing.plain``): the PURE target, and what a call under an
-    #: enclosing trace binds (a nested jit).
+    #: ``jax.jit`` of the user function, effects kept (``tracing.plain``):
+    #: the PURE target, and what a call under a trace binds (a nested jit).
     self.plain = _jax_api.jit(self.traceable(functools.partial(
         _tracing.plain, self.traces, self.effects_found), None), **jit_kwargs)
     self.state = FIRST
@@ -152,8 +103,8 @@ class Core:
   # --- learning ----------------------------------------------------------
 
   def keys_and_jit(self, mode: str, args: tuple = ()):
-    """``(keys, jitted)``: ``mode``'s chains and the ``jax.jit`` of ``g``
-    built for exactly ``len(keys)`` tokens, read together."""
+    """``(keys, jitted)``: ``mode``'s chains and ``g``'s ``jax.jit`` for
+    ``len(keys)`` tokens, read together."""
     n_dynamic = _jit_options.n_dynamic(self.jit_kwargs, args)
     threaded = self.threaded(mode)
     with self.lock:
@@ -188,8 +139,7 @@ class Core:
         threaded.fast = None
 
   def learn(self, mode: str, keys: tuple) -> None:
-    """A trace in ``mode`` found ``keys`` (the chains its program uses; a
-    caller's, from a ``Traced`` or a :class:`NeedsTokens`)."""
+    """A trace in ``mode`` found the chains ``keys``."""
     threaded = self.threaded(mode)
     with self.lock:
       new = tuple(k for k in keys if k not in threaded.keys)
@@ -201,10 +151,10 @@ class Core:
         self.enter(THREADED)
 
   def effects_found(self) -> None:
-    """:attr:`plain` traced a program with effects (``tracing.plain``): in
-    PURE this may be a call straight from ``jax.jit``'s C++ path about to
-    run them through JAX's ordered effects: it follows the thread's
-    dispatched effects, and the next call waits for it (FALLBACK)."""
+    """:attr:`plain` traced a program with effects: in PURE, possibly a call
+    from ``jax.jit``'s C++ path about to run them through JAX's ordered
+    effects; it follows the thread's effects, the next call waits (FALLBACK).
+    """
     if self.state is not PURE:
       return
     with self.lock:
@@ -217,8 +167,7 @@ class Core:
 
   @_compat.api_boundary   # (a user error's traceback shows no frame of ours)
   def first_call(self, *args, **kwargs):
-    """FIRST: traces :attr:`plain`; with effects the call goes threaded,
-    else it is a plain ``jax.jit`` call (PURE)."""
+    """FIRST: traces :attr:`plain`; threaded with effects, else PURE."""
     if not _compat.compiled_dispatch():
       return call_nested(self, *args, **kwargs)
     if _fork.forked_after_backend:
@@ -265,7 +214,7 @@ class Core:
         out, token = _call_path.dispatch(
             state, mode, keys, threaded.per_device_sharding, jitted, args,
             kwargs, threaded.launch, may_fail)
-      except NeedsTokens as err:
+      except _call_path.NeedsTokens as err:
         self.learn(mode, err.keys)
         continue
       if self.traces.user_code and threaded.launch.finish is None:
@@ -313,7 +262,7 @@ class Core:
 def chains(effects, mode: str) -> tuple | None:
   """The runtime-token chains of a program with JAX ``effects``, or None
   when it has nothing to thread (no effect, no counter)."""
-  if not _tracing.has_chains(effects, mode):
+  if not _effects.chain_keys(effects, mode):
     return None
   return _effects.runtime_chain_keys(effects, mode)
 
@@ -321,32 +270,16 @@ def chains(effects, mode: str) -> tuple | None:
 # --- outside the threaded path ---------------------------------------------
 
 
-def _call_fun(core: Core, *args, **kwargs):
-  """Under ``jax.disable_jit()``: the user function itself (the eager
-  impl of each effect orders it)."""
-  return core.traces.fun()(*args, **kwargs)
-
-
 def call_nested(core: Core, *args, **kwargs):
-  """Under an enclosing trace: a nested jit, as ``jax.jit``'s call binds.
-
-  The enclosing trace gets one ``jit`` equation of :attr:`Core.plain`
-  (effects kept), which it transforms, caches and compiles as it does
-  ``jax.jit``'s: inside an outer ``jax_effects.jit`` the pass inlines it
-  and threads its effects with the outer's tokens. Under a transformation
-  applied eagerly (``grad``/``vmap``/``jvp`` at the top level) JAX runs
-  the jit before the bind returns, its effects ordered by JAX's own
-  ordered effect (``effect.fallback_lowering``): around it the call
-  raises the thread's pending errors, waits for the effects the thread
-  dispatched before, then for the computation's (JAX's runtime token), so
-  the thread's later calls follow it, and raises the errors of its
-  callbacks (``design/errors.md``).
+  """Under an enclosing trace: a nested jit of :attr:`Core.plain`, as
+  ``jax.jit``'s call binds; under an eagerly applied transformation, ordered
+  around the thread's calls (``design/architecture.md``, ``_dispatch``).
   """
   if (_compat.disable_jit_flag.value
       or _compat.enclosing_staging() == "pmap"):
     # (pmap staged as itself, an option of JAX 0.8 and 0.9: inside it the
     # function runs, so an effect refuses it naming itself, bind_effect)
-    return _call_fun(core, *args, **kwargs)
+    return core.traces.fun()(*args, **kwargs)
   if not _compat.eager_transformation():
     return core.plain(*args, **kwargs)
   state = _threads.thread_state()
@@ -362,7 +295,7 @@ def call_nested(core: Core, *args, **kwargs):
   return out
 
 
-# --- one core per (function, options) --------------------------------------------
+# --- one core per (function, options) ----------------------------------------
 
 #: (id(fun), options key) -> (weak reference to fun, core)
 _cores: dict[tuple, tuple[weakref.ref, Core]] = {}

@@ -1,31 +1,19 @@
 """``jax.export`` of a ``jax_effects.jit`` function with effects.
 
 ``jax.export.export(jax_effects.jit(f))(*specs)`` traces ``f`` as a call
-does (``stages.trace``) and lowers, for export, not the threaded
-``g(t_1, ..., t_k, *args) -> (outputs, token)`` (its runtime tokens are
-jax_effects' dispatch's business) but::
+does and lowers, for export, not the threaded ``g`` but its exported form
+(its part of the token calling convention: ``design/tokens.md``, "An
+exported function"; ``_primitives.exported``)::
 
     h(*args) -> outputs:
       c = exported_entry()                 # JAX's ordered EXPORTED_ORDER
       outputs, token = g(c, ..., c, *args)
       exported_exit(token)                 # JAX's ordered EXPORTED_ORDER
 
-with the user's ``jax.jit`` options (``_primitives.exported`` has the
-convention). JAX lowers it with its calling convention for ordered effects
-(version 9): the exported module's ``main`` takes and returns a
-``!stablehlo.token`` before the arrays, and ``Exported.ordered_effects`` is
-``(EXPORTED_ORDER,)``, so JAX orders ``exp.call`` s with its runtime
-tokens, and inside ``jax_effects.jit`` the pass threads them
-(``_pass.exported_rule``). Every host call in it is a custom call to
-jax_effects' FFI target (``_primitives.host_target``) whose spec rebuilds
-its host side in the importing process; one that cannot be (a callback not
-given a stable name) is refused here, naming it. ``jax.export`` must be
-told that the target is allowed:
-``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_effects_host")]``
-(:data:`TARGET`), as for any custom call without JAX's compatibility
-guarantee (``design/host_target.md``: what an exported module promises);
-an export without it is refused here, in one line naming it, before
-lowering (JAX's own refusal would come after, with the module's text).
+with the user's ``jax.jit`` options. Refused here, naming the reason, before
+lowering: where the host target is unavailable, for platforms other than
+CPU, and unless ``jax.export`` is told the target (:data:`TARGET`) is
+allowed (``design/host_target.md``: what an exported module promises).
 """
 from __future__ import annotations
 

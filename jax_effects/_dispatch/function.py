@@ -1,43 +1,20 @@
 """``jax_effects.jit``: a drop-in for ``jax.jit`` whose side effects are token-threaded.
 
-A :class:`PjitFunction` (jax_effects' own, the drop-in for JAX's) is what
-``jax_effects.jit(fun, **options)`` returns. It holds the user's function
-and options and the learnt state it shares with every ``PjitFunction`` of
-the same function object and equal options (a ``core.Core``,
-``core.core_for``): ``jax_effects.jit(f)(x)`` written inline, a new object
-per call, reuses the trace and the executable as ``jax.jit(f)(x)`` does.
-Calling it calls the core's current call target (``__call__`` is a
-property returning it): the plain ``jax.jit`` object itself once the
-function is known to be pure, the fast hook in the common threaded case,
-else the core's first or general call (the states: ``core``). The calling
-convention of its ``jax.jit`` objects, ``g(t_1, ..., t_k, *args,
-**kwargs) -> (outputs, token)``: ``tracing``.
+A :class:`PjitFunction` holds the user's function and options and the
+learnt state it shares with every ``PjitFunction`` of them (``core``);
+calling it calls the core's current call target (``__call__`` is a property
+returning it). The rest of ``jax.jit``'s object, and what it shows
+(``design/architecture.md``, ``_dispatch``): ``trace``/``lower``/
+``eval_shape`` learn as a call does; :func:`describe` is the hook through
+which tests observe the state. The calling convention of its ``jax.jit``
+objects: ``tracing``.
 
-The rest of ``jax.jit``'s object: ``trace``/``lower``/``eval_shape`` learn
-as a call does and return ``jax.stages.Traced``/``Lowered`` (below: JAX's
-stages of the ``jax.jit`` the call would use, minus the token);
-``clear_cache``, ``__wrapped__``, ``__signature__`` (the function's, as
-``inspect.signature(jax.jit(f), follow_wrapped=False)`` answers), a repr
-and a class name saying what it is (tools that detect jit-wrapped functions
-match ``PjitFunction`` in them, chex's ``is_traceable`` for one),
-copy/deepcopy/pickle (one of the same function and options: the same
-shared state, as ``jax.jit``'s caches are shared), use as a method (a
-bound ``types.MethodType``). :func:`describe` is the documented hook through
-which tests observe the state.
-
-Its stages: :class:`Traced`/:class:`Lowered` and ``Lowered.compile``'s
-:class:`Compiled` each wrap JAX's stage of whichever ``jax.jit`` object
-the call would use (the plain one, or the threaded ``g``) and show the
-user's arguments and outputs (``args_info``, ``in_tree``, ``out_info``,
-``input_shardings``, ...), never the token argument or result; cost and
-memory analysis and the text are those of the threaded computation.
-``Compiled.__call__`` runs the call path (``call_path.dispatch``) with the
-tokens of the chains it was compiled for. Lowering a function with effects
-for ``jax.export`` lowers its exported form instead (``exporting``). Each
-is an
-instance of JAX's class (``jax.stages.Traced``, ``Lowered``, ``Compiled``:
-libraries check for them) without being built as one: it defines or
-forwards to JAX's stage every public name of JAX's class
+Its stages (:class:`Traced`, :class:`Lowered`, :class:`Compiled`) wrap JAX's
+stage of whichever ``jax.jit`` object the call would use and show the
+user's arguments and outputs, never the token; ``Compiled.__call__`` runs
+the call path; lowered for ``jax.export``, the exported form
+(``exporting``). Each is an instance of JAX's class without being built as
+one: it forwards to JAX's stage every public name it does not define
 (:func:`_forwarding`), so nothing of JAX's class runs on it.
 """
 from __future__ import annotations
@@ -86,9 +63,6 @@ class PjitFunction(Generic[_P, _R]):
     self._jit_kwargs = jit_kwargs
     self._core = _core.core_for(fun, jit_kwargs)
 
-  #: Calling it calls its core's current target (``core``): the
-  #: ``jax.jit`` object itself once the function is known to be pure (no
-  #: Python frame of ours), the fast hook, or the first/general call.
   if TYPE_CHECKING:   # (for type checkers: called like the wrapped function)
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R: ...
   else:
@@ -183,8 +157,8 @@ class Description:
   ``state``: its dispatch state (``core``: "first", "pure", "threaded",
   "fast", "fallback"); ``keys``: ordering mode -> chains passed as runtime
   tokens; ``executables``: in its ``jax.jit`` caches; ``traces``: jaxprs
-  kept; ``shared``: an identifier of the learnt state, equal where shared; ``registered``: how many shared states exist in the
-  process (every function with a live ``jax_effects.jit``).
+  kept; ``shared``: an identifier of the learnt state, equal where shared;
+  ``registered``: how many shared states exist in the process.
   """
   state: str
   keys: dict
@@ -202,15 +176,13 @@ def describe(function: PjitFunction) -> Description:
                      shared=id(core), registered=_core.registered())
 
 
-# --- stages ---------------------------------------------------------------------
+# --- stages ------------------------------------------------------------------
 
 class _Stage:
   """What a JAX stage shows about inputs and outputs, minus our token.
 
-  ``_inner`` is JAX's stage (``Traced``, ``Lowered`` or ``Compiled``) of the
-  pure ``jax.jit`` (``_mode`` None: nothing to strip) or of the threaded
-  ``g(*tokens, *args, **kwargs) -> (outputs, token)``. Attributes not defined
-  here are JAX's.
+  ``_inner`` is JAX's stage of the pure ``jax.jit`` (``_mode`` None: nothing
+  to strip) or of the threaded ``g``. Other attributes are JAX's.
   """
 
   def _strip_in(self, tree):
@@ -256,8 +228,7 @@ class _Stage:
 
 def _forwarding(cls):
   """Forwards to ``_inner`` every public name of ``cls``'s JAX base class
-  that ``cls`` does not define (JAX's methods would read slots that are not
-  set here)."""
+  that ``cls`` does not define (JAX's methods would read unset slots)."""
   jax_base = next(b for b in cls.__mro__ if b.__module__.startswith("jax."))
   for name in dir(jax_base):
     if name.startswith("_") or any(name in vars(b) for b in cls.__mro__
@@ -272,12 +243,8 @@ def _forwarding(cls):
 
 @_forwarding
 class Traced(_Stage, jax.stages.Traced):
-  """A traced :class:`PjitFunction` (as ``jax.jit(f).trace(...)``).
-
-  ``.jaxpr`` is the token-threaded jaxpr (what is lowered); ``args_info``,
-  ``in_tree``, ``out_info``, ``out_avals`` show the user's arguments and
-  outputs.
-  """
+  """A traced :class:`PjitFunction` (as ``jax.jit(f).trace(...)``);
+  ``.jaxpr`` is the token-threaded jaxpr (what is lowered)."""
 
   def __init__(self, function, traced, mode, keys, args=(), kwargs=None):
     self._function = function
@@ -293,10 +260,6 @@ class Traced(_Stage, jax.stages.Traced):
     if self._export_traced is not None:   # (what jax.export lowered)
       return self._export_traced.jaxpr
     return self._inner.jaxpr
-
-  @property
-  def fun_name(self):
-    return self._inner.fun_name
 
   @property
   def out_avals(self):
@@ -325,15 +288,6 @@ class Lowered(_Stage, jax.stages.Lowered):
     self._mode = mode
     self._keys = keys
 
-  def as_text(self, *args, **kwargs) -> str:
-    return self._inner.as_text(*args, **kwargs)
-
-  def compiler_ir(self, *args, **kwargs):
-    return self._inner.compiler_ir(*args, **kwargs)
-
-  def cost_analysis(self):
-    return self._inner.cost_analysis()
-
   def compile(self, *args, **kwargs) -> "Compiled":
     compiled = Compiled(self._inner.compile(*args, **kwargs), self._mode,
                         self._keys)
@@ -345,29 +299,13 @@ class Lowered(_Stage, jax.stages.Lowered):
 
 @_forwarding
 class Compiled(_Stage, jax.stages.Compiled):
-  """A compiled :class:`PjitFunction`; calling it runs the dispatch hook.
-
-  ``input_shardings``/``input_formats`` and ``output_shardings``/
-  ``output_formats`` are those of the user's arguments and outputs.
-  """
+  """A compiled :class:`PjitFunction`; calling it runs the call path."""
 
   def __init__(self, compiled, mode, keys):
     self._inner = compiled
     self._mode = mode
     self._keys = keys
     self._launch = _launch_lock.LaunchSite()
-
-  def as_text(self) -> str:
-    return self._inner.as_text()
-
-  def cost_analysis(self):
-    return self._inner.cost_analysis()
-
-  def memory_analysis(self):
-    return self._inner.memory_analysis()
-
-  def runtime_executable(self):
-    return self._inner.runtime_executable()
 
   @property
   def input_shardings(self):
@@ -395,9 +333,8 @@ class Compiled(_Stage, jax.stages.Compiled):
 
 
 def _trace(core: _core.Core, function, args, kwargs) -> Traced:
-  """``function.trace(*args, **kwargs)`` (``core``: its learnt state): the
-  stage of whichever ``jax.jit`` a call would use, learning as a call does.
-  It traces under ``jax.disable_jit()`` too, as ``jax.jit``'s does."""
+  """``function.trace(*args, **kwargs)``: the stage of whichever
+  ``jax.jit`` a call would use, learning as a call does."""
   mode = _effects.get_ordering()
   if core.state in (_core.FIRST, _core.PURE):
     traced = core.plain.trace(*args, **kwargs)

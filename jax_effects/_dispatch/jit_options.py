@@ -1,13 +1,10 @@
 """The options and the face of ``g``, the function a ``jax_effects.jit``
 function's ``jax.jit`` objects trace (``tracing``).
 
-Part in the token calling convention: the threaded ``g`` takes the ``k``
-runtime tokens as its first positional arguments (``t_1, ..., t_k``, named
-with the reserved prefix :data:`TOKENS_KW`) and returns ``(outputs,
-token)``, so the user's ``static_argnums``/``donate_argnums`` shift by
-``k``, ``in_shardings`` gets None for the tokens and ``out_shardings`` None
-for the returned token (:func:`threaded_jit_kwargs`); its
-:class:`Traceable` is named, signed and located as the user's function.
+Its part of the token calling convention (``design/tokens.md``, "At the
+``jax.jit`` boundary"): the ``k`` runtime tokens are ``g``'s first
+positional parameters (named with the reserved prefix :data:`TOKENS_KW`),
+so the user's options shift (:func:`threaded_jit_kwargs`).
 """
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ from typing import Callable
 
 from jax_effects._dispatch import call_path as _call_path
 
-#: Prefix of the token parameters' names: reserved.
 TOKENS_KW = _call_path.TOKENS_KW
 
 
@@ -44,16 +40,6 @@ def signature(fun) -> inspect.Signature | None:
     return None
 
 
-def signature_with_tokens(sig: inspect.Signature | None, k: int):
-  """``sig`` (a user function's) with ``k`` runtime-token parameters first."""
-  if sig is None:
-    return None
-  extra = [inspect.Parameter(f"{TOKENS_KW}_{i}",
-                             inspect.Parameter.POSITIONAL_ONLY)
-           for i in range(k)]
-  return sig.replace(parameters=[*extra, *sig.parameters.values()])
-
-
 def n_dynamic(jit_kwargs: dict, args: tuple) -> int | None:
   """The number of non-static positional arguments of a call with ``args``
   where one ``in_shardings`` is given for every argument (it is expanded
@@ -69,12 +55,9 @@ def n_dynamic(jit_kwargs: dict, args: tuple) -> int | None:
 
 def threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None,
                         k: int) -> dict:
-  """``jax.jit`` keyword arguments for ``g(t_1, ..., t_k, *args, **kwargs)``.
-
-  Positional indices shift by ``k`` (negative ones are unchanged); the tokens
-  get no sharding constraint (None) and no sharding on the output.
-  ``n_dynamic`` (:func:`n_dynamic`) is needed only when ``in_shardings`` is
-  one sharding for every argument.
+  """``jax.jit`` keyword arguments for ``g(t_1, ..., t_k, *args, **kwargs)``:
+  positional indices shift by ``k`` (negative ones do not), the tokens get
+  no sharding, nor does the returned one. ``n_dynamic``: :func:`n_dynamic`.
   """
   kwargs = dict(jit_kwargs)
   for name in ("static_argnums", "donate_argnums"):
@@ -93,13 +76,9 @@ def threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None,
 
 
 class Traceable:
-  """``g``: calls ``body(args, kwargs)``; looks like the user's function.
-
-  ``__name__``, ``__qualname__``, ``__module__``, ``__doc__`` are the
-  function's, ``__signature__`` is its signature with ``tokens`` token
-  parameters first (None: the function's own), and ``__wrapped__`` reads
-  it through ``fun_ref`` (a weak reference, or a getter of a strong one),
-  so JAX's source locations name the user's code.
+  """``g``: calls ``body(args, kwargs)``; looks like the user's function
+  (``names``, its signature with ``tokens`` token parameters first, its
+  ``__wrapped__`` through ``fun_ref``), so JAX names and locates its code.
   """
 
   def __init__(self, body: Callable, fun_ref: Callable[[], Callable | None],
@@ -108,9 +87,14 @@ class Traceable:
     self._body = body
     self._fun_ref = fun_ref
     self.__dict__.update(names)
+    if sig is not None and tokens is not None:
+      sig = sig.replace(parameters=[
+          *(inspect.Parameter(f"{TOKENS_KW}_{i}",
+                              inspect.Parameter.POSITIONAL_ONLY)
+            for i in range(tokens)),
+          *sig.parameters.values()])
     if sig is not None:
-      self.__signature__ = (sig if tokens is None
-                            else signature_with_tokens(sig, tokens))
+      self.__signature__ = sig
 
   def __call__(self, *args, **kwargs):
     return self._body(args, kwargs)

@@ -1,23 +1,13 @@
 """Switching how effects are ordered: ``set_ordering``, ``ordering``, ``deterministic``.
 
 The ordering mode decides which runtime-token stream an ordered effect uses
-(``_core.effects.chain_key``): one per :class:`~jax_effects.Effect`
-(``"per_effect"``) or one for all (``"global"``). The two modes use different
-streams, so nothing would order an effect dispatched after a switch behind
-one dispatched before it: every switch here first waits for the effects
-already dispatched (``effects_barrier``), which keeps one program order
-across it. Switches are rare; blocking there costs nothing per call. The
-wait reports no error (each stays for the thread that dispatched it). A
-dispatch in flight in another thread while ``set_ordering`` runs is not
-waited for here: that thread's next dispatch in the new mode first waits for
-its own earlier ones (``ThreadTokens.switch_mode``), so every thread's
-order holds across the switch. A switch is refused inside a traced function
-(it would be ignored) and inside a host callback (it would wait for the
-computation running it): ``design/errors.md``.
-
-:func:`deterministic` switches how per-device output is *delivered*: held and
-released in a fixed order (``_runtime.output``); leaving it waits for the calling
-thread's effects and releases what is still held.
+(``_core.effects``): the two modes use different streams, so every switch
+here first waits for the effects already dispatched, and each thread's next
+dispatch in a new mode for its own (``ThreadTokens.switch_mode``): one
+program order holds across it. A switch is refused inside a traced function
+or a host callback (``design/errors.md``, "Mode switches").
+:func:`deterministic` switches how per-device output is delivered
+(``_runtime.output``; ``design/placement.md``).
 """
 from __future__ import annotations
 
@@ -91,40 +81,22 @@ def ordering(mode: str) -> Iterator[None]:
 def deterministic() -> Iterator[None]:
   """Per-device output of each dispatch in a fixed order (process-wide).
 
-  While the block is active (in any thread: the callbacks run on XLA's
-  threads), ordered ``print`` lines and ``log`` records of per-device
-  callbacks (``shard_map``/``pmap`` in ``jax_effects.jit`` code) are held and
-  released once every device's effects of that dispatch have run, sorted by
-  (position in the device's sequence of effects of the dispatch, device id).
-  For SPMD code whose control flow is the same on every device, position =
-  program point, so the same program logs identically run after run. On exit,
-  waits for the calling thread's effects and releases anything still held,
-  then raises the thread's callback errors not reported yet
-  (``effects_barrier``). Leaving on an exception, that exception propagates
-  unchanged (as from :func:`ordering`): the wait and release still happen,
-  and the errors stay for the thread's next call or barrier.
+  While the block is active (in any thread), ordered ``print`` lines and
+  ``log`` records of per-device callbacks (``shard_map``/``pmap`` in
+  ``jax_effects.jit`` code) are held and released once every device's
+  effects of that dispatch have run, sorted by (position in the device's
+  sequence of effects of the dispatch, device id): for SPMD code, the same
+  program logs identically run after run. On exit, waits for the calling
+  thread's effects, releases anything still held, then raises the thread's
+  callback errors not reported yet; leaving on an exception, that exception
+  propagates unchanged (the errors stay for the next call or barrier). A
+  ``jax.debug.callback`` or ``io_callback`` in per-device code is refused
+  inside it (a ``RuntimeError`` per device). What is and is not guaranteed:
+  ``design/placement.md``, "Order across devices, and the deterministic
+  view".
 
-  A release delivers every held line and record even when the output stream
-  or a handler raises for one of them; what it raised is reported to the
-  thread whose dispatch the output came from, once, like a callback's error
-  (this block's exit, for its own calls: ``design/errors.md``).
-
-  Guaranteed: on one device, program order (always); within one dispatch,
-  sorted as above (in this view only); a dispatch's output before the next
-  dispatch's on the same effect stream, and an ordered effect that runs once
-  after the per-device output before it (always). Not guaranteed: any order
-  across processes (each process delivers its own devices' output); an order
-  for ``ordered=False`` effects (delivered at once); a fixed interleaving when
-  several threads dispatch per-device effects at the same time (a release
-  delivers everything held); per-device effects under plain ``jax.jit``
-  (delivered at once). Refused: a ``jax.debug.callback`` or ``io_callback``
-  in per-device code (it runs user code, which cannot be held, and would
-  leave the output unsorted): a ``RuntimeError`` per device, reported as
-  callbacks' errors are.
-
-  Refused (``RuntimeError``) inside a function being traced (``jit``,
-  ``make_jaxpr``, a loop body): it takes effect when entered, around the
-  call of the jitted function, and would do nothing at run time there.
+  Refused (``RuntimeError``) inside a function being traced: it takes
+  effect when entered, around the call of the jitted function.
   """
   _barrier.check_not_in_traced("deterministic()")
   _output.start_holding()
@@ -139,7 +111,7 @@ def deterministic() -> Iterator[None]:
 
 def _leave_deterministic() -> None:
   """Ends the view: waits for this thread's effects (quietly), releases what
-  is still held; what a delivery raised is deferred for this thread."""
+  is held; what a delivery raised is deferred for this thread."""
   try:
     _barrier.wait_for_thread()
   finally:

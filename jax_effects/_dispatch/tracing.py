@@ -1,54 +1,23 @@
-"""What a ``jax_effects.jit`` function's ``jax.jit`` objects trace, with which options.
+"""What a ``jax_effects.jit`` function's ``jax.jit`` objects trace.
 
-Its part of the token calling convention (``design/tokens.md``). A
-function's threaded ``jax.jit`` object for the ordered chains ``keys``
-(``k`` of them) traces::
+Its part of the token calling convention (``design/tokens.md``, "At the
+``jax.jit`` boundary"): the threaded ``jax.jit`` object for the ``k``
+chains ``keys`` traces ``g(t_1, ..., t_k, *args, **kwargs) -> (outputs,
+token)`` (its options: ``jit_options``), whose body (:func:`threaded`)
+runs the token-threading pass on the user function's kept trace
+(:class:`TraceCache`): ``jax.jit`` sees no effect and keeps its C++ fast
+path. The plain one traces ``g(*args, **kwargs) -> outputs`` with the
+user's options, effects kept (:func:`plain`): the call of a pure function,
+and the nested jit a call under another trace binds.
 
-    g(t_1, ..., t_k, *args, **kwargs) -> (outputs, token)
-
-whose body (:func:`threaded`) traces the user function once per signature
-(:class:`TraceCache`) and runs the token-threading pass on its jaxpr
-(``_pass.token_pass``), re-tracing the result into ``jax.jit``'s trace: the
-pass leaves no JAX effect behind, so ``jax.jit`` keeps its C++ fast path.
-The runtime tokens are the first ``k`` positional arguments (``jax.jit``
-refuses keyword arguments when ``in_shardings`` is given, and a tuple
-argument would cost a pytree level on every dispatch), so the user's
-``static_argnums``/``donate_argnums`` shift by ``k``, ``in_shardings`` gets
-None for the tokens and ``out_shardings`` None for the returned token
-(:func:`threaded_jit_kwargs`). The *plain* ``jax.jit`` object traces
-``g(*args, **kwargs) -> outputs`` with the user's options unchanged, its
-body (:func:`plain`) the user function as ``jax.jit`` traces it, effects
-kept: the call of a pure function, and the nested jit a call under another
-trace binds.
-
-Nothing here learns. A threaded trace that finds a chain its call passed
-no runtime token for raises ``call_path.NeedsTokens`` out of ``jax.jit``'s
-trace, to the call, which learns the chain and calls again through a
-``jax.jit`` object for the new number of tokens; a first call learns from
-a trace of the plain program, stopped once effects are found
-(:func:`program_effects`). The one thing a trace tells its function is
-that a plain program had effects (:func:`plain`'s ``on_effects``): a
-function known to be pure is called straight through ``jax.jit``'s C++
-path, where no frame of ours runs.
-
-``g`` is a ``jit_options.Traceable``: named, signed and located as the user's
-function (``jax.jit`` names the computation and resolves
-``static_argnames`` from it) but holding it only weakly, as the traces do
-(the learnt state that owns them is shared by every ``PjitFunction`` of
-the function and must not keep it alive: ``core``).
-
-``jax.jit`` also calls the bodies with values instead of tracers:
-
-* under ``jax.disable_jit()``: the user function runs eagerly, its effects
-  through the eager impl, after the thread's dispatched effects (every
-  function, with effects or not; ``.trace()``/``.lower()`` still trace);
-* under ``jax_debug_nans``/``jax_debug_infs``, after a computation returned
-  a NaN or Inf, JAX calls the function again, "de-optimized", to find the
-  operation that made it (:func:`replay`): the program the computation ran
-  is evaluated equation by equation at the top level under
-  ``jax.disable_jit()``, so JAX's checks name the operation, and its
-  effects, which already ran in the computation, are not run again
-  (``threaded.already_ran``). Their results there are zeros.
+Nothing here learns: a threaded trace that finds a chain ``keys`` lacks
+raises ``call_path.NeedsTokens`` to its call; a first call learns from
+:func:`program_effects`; a plain trace tells its function only that it
+found effects (``on_effects``). ``jax.jit`` also calls the bodies with
+values: under ``jax.disable_jit()`` the user function runs eagerly; under
+``jax_debug_nans``/``jax_debug_infs`` JAX's de-optimized re-run evaluates
+the program equation by equation (:func:`replay`), its effects, which ran
+in the computation, not run again (``threaded.already_ran``).
 """
 from __future__ import annotations
 
@@ -72,9 +41,8 @@ from jax_effects._primitives import threaded as _threaded_primitive
 from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import threads as _threads
 
-NeedsTokens = _call_path.NeedsTokens
 
-# --- the kept traces --------------------------------------------------------------
+# --- the kept traces ---------------------------------------------------------
 
 #: How many traces (jaxprs by signature) a function keeps for reuse.
 KEPT_TRACES = 8
@@ -86,39 +54,26 @@ KEPT_RETIRED_SITES = 4096
 class TraceCache:
   """The traces of one function by signature: ``(closed jaxpr, out tree)``.
 
-  Tracing ``g`` traces the user function to a closed jaxpr
-  (``jax.make_jaxpr``) that a body then threads or re-emits. ``g`` is traced
-  again for the same signature (static leaves, avals of the dynamic ones,
-  ordering mode, and JAX's trace context, on which ``jax.jit`` keys its own
-  caches: a trace under ``jax.numpy_rank_promotion("raise")`` or
-  ``jax.default_matmul_precision`` is not one without) when a call learns a
-  new chain (a new ``jax.jit`` object for one more token), gets a new shape
-  of runtime token (a per-device token), or goes through the plain
-  ``jax.jit`` object too (a nested call): at most :data:`KEPT_TRACES` are
-  kept (oldest dropped first), so the user function is traced once per
-  signature, as under ``jax.jit``. Holds the function only weakly
-  (``fun_ref``). Registered with JAX's cache management, so
-  ``jax.clear_caches()`` drops them, as it drops ``jax.jit``'s traces.
+  Keyed by the static leaves, the avals of the dynamic ones, the ordering
+  mode and JAX's trace context (as ``jax.jit`` keys its caches), at most
+  :data:`KEPT_TRACES`, so the user function is traced once per signature
+  though ``g`` is traced again (a new chain, a per-device token, the plain
+  object). Holds the function weakly; ``jax.clear_caches()`` drops them.
   """
 
   def __init__(self, fun_ref: Callable[[], Callable | None]):
     self._fun_ref = fun_ref
     self._traces: dict = {}
-    #: Set once a trace runs one of JAX's own host calls that fail their
-    #: execution when they raise (``token_pass.may_fail``): what the
-    #: function's dispatches learn from it (``ThreadTokens.tokens_for``).
+    #: A trace runs one of JAX's host calls that fail their execution
+    #: (``token_pass.may_fail``; ``ThreadTokens.tokens_for``).
     self.may_fail = False
-    #: Set once a trace runs the user's own function on the host
-    #: (``token_pass.runs_user_code``): the function's calls wait for their
-    #: computations (``_runtime.launch_lock.finish``).
+    #: A trace runs the user's own code on the host
+    #: (``token_pass.runs_user_code``; ``launch_lock.finish``).
     self.user_code = False
-    #: The host target's sites lowered for this function's programs, kept
-    #: while its jax.jit objects (and their executables) may run them
-    #: (``host_target.keep_sites_in``): ``jax.clear_caches()`` does not
-    #: drop them (:meth:`clear`).
+    #: The host target's sites of this function's programs
+    #: (``host_target.keep_sites_in``), kept past ``jax.clear_caches()``.
     self.sites: set = set()
-    #: Sites of programs lowered before a ``jax.clear_caches()``, most
-    #: recent last (at most :data:`KEPT_RETIRED_SITES`).
+    #: Sites of programs lowered before a ``jax.clear_caches()``.
     self._retired: collections.deque = collections.deque(
         maxlen=KEPT_RETIRED_SITES)
     self._lock = threading.Lock()
@@ -134,12 +89,8 @@ class TraceCache:
   def clear(self) -> None:
     with self._lock:
       self._traces.clear()
-      # An executable lowered before the clear may still run: one in
-      # flight, or one that a call racing with the clear put back in
-      # jax.jit's C++ cache after it was emptied (its Python lowering,
-      # whose keepalives hold its sites, gone with JAX's caches). Its
-      # sites stay (retired, in a bounded store): a site in use is never
-      # unbound by a clear (``design/host_target.md``).
+      # An executable lowered before may still run: its sites stay, retired
+      # (``design/host_target.md``: a site in use is never unbound).
       self._retired.extend(self.sites)
       self.sites = set()
 
@@ -198,7 +149,7 @@ class TraceCache:
     return closed, dyn, out_tree
 
 
-# --- the bodies -------------------------------------------------------------------
+# --- the bodies --------------------------------------------------------------
 
 def _called_with_values() -> str | None:
   """Why ``jax.jit`` calls a body with values rather than tracing it:
@@ -216,23 +167,10 @@ def _called_with_values() -> str | None:
   return None
 
 
-def has_chains(effects, mode: str) -> bool:
-  """Whether a program with these JAX effects has something to thread (an
-  effect of ours or an adopted one, or a counter)."""
-  return bool(_effects.chain_keys(effects, mode))
-
-
 def plain(traces: TraceCache, on_effects: Callable[[], None], args, kwargs):
   """The body of the plain ``jax.jit``: the user function as ``jax.jit``
-  traces it, effects kept (``effect_p`` equations, JAX's callbacks).
-
-  Its jaxpr is the same wherever it is traced (at the top level, under
-  another trace, by ``.trace()``): ``jax.jit`` caches it for all of them.
-  Inside an outer ``jax_effects.jit`` the pass threads its effects; under
-  plain ``jax.jit``, at the top level or under an eager transformation,
-  JAX lowers them with their plain-jit lowering. Finding effects it calls
-  ``on_effects()`` (see the module docstring).
-  """
+  traces it, effects kept; the same jaxpr wherever it is traced. Finding
+  effects it calls ``on_effects()``."""
   how = _called_with_values()
   if how == "eager":
     return traces.fun()(*args, **kwargs)
@@ -241,7 +179,7 @@ def plain(traces: TraceCache, on_effects: Callable[[], None], args, kwargs):
   closed, dyn, out_tree = traces.trace(args, kwargs)
   _host_target.keep_sites_in(traces)   # (what jax.jit lowers next)
   mode = _effects.get_ordering()
-  if has_chains(closed.effects, mode):
+  if _effects.chain_keys(closed.effects, mode):   # (effects, counters)
     if _discovery.traces is traces:
       raise FoundEffects(closed.effects)
     on_effects()
@@ -270,13 +208,9 @@ _discovery = _Discovery()
 
 
 def program_effects(traces: TraceCache, plain_jit, args, kwargs):
-  """The JAX effects of the program that ``plain_jit`` (the plain
-  ``jax.jit`` object of ``traces``) traces for ``(args, kwargs)``, from a
-  ``.trace()`` of it that stops once it knows there are effects to
-  thread: the threaded trace comes next, and re-emitting the program into
-  the plain jaxpr first would be work thrown away (a first call's cost
-  from a warm persistent cache). The user function's own trace is kept
-  (``traces``) for the threaded trace."""
+  """The JAX effects of ``plain_jit``'s program for ``(args, kwargs)``,
+  from a ``.trace()`` that stops once it finds effects (the threaded trace
+  comes next, reusing the kept trace of the user function)."""
   saved = _discovery.traces
   _discovery.traces = traces
   try:
@@ -289,8 +223,8 @@ def program_effects(traces: TraceCache, plain_jit, args, kwargs):
 
 def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):
   """The body of the threaded ``jax.jit`` for the runtime tokens of
-  ``keys``: raises :class:`NeedsTokens` (to the call) for the chains its
-  program uses that ``keys`` lacks."""
+  ``keys``: raises ``call_path.NeedsTokens`` (to the call) for the chains
+  its program uses that ``keys`` lacks."""
   k = len(keys)
   runtime, args = args[:k], args[k:]
   how = _called_with_values()
@@ -311,7 +245,7 @@ def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):
       key for key in _effects.runtime_chain_keys(closed.effects, mode)
       if key not in keys)
   if missing:
-    raise NeedsTokens(missing)
+    raise _call_path.NeedsTokens(missing)
   outs, token = _token_pass.thread_program(
       closed, dyn, dict(zip(keys, runtime)), mode)
   if token is None:
@@ -321,15 +255,9 @@ def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):
 
 def replay(traces: TraceCache, mode: str | None, keys: tuple,
            runtime: tuple, args, kwargs):
-  """JAX's de-optimized re-run of a computation that produced a NaN/Inf.
-
-  The function is traced on the call's values and its threaded program
-  evaluated equation by equation under ``jax.disable_jit()`` (control flow
-  in Python), so JAX's NaN/Inf checks of each operation raise
-  ``FloatingPointError`` naming it. The effects ran in the computation
-  already: here each returns its token and carrier unchanged and zeros.
-  ``mode`` None: the plain body (returns the outputs only).
-  """
+  """JAX's de-optimized re-run after a NaN/Inf (the module docstring): the
+  threaded program evaluated equation by equation, each effect returning its
+  token and carrier unchanged and zeros. ``mode`` None: the plain body."""
   closed, dyn, out_tree = traces.trace(args, kwargs, keep=False)
   mode_ = _effects.get_ordering() if mode is None else mode
   if mode is None:

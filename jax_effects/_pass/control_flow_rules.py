@@ -1,22 +1,12 @@
 """The pass's rules for control flow and call-like primitives.
 
-Each rule (``rule(eqn, invals, chains, mode) -> outputs``, registered with
-``token_pass.register_rule`` right under it) re-expresses its primitive
-with ``lax`` so that the carriers of the chains used inside cross the
-boundary as extra operands and results (compiler tokens cannot: JAX's
-``cond``/``scan`` abstract evaluation and ``while`` lowering refuse them):
-
-* ``cond`` as ``lax.switch`` whose branches run threaded (``kind="branch"``);
-* ``while`` as ``lax.while_loop``; effects in ``cond_fun`` are evaluated once
-  before the loop and once at the end of each iteration, so every
-  evaluation happens in order; under vmap with a batched predicate, each
-  element's effects run only while it is live;
-* ``scan`` as ``lax.scan`` (a loop region);
-* call-like primitives (``_core.jaxpr_eval.CALLEES``) inlined, and
-  ``custom_linear_solve`` as its ``solve`` jaxpr (differentiation has
-  already happened when the pass runs).
-
-See ``design/tokens.md`` and ``design/transformations.md``.
+Each rule (registered with ``token_pass.register_rule`` right under it)
+re-expresses its primitive with ``lax``, the carriers of the chains used
+inside crossing the boundary as extra operands and results: ``cond`` as
+``lax.switch``, ``while`` as ``lax.while_loop`` (effects in ``cond_fun`` run
+before the loop and after each iteration), ``scan`` as ``lax.scan``;
+call-like primitives are inlined, ``custom_linear_solve`` runs its
+``solve``. See ``design/tokens.md`` and ``design/transformations.md``.
 """
 from __future__ import annotations
 
@@ -91,13 +81,9 @@ _token_pass.register_rule(jex_prims.while_p, _while_rule)
 
 
 def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
-  """A while_loop that ``vmap`` gave a batched predicate (a bool array).
-
-  As JAX's own lowering does, the body runs while any element is live and a
-  finished element keeps its carry (a select); in addition, the effects of
-  the body and of ``cond_fun`` get the live mask, so they run only for the
-  elements still iterating (``_host_callback.masked``).
-  """
+  """A while_loop with a batched predicate: as JAX's lowering, the body
+  runs while any element is live and a finished one keeps its carry; the
+  effects get the live mask, so they run for live elements only."""
   def cond(carriers, vals):
     c, (pred,) = cond_fn(carriers if cond_effectful else (), *vals)
     return (c if cond_effectful else carriers), pred
@@ -144,15 +130,8 @@ _token_pass.register_rule(jex_prims.scan_p, _scan_rule)
 
 
 def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str):
-  """Call-like primitives (``_core.jaxpr_eval.CALLEES``: jit, checkpoint,
-  custom_jvp/vjp/vmap, closed_call, composite, linear_call).
-
-  Inlined: the callee is evaluated in the caller's trace with the caller's
-  chains. Differentiation has already happened when the pass runs, so the
-  custom rules and remat policy of these primitives have done their work;
-  a ``jit``'s ``in_shardings``/``out_shardings`` are applied as sharding
-  constraints (``_pass.inlined_jit``).
-  """
+  """Call-like primitives (``_core.jaxpr_eval.CALLEES``), inlined with the
+  caller's chains; a ``jit``'s shardings kept (``inlined_jit``)."""
   jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
   if eqn.primitive is not jex_prims.jit_p:
     return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
@@ -166,9 +145,8 @@ for _prim, _param in _jaxpr_eval.CALLEES.items():
 
 
 def _hi_primitive_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
-  """A high-level primitive (``call_hi_primitive``, JAX 0.11+: e.g.
-  ``lax.custom_root``): its expansion into ordinary primitives, threaded
-  in the caller's trace with the caller's chains (what lowering runs)."""
+  """A high-level primitive (``call_hi_primitive``, JAX 0.11+): its
+  expansion, threaded with the caller's chains (what lowering runs)."""
   closed = _compat.hi_primitive_expansion(eqn)
   return _token_pass.thread_jaxpr(closed.jaxpr, closed.consts, invals,
                                   chains, mode)
@@ -179,14 +157,8 @@ if _compat.call_hi_primitive_p is not None:
 
 
 def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
-  """``custom_linear_solve`` (e.g. ``jax.scipy.sparse.linalg.cg``): as its
-  impl, the ``solve`` jaxpr on its consts and the right-hand side.
-
-  The other jaxprs (``matvec``, ``vecmat``, ``transpose_solve``) are only for
-  differentiation, which has already happened: their effects are in the
-  equations JAX's jvp/transpose rules produced. So a print in the matvec of
-  ``cg`` runs where ``cg``'s solver loop calls the matvec, in order.
-  """
+  """``custom_linear_solve``: as its impl, the ``solve`` jaxpr (the other
+  jaxprs' effects are in what differentiation made of them)."""
   p = eqn.params
   jaxprs, lengths = p["jaxprs"], p["const_lengths"]
   consts, start = {}, 0

@@ -1,39 +1,19 @@
 """Token-threading rule for ``shard_map`` (and so ``pmap``): per-device effects.
 
-Inside a fully manual ``shard_map`` every side effect runs once per device
-(see ``_runtime.placement``). The rule re-expresses the ``shard_map`` equation with
-the carriers of the chains used inside as extra operands and results::
+Its part of the token calling convention (``design/placement.md``, "Tokens
+across devices"): the carriers of the chains used inside become extra
+operands and results::
 
     carrier_vecs, outs = shard_map(body', in_specs=(P() or P(axes), ...,
                                                     *in_specs),
                                    out_specs=(P(axes), ..., *out_specs))(
                                        carriers, *args)
 
-* A scalar carrier enters replicated (``P()``): every device's first effect
-  depends on the chain's previous effect (the runtime token, or the last
-  effect before the ``shard_map``; after an effect that ran once, only the
-  first device's copy is current and it is broadcast from there,
-  ``first_device.from_first_device_p``). Inside, it is cast to *varying* over the
-  manual axes (under ``check_vma``), which is what it is: each device threads
-  its own chain.
-* Each device's final carrier leaves as its element of a ``(n_devices,)``
-  vector (``P(axes)``), which stays the chain's carrier: a later ``shard_map``
-  over the same mesh takes it back per device (``P(axes)``), and at the end
-  it becomes the executable's token, one element per device. No collective is
-  added: XLA's CPU runtime deadlocks when several executions with collectives
-  are in flight (several threads, or async dispatch), so a program that had
-  none must not get one from us. The dispatch hook combines the elements into
-  the next runtime token outside the program
-  (``_runtime.device_tokens.combine``), so the next computation's effects
-  follow every device's effects, and each device keeps program order across
-  calls.
-* Where a scalar carrier is needed (an effect after the ``shard_map`` that
-  runs once, on one device, or the carry of a loop or branch), the vector is
-  reduced with ``max``: there the order across devices needs that collective.
-
-``jax.pmap`` is staged by JAX as ``jit(shard_map)`` over the mapped axis
-(always on 0.10; on 0.8 and 0.9 by default, see ``_compat.FEATURES``), so it
-is covered by the same rule.
+A scalar carrier enters replicated and is cast to varying inside; each
+device's final carrier leaves as its element of a ``(n_devices,)`` vector,
+which stays the chain's carrier (reduced with ``max`` where a scalar is
+needed). No collective is added. ``jax.pmap`` is staged as
+``jit(shard_map)``, so the rule covers it.
 """
 from __future__ import annotations
 
@@ -75,9 +55,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   keys = _effects.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
-  # A chain's runtime token (or a chain starting here) is the same on every
-  # device; after an effect that ran once (on the first device of several,
-  # first_device.on_first_device) only device 0's copy is current.
+  # After an effect that ran once only device 0's copy is current.
   after_once = [k in chains.carriers and not chains.still_entered(k)
                 for k in keys]
   carriers_in = []
@@ -98,9 +76,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
     return tuple(c.reshape((1,)) for c in carriers), list(outs)
 
   if _explicit(mesh, axes):
-    # A per-device token the next call passes back arrives typed replicated
-    # (jax.jit's type of the returned vector); over explicit axes shard_map
-    # checks in_specs against the type: split it (a local slice).
+    # A per-device token passed back arrives typed replicated: split it.
     split = jax.sharding.NamedSharding(mesh, P(axes))
     carriers_in = [jax.sharding.reshard(c, split)
                    if c.shape and jax.typeof(c).sharding.spec != P(axes)

@@ -4,34 +4,15 @@ Input: the closed jaxpr of a user function, traced with ``effect_p``
 equations (each marked with a ``TraceEffect``). Output: the same computation,
 re-traced into the current trace, in which every ``effect_p`` became a
 ``threaded_effect_p`` linked to its chain, and nothing carries a JAX effect.
+Its part of the token calling convention (``design/tokens.md``, "Inside a
+computation"): per chain key a compiler token and a carrier
+(:class:`Chains`); only carriers cross a higher-order primitive's boundary;
+the carriers start as the runtime tokens and end combined into the one
+token the executable returns (:func:`thread_program`).
 
-State of the interpreter (:class:`Chains`): for each chain key (an ``Effect``
-in per-effect mode, ``GLOBAL`` in global mode, ``UNORDERED`` for unordered
-effects) the current *compiler token* and the current *carrier*.
-
-* In straight-line code, each side effect consumes the chain's token and
-  carrier and produces new ones (``token' , carrier' = effect(token, carrier)``)
-  so the lowered StableHLO shows ``!stablehlo.token`` values chained through
-  the callbacks. A chain's first compiler token is created inside the
-  computation (``stablehlo.create_token``), independent of the runtime token.
-* JAX's ``cond``/``scan`` abstract evaluation and ``while`` lowering do not
-  accept token values, so at a higher-order primitive only the *carriers* of
-  the chains used inside cross the boundary (as extra operands and results);
-  inside, a fresh compiler token starts the chain again. Each carrier is an
-  output of the previous host callback, so order holds across the boundary.
-* At the top level, the carriers of ordered chains start as the runtime-token
-  arguments; at the end all carriers are combined into the one token array the
-  executable returns (new runtime token and output token).
-
-Higher-order primitives are handled by rules, registered with
-:func:`register_rule` under each rule's definition (in
-``_pass.control_flow_rules`` and ``_pass.shard_map_rule``). A rule gets the equation, its input values, the chains
-and the ordering mode, and returns the equation's outputs. A higher-order
-primitive with a marked effect inside and no rule is an error naming the
-effect, the primitive and why (:data:`REFUSED`, or a generic reason);
-primitives that hide their sub-computations' effects from their equation are
-looked into (:data:`HIDES_EFFECTS`). Equations with no marker are bound
-unchanged.
+Higher-order primitives go through rules (:func:`register_rule`, in
+``control_flow_rules`` and ``shard_map_rule``); one with an effect inside
+and no rule is refused, naming why (:func:`refusal`).
 """
 from __future__ import annotations
 
@@ -65,11 +46,10 @@ RULES: dict[jex_core.Primitive, Rule] = {}
 def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
   """Makes the pass thread chains through ``primitive`` with ``rule``.
 
-  ``rule(eqn, invals, chains, mode)`` must bind the equation's computation
-  into the current trace with every effect inside linked to its chain
-  (``chains.take``/``chains.put`` the carriers of the chain keys it uses,
-  ``_core.effects.chain_keys`` of ``eqn.effects``; :func:`region` runs a
-  sub-jaxpr threaded) and return the equation's outputs.
+  ``rule(eqn, invals, chains, mode)`` binds the equation's computation into
+  the current trace with every effect inside linked to its chain
+  (``chains.take``/``put`` the carriers of ``chain_keys(eqn.effects)``;
+  :func:`region` runs a sub-jaxpr threaded) and returns its outputs.
   """
   RULES[primitive] = rule
 
@@ -77,12 +57,8 @@ def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
 class Chains:
   """Current compiler token and carrier of each chain, during the pass.
 
-  At the top level a chain's carrier starts as its runtime token advanced
-  to this execution (``_runtime.token_value.advance``: the next sequence
-  number, an earlier execution's ``FAILED`` bit cleared), see
-  :func:`thread_program`; an unordered chain starts from zero.
-  ``entered``: those top-level carriers, while no effect has replaced them
-  (the same on every device).
+  ``entered``: the top-level carriers (the runtime tokens advanced to this
+  execution, :func:`thread_program`) while no effect has replaced them.
   """
   __slots__ = ("tokens", "carriers", "entered")
 
@@ -121,8 +97,7 @@ class _Context(threading.local):
   def __init__(self):
     self.kind = "top"
     self.masks: tuple = ()
-    # The chain keys with per-device (shard_map) effects in the program being
-    # threaded (None: not known, taken as every key); see _bind_threaded.
+    # Chain keys with per-device effects in the program (None: every key).
     self.shard_map_chains: set | None = None
 
 
@@ -149,7 +124,7 @@ def in_region(kind: str | None = None, mask=None):
 
 
 
-# --- the interpreter -----------------------------------------------------------
+# --- the interpreter ---------------------------------------------------------
 
 def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any], chains: Chains, mode: str) -> list:
@@ -197,43 +172,43 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   return _bind_threaded(key, host_callback, invals, chains)
 
 
-def _bind_threaded(key, host_callback, invals, chains: Chains):
-  """One ``threaded_effect_p`` on chain ``key``; returns its results."""
+def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
+  """Binds ``bind(token, carrier) -> (token, carrier, results)``, a call
+  that runs once, on chain ``key``; returns ``results``. Per-device carriers
+  enter as their max and leave broadcast, where ``from_first`` taken from
+  the device that ran it (``design/placement.md``, "Tokens across
+  devices")."""
   token = chains.tokens.get(key)
   if token is None:
     token = lax.create_token()
-  # (what the host keeps is named by it)
-  host_callback = _host_callback.on_chain(host_callback, key)
   carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:
-    # The per-device carriers of a shard_map (one per device) meet an effect
-    # that runs once, on one device: it follows every device's effects. The
-    # callback takes their max, a scalar, so XLA need not move the sharded
-    # vector whole to the callback's device and back ("[SPMD] Involuntary
-    # full rematerialization", a warning JAX's program does not get).
     carrier = jnp.max(carrier)
-  token, carrier, *results = _threaded.threaded_effect_p.bind(
-      token, carrier, *invals, host_callback=host_callback, entry=False,
-      ordered=key is not _effects.UNORDERED)
+  token, carrier, results = bind(token, carrier)
   if shape:
-    # The chain stays per device (a loop's carry must keep its type; at the
-    # top level the token stays one element per device, so the deterministic
-    # view releases at its combination): every element is the effect's
-    # carrier, from the device that ran it (the others' copies are stale, see
-    # first_device.on_first_device), so each device's later effects, in this
-    # execution or the next, follow this one. Only here, where an effect that
-    # runs once meets per-device ones, do the devices wait for a callback.
-    # A chain with no per-device effect in the program keeps device 0's copy
-    # in device 0's element (the others are stale, never read: its next once
-    # effect takes the max of the elements), with no collective in which
-    # every device would wait for this callback.
-    if _context.shard_map_chains is None or key in _context.shard_map_chains:
+    if from_first:
       carrier = _first_device.from_first_device_p.bind(carrier)
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
   return results
+
+
+def _bind_threaded(key, host_callback, invals, chains: Chains):
+  """One ``threaded_effect_p`` on chain ``key``; returns its results."""
+  # (what the host keeps is named by it)
+  host_callback = _host_callback.on_chain(host_callback, key)
+
+  def bind(token, carrier):
+    token, carrier, *results = _threaded.threaded_effect_p.bind(
+        token, carrier, *invals, host_callback=host_callback, entry=False,
+        ordered=key is not _effects.UNORDERED)
+    return token, carrier, results
+  # (a chain with no per-device effect here keeps device 0's copy)
+  per_device = _context.shard_map_chains
+  return bind_on_chain(chains, key, bind,
+                       per_device is None or key in per_device)
 
 
 def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
@@ -259,13 +234,8 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 
 
 def _counter_rule(eqn, invals, chains: Chains, mode: str):
-  """``counter_p``: the count is the counter chain's carrier
-  (``_primitives/counter.py``).
-
-  A set keeps the type of the count it replaces (``count * 0 + x``: inside
-  ``shard_map`` the carrier varies over the manual axes, and a loop's carry
-  must keep its type).
-  """
+  """``counter_p``: the count is the counter chain's carrier; a set keeps
+  the type of the count it replaces (varying inside ``shard_map``)."""
   del mode
   counter, op = eqn.params["counter"], eqn.params["op"]
   (x,) = invals
@@ -314,19 +284,16 @@ def refusal(eqn) -> NotImplementedError:
       f"(compute the values there and print, log or call back after it).")
 
 
-# --- top level -----------------------------------------------------------------
+# --- top level ---------------------------------------------------------------
 
 #: JAX's own primitives that call the host and fail their execution when the
-#: host function raises (left to JAX by the pass: ``jax.pure_callback``, a
-#: ``jax.debug.callback(partitioned=True)``, a user's FFI call). A program
-#: with one may fail as a whole while the next is dispatched
-#: (``_runtime.threads.ThreadTokens.tokens_for``).
+#: host function raises (left to JAX by the pass).
 _MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
 
 
 def may_fail(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a sub-jaxpr) runs one of JAX's own host calls
-  that fail their execution when they raise (:data:`_MAY_FAIL`)."""
+  """Whether ``jaxpr`` (or a sub-jaxpr) runs one of :data:`_MAY_FAIL`: its
+  computation may fail as a whole (``ThreadTokens.tokens_for``)."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in _MAY_FAIL or (name == "debug_callback"
@@ -338,17 +305,14 @@ def may_fail(jaxpr) -> bool:
   return False
 
 
-#: JAX's own primitives that run the user's function on the host (adopted
-#: by the pass or left to JAX): see :func:`runs_user_code`.
+#: JAX's own primitives that run the user's function on the host.
 _USER_CODE = ("debug_callback", "io_callback", "pure_callback")
 
 
 def runs_user_code(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) runs the user's own function on the
-  host (``HostCallback.user_code``: ``callback``, or JAX's
-  ``jax.debug.callback``/``io_callback``/``pure_callback``), which may
-  dispatch JAX computations or block: its call waits for the computation
-  (``_runtime.launch_lock.finish``)."""
+  host, which may dispatch or block: its call waits for the computation
+  (``launch_lock.finish``)."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _USER_CODE:
       return True
@@ -377,22 +341,13 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
 
 def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   runtime_tokens: dict, mode: str):
-  """Threads a whole program; returns ``(outs, token)``.
-
-  ``runtime_tokens`` maps each ordered chain key to its runtime-token argument
-  (the initial carrier). ``token`` combines every chain's final carrier (and
-  every runtime-token argument): it is ready only once every side effect of
-  this computation has run. It is None when there is nothing to combine.
-  """
+  """Threads a whole program; returns ``(outs, token)``: ``token`` (None:
+  nothing to combine) is ready once every effect of it has run.
+  ``runtime_tokens``: ordered chain key -> runtime-token argument."""
   shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
-  # A chain with no per-device effect here whose runtime token comes per
-  # device (another chain's shard_map made it so) takes it as one scalar
-  # first: one all-reduce as the execution starts, before any of its
-  # callbacks, instead of a vector carried through its loops (reduced around
-  # every once effect there: an all-reduce per iteration in which every
-  # device waits for the callback before it).
-  # Each chain enters with its token advanced to this execution's identity
-  # (_runtime.token_value: the same on every device).
+  # Each chain enters advanced to this execution's identity; one with no
+  # per-device effect here takes a per-device token as one scalar first
+  # (``design/placement.md``).
   runtime_tokens = {
       k: _token_value.advance(t if jnp.ndim(t) == 0 or k in shard_map_chains
                               else jnp.max(t))
@@ -403,28 +358,14 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.shard_map_chains = saved
-  # (Chains that stay in the computation, counters, end here: their last
-  # values are dropped.)
+  # (Counters end here.)
   carriers = {k: c for k, c in chains.carriers.items()
               if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
-  # (A chain that went through shard_map ends as a per-device vector, see
-  # _shard_map_rule: the token is then that vector, no collective needed.)
-  # A chain whose effect failed ends with the FAILED bit (its later effects
-  # were skipped) and so may the token: the next computation's advance
-  # clears it; the error itself is reported by the dispatching thread
-  # (design/errors.md).
   if any(jnp.shape(c) for c in finals):
-    # A per-device token: a chain whose last effect ran once contributes the
-    # carrier of the device that ran it to every device's element (the
-    # others' copies are stale, see first_device.on_first_device; a runtime
-    # token no effect took is the same everywhere), so that the next call's
-    # per-device effects of that chain follow it. A chain with no per-device
-    # effect in this program keeps its scalar: device 0's element holds its
-    # real carrier, which is what its next once effect (the max of the
-    # elements) and the combination for any other computation read; a
-    # broadcast would make every device wait for that chain's callbacks at
-    # the end of the execution, for no effect of theirs.
+    # A per-device token: a chain whose last effect ran once gives its
+    # carrier to every device's element, but only where it has per-device
+    # effects here (``design/placement.md``).
     finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in shard_map_chains
               else _first_device.from_first_device_p.bind(c)
               for k, c in carriers.items()]
@@ -433,12 +374,9 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
 
 def _final_token(finals: list):
   """The token returned: of the chains' final carriers, the latest
-  identity (each chain has its own sequence number; the maximum takes the
-  furthest), with ``FAILED`` if any has it. Compared without ``FAILED``:
-  that bit is the highest but one, and would let a chain that failed on one
-  device win over a later chain there only, so the devices' tokens would
-  name different executions next time (fault model seed 5235: a
-  summarized print's pieces never met)."""
+  identity, with ``FAILED`` if any has it. Compared without ``FAILED``, or
+  the devices' tokens could name different executions (fault model seed
+  5235)."""
   if not finals:
     return None
   if len(finals) == 1:
