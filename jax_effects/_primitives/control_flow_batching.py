@@ -1,26 +1,14 @@
 """vmap of ``cond``/``while`` whose predicate is batched, with our effects inside.
 
-JAX's vmap rules of these primitives are wrapped: JAX's own rule runs
-unchanged unless a branch (or the loop) holds a ``jax_effects`` effect and
-the predicate is batched (programs without our effects get JAX's behaviour
-bit for bit, ``tests/primitives/test_vmap_cond.py``).
+JAX's vmap rules of these primitives are wrapped and run unchanged unless
+the predicate is batched and a branch (or the loop) holds a
+``jax_effects`` effect (``design/transformations.md``, "vmap of control
+flow"): a ``cond`` branch's effects get ``index == i`` as a mask operand
+(:func:`_cond_batcher`), and a ``while``'s effects are batched per element
+(:func:`_while_batcher`).
 
-* **cond/switch** (:func:`_cond_batcher`): JAX's rule evaluates every branch
-  for every element and selects. Here too, but each branch's effects get
-  ``index == i`` as an extra batched operand (``host_callback.in_branch``),
-  at any depth (:func:`_eval_masked` re-expresses control flow inside the
-  branch), so an element runs only the effects of the branch it took, in
-  batch order, branch after branch.
-* **while** (:func:`_while_batcher`): JAX's rule, unchanged; while it batches
-  the body and ``cond_fun`` of a loop whose predicate is batched, every
-  effect there is batched per element even with no batched operand
-  (``effect.control_dependent``), so the pass can run it only for the
-  elements still iterating (``_host_callback.masked``).
-
-Part of the token calling convention: none directly. These rules act when
-the user's function is traced; the effects they produce are ordinary
-``effect_p`` equations (a mask operand first), which the pass threads like
-any other.
+Part of the token calling convention: none; the effects they produce are
+ordinary ``effect_p`` equations, which the pass threads like any other.
 """
 from __future__ import annotations
 
@@ -50,15 +38,13 @@ def _has_marker(jaxprs) -> bool:
 _jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]
 
 
-def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
-                   body_nconsts, body_jaxpr, **params):
-  """JAX's vmap rule of ``while``, unchanged; effects made per element
-  when the predicate is batched (found as JAX's rule finds it)."""
-  kw = dict(cond_nconsts=cond_nconsts, cond_jaxpr=cond_jaxpr,
-            body_nconsts=body_nconsts, body_jaxpr=body_jaxpr, **params)
+def _while_batcher(axis_data, args, dims, **params):
+  """JAX's vmap rule; effects made per element if the predicate is batched."""
+  cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
+  cond_nconsts, body_nconsts = params["cond_nconsts"], params["body_nconsts"]
   if (_effect.control_dependence.depth or all(d is None for d in dims)
       or not _has_marker([cond_jaxpr, body_jaxpr])):
-    return _jax_while_batcher(axis_data, args, dims, **kw)
+    return _jax_while_batcher(axis_data, args, dims, **params)
   batched = [d is not None for d in dims]
   cconst = batched[:cond_nconsts]
   bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
@@ -75,9 +61,9 @@ def _while_batcher(axis_data, args, dims, *, cond_nconsts, cond_jaxpr,
     carry = new
   _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
   if not pred:
-    return _jax_while_batcher(axis_data, args, dims, **kw)
+    return _jax_while_batcher(axis_data, args, dims, **params)
   with _effect.control_dependent():
-    return _jax_while_batcher(axis_data, args, dims, **kw)
+    return _jax_while_batcher(axis_data, args, dims, **params)
 
 
 batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
@@ -91,11 +77,8 @@ def _masked_effect(eqn, mask, invals):
 
 
 def _eval_masked(jaxpr, consts, mask, args):
-  """Evaluates ``jaxpr`` into the current trace with ``mask`` (a bool scalar:
-  this element took the branch) as the first operand of every effect in it,
-  at any depth. Control flow with effects inside is re-expressed with
-  ``lax`` (closing over ``mask``, :data:`MASK_RULES`); call-like primitives
-  are inlined."""
+  """Evaluates ``jaxpr`` with ``mask`` (this element took the branch) as
+  the first operand of every effect in it, at any depth."""
   def handle(eqn, invals):
     if eqn.primitive is effect_p:
       return _masked_effect(eqn, mask, invals)
@@ -106,17 +89,14 @@ def _eval_masked(jaxpr, consts, mask, args):
 
 
 def _closed_fn(closed, mask, leading=()):
-  """``closed`` as a function evaluated by :func:`_eval_masked`; ``leading``
-  are its first arguments (consts of the enclosing trace)."""
+  """``closed`` as a function evaluated by :func:`_eval_masked`."""
   jaxpr, consts = _jaxpr_eval.split(closed)
   return lambda *args: _eval_masked(jaxpr, consts, mask,
                                     [*leading, *args])
 
 
-#: A masking rule: ``rule(params, mask, invals) -> outputs``, the
-#: higher-order primitive re-expressed with ``lax`` around masked
-#: sub-computations. Primitive -> rule; the call-like ones
-#: (``_core.jaxpr_eval.CALLEES``) are inlined without one.
+#: Primitive -> ``rule(params, mask, invals) -> outputs``: it re-expressed
+#: with ``lax`` around masked sub-computations.
 MASK_RULES: dict = {}
 
 
@@ -176,9 +156,7 @@ _jax_cond_batcher = batching.fancy_primitive_batchers[jex_prims.cond_p]
 
 
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
-  """JAX's vmap rule of ``cond``, unchanged, unless the predicate is batched
-  and a branch holds an effect of ours: then each branch's effects are
-  masked by ``index == i`` (module docstring)."""
+  """JAX's vmap rule, or each branch's effects masked by ``index == i``."""
   if (dims[0] is None or "branches_platforms" in params
       or not _has_marker(branches)
       or any(_compat.refused_by_jax_in_batched_cond(e)

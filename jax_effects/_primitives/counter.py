@@ -1,33 +1,13 @@
 """Device-side counters: an ``int32`` count kept inside a computation.
 
-A :class:`Counter` is a chain of its own that holds a number instead of
-ordering effects: the token-threading pass threads its value through control
-flow exactly as it threads an effect chain's carrier (an extra operand and
-result of every ``cond``, ``while``, ``scan`` and ``shard_map`` whose
-sub-computation uses it, ``_core.effects.chain_keys``), so a loop body can
-count without a carry of the user's. ``counter_p`` reads and writes it::
+A :class:`Counter` is a chain of its own holding a number; ``counter_p``
+sets it (op ``"set"``) or adds ``x`` to it (``"add"``, ``"add_elements"``)
+and returns the new count: ``count' = counter_p(x; counter, op)``.
 
-    count' = counter_p(x; counter, op)   # op "set": count' = x
-                                         # op "add": count' = count + x
-                                         # ("add_elements": the same)
-
-Part in the token calling convention: a counter is a chain key with neither a
-compiler token nor a runtime token. It starts at 0 in each computation (its
-first use there), never crosses a dispatch (the pass leaves it out of the
-token the executable returns, and ``jax_effects.jit`` asks no runtime token
-for it), and orders nothing: an effect that must follow a count takes the
-count as an operand. Inside ``shard_map`` each device counts on its own.
-
-Each equation carries a :class:`CounterEffect` marker, registered like the
-effects' markers, so JAX keeps it through its transformations (never dead
-code, kept in a derivative's forward computation, never rematerialized),
-and as a chain kind whose chain is its ``Counter``. Rules: **vmap**, one
-count for the whole batch (a batched ``x`` is refused, and an
-``"add_elements"`` in a ``while_loop`` whose predicate ``vmap`` batched);
-**jvp**, the primal count, zero tangent; **eager**, the count kept on the
-host per thread; **plain** ``jax.jit`` (the pass never runs): an ordered
-host callback per operation, the count kept on the host per device
-(:func:`_fallback_lowering`). Used by ``jax_effects.progress`` (``every=k``).
+Part in the token calling convention (``design/tokens.md``): a chain key
+with neither a compiler token nor a runtime token, threaded by the pass
+like a carrier; it starts at 0 in each computation and orders nothing.
+Used by ``jax_effects.progress`` (``every=k``).
 """
 from __future__ import annotations
 
@@ -50,8 +30,6 @@ from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import placement as _placement
 
-__all__ = ["Counter", "CounterEffect", "counter_p", "set_count", "add_count"]
-
 #: The dtype of every count (that of the carriers it is threaded with).
 COUNT_DTYPE = np.int32
 
@@ -60,10 +38,7 @@ _ids = itertools.count(1)
 
 class Counter:
   """One device-side count (a chain key of the pass; compared by identity).
-
-  ``description`` names its user in errors (``jax_effects.progress(...)``).
-  ``name`` sorts it among chain keys (after every ``Effect``).
-  """
+  ``name`` sorts it among chain keys (after every ``Effect``)."""
   __slots__ = ("name", "description", "eager", "lock", "host_counts",
                "__weakref__")
 
@@ -104,10 +79,7 @@ counter_p = Primitive("jax_effects_counter")
 
 
 def _abstract_eval(x, *, counter, op):
-  # (The type of x, the count's new value: varying over the manual axes
-  # around it inside shard_map, as the carrier the pass gives it there.)
-  # PLAIN_JIT_ORDER: under plain jax.jit, JAX orders it with the effects
-  # around it (see _fallback_lowering).
+  # PLAIN_JIT_ORDER: under plain jax.jit, JAX orders it (_fallback_lowering)
   del op
   return x, {CounterEffect(counter), _effects.PLAIN_JIT_ORDER}
 
@@ -164,10 +136,7 @@ def _host_count(counter: Counter, op: str, x) -> tuple:
 
 
 def _fallback_lowering(ctx, x, *, counter, op):
-  """Plain ``jax.jit`` (the pass never runs, e.g. an eager ``lax.scan``
-  under ``jax.grad``): nothing carries the count through the program, so
-  each ``counter_p`` is an ordered host callback (JAX threads its tokens:
-  ``PLAIN_JIT_ORDER``) keeping the count on the host, per device."""
+  """Plain ``jax.jit``: an ordered host callback keeping the count."""
   host = _host_callback.HostCallback(
       functools.partial(_host_count, counter, op),
       f"{counter.description} (its count, kept on the host under plain "
@@ -180,9 +149,7 @@ mlir.register_lowering(counter_p, _fallback_lowering, cacheable=False)
 
 
 def _as_count(x):
-  """``x`` as a count: an ``int32`` scalar that, inside ``shard_map``
-  (``check_vma``), varies over the manual axes around it, as the count does
-  once the pass has made it the counter's per-device carrier."""
+  """``x`` as an ``int32`` scalar varying as the counter's carrier does."""
   x = jnp.asarray(x, COUNT_DTYPE)
   if jnp.shape(x):
     raise TypeError(f"a count must be a scalar, got shape {jnp.shape(x)}")
@@ -199,7 +166,6 @@ def set_count(counter: Counter, value) -> jax.Array:
 
 def add_count(counter: Counter, n, elements: bool = False) -> jax.Array:
   """Adds ``n`` to ``counter``; returns the new count. ``elements``: ``n``
-  counts the elements of the ``vmap``s around it (op ``"add_elements"``, an
-  add refused in a ``while_loop`` whose predicate ``vmap`` batched)."""
+  counts the elements of the ``vmap``s around it."""
   return counter_p.bind(_as_count(n), counter=counter,
                         op="add_elements" if elements else "add")

@@ -1,23 +1,9 @@
 """``effect_p``: the side-effect primitive user code binds while it is traced.
 
-Every user-facing effect (``print``, ``log``, ``callback``) binds, through
-:func:`bind_effect`::
-
-    results = effect_p(*args; host_callback, effect, ordered)
-
-``host_callback`` (a ``host_callback.HostCallback``) holds the host function
-and ``result_avals``. The primitive carries a ``_core.effects.TraceEffect``
-marker so JAX keeps it through its transformations; every rule of it lives
-here, acting while a function is traced (before the pass), inside
-``jax_effects.jit``, under plain ``jax.jit`` and eagerly alike
-(``design/transformations.md``): the eager impl, the plain-``jax.jit``
-lowering (:func:`fallback_lowering`), **vmap** (no batched operand: one
-run; else a ``BatchedHost`` runs the host function once per element, in
-batch order), **jvp** (runs once on the primals, zero tangents; kept in the
-primal computation, never re-run by ``jax.checkpoint``), **transpose**
-(dropped, as ``jax.debug.print`` is), and the error for an effect in a
-``cond`` branch that vmap of a batched predicate inlined
-(:func:`branch_vmapped_error`).
+Every user-facing effect binds ``results = effect_p(*args; host_callback,
+effect, ordered)`` through :func:`bind_effect`. Its rules (eager,
+plain-``jax.jit`` lowering, vmap, jvp, transpose):
+``design/transformations.md``.
 
 Part in the token calling convention: none yet; the token-threading pass
 replaces it with ``threaded.threaded_effect_p``. Under plain ``jax.jit`` an
@@ -49,8 +35,6 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_store as _token_store
-
-# --- trace-time primitive ------------------------------------------------------
 
 effect_p = Primitive("jax_effects_effect")
 effect_p.multiple_results = True
@@ -101,10 +85,8 @@ effect_p.def_impl(_effect_impl)
 
 
 def fallback_lowering(ctx, *args, host_callback, effect, ordered):
-  """Lowering under plain ``jax.jit`` (also ``counter.counter_p``'s): an
-  ordered effect carries JAX's ordered effect ``PLAIN_JIT_ORDER``, whose
-  compiler token JAX passes (one stream for all effects) and whose runtime
-  tokens it threads between dispatches; an unordered one gets no token."""
+  """Lowering under plain ``jax.jit`` (also ``counter.counter_p``'s), with
+  JAX's compiler token of ``PLAIN_JIT_ORDER`` if ordered."""
   if (host_callback.traced_in_branch
       and not _compat.in_cond_branch(ctx.name_stack)):
     # A cond branch that vmap inlined (its predicate is batched).
@@ -119,7 +101,7 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
   if any(edges):   # (summarized operands: only their edges cross)
     avals_in, args = _edges.cut(ctx, args, edges, first=0)
   args = _host_call.gathered(ctx, args, avals_in)
-  # Where it runs (device, shard): may add the partition id as an operand.
+  # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(
       ctx, list(args), avals_in)
   side = _host_call.HostSide(host_callback, where, passthrough=0,
@@ -136,12 +118,9 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
 mlir.register_lowering(effect_p, fallback_lowering, cacheable=False)
 
 
-# --- vmap ------------------------------------------------------------------------
-
 class _BatchedControl(threading.local):
   """Depth of the vmap rules of control flow whose predicate is batched:
-  an effect there runs per element even with no batched operand, so the
-  pass can skip the finished elements (``host_callback.masked``)."""
+  an effect there runs per element even with no batched operand."""
   depth = 0
 
 
@@ -159,8 +138,7 @@ def control_dependent():
 
 
 def elements_in_batched_loop_error(description: str) -> NotImplementedError:
-  """An update counting a vmap's elements inside a ``while_loop`` whose
-  predicate that vmap batched (``_primitives.counter`` raises it too)."""
+  """Counting a vmap's elements in a ``while_loop`` it batched (refused)."""
   return NotImplementedError(
       f"{description} counts the elements of a jax.vmap its bar was not "
       f"opened in (jax.lax.map with batch_size is one), but it is inside a "
@@ -196,17 +174,12 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
     element, shape, levels = fn.element, fn.batch_shape, fn.levels
   else:
     element, shape, levels = host_callback, (), tuple(() for _ in args)
-  new_args, new_levels = [], []
-  for x, d, lv in zip(args, dims, levels):
-    if d is None:
-      new_args.append(x)
-      new_levels.append((False, *lv))
-    else:
-      new_args.append(jnp.moveaxis(x, d, 0))
-      new_levels.append((True, *lv))
+  new_args = [x if d is None else jnp.moveaxis(x, d, 0)
+              for x, d in zip(args, dims)]
+  new_levels = tuple((d is not None, *lv) for d, lv in zip(dims, levels))
   new_shape = (size, *shape)
   batched = _host_callback.batched(
-      host_callback, element, new_shape, tuple(new_levels),
+      host_callback, element, new_shape, new_levels,
       # (the batched form as data: another key than the element's)
       _host_callback.wrapped_spec(element.spec, "batched",
                                   shape=list(new_shape),
@@ -219,8 +192,6 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
 batching.fancy_primitive_batchers[effect_p] = _effect_batcher
 
 
-# --- jvp -------------------------------------------------------------------------
-
 def _effect_jvp(primals, tangents, **params):
   del tangents  # the host function sees primal values only
   outs = effect_p.bind(*primals, **params)
@@ -231,11 +202,8 @@ ad.primitive_jvps[effect_p] = _effect_jvp
 
 
 def _effect_transpose(cts, *args, host_callback, effect, ordered):
-  """An effect on linear values (a ``custom_jvp`` rule printing its
-  tangent), transposed: dropped, as ``jax.debug.print`` is; a callback whose
-  results the linear computation uses has no transpose (an error naming
-  it). ``design/transformations.md``, "Effects on tangents and cotangents".
-  """
+  """An effect on linear values, transposed: dropped, as
+  ``jax.debug.print`` is, unless its results are used (an error)."""
   del effect, ordered
   if any(type(ct) is not ad.Zero for ct in cts):
     raise NotImplementedError(
@@ -250,8 +218,6 @@ def _effect_transpose(cts, *args, host_callback, effect, ordered):
 
 ad.primitive_transposes[effect_p] = _effect_transpose
 
-
-# --- vmap of cond with a batched predicate -------------------------------------
 
 def branch_vmapped_error(host_callback) -> NotImplementedError:
   return NotImplementedError(
@@ -274,13 +240,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 cleanup: bool = False,
                 spec: dict | str | None = None,
                 user_code: bool = False) -> list:
-  """Binds ``effect_p``: the one entry point of every user-facing effect.
-
-  ``effect``/``ordered`` are resolved (``_core.effects.resolve``); the
-  other keywords are the fields of the ``host_callback.HostCallback`` built
-  here, complete (``fn``: flat NumPy operands -> results matching
-  ``result_avals``).
-  """
+  """Binds ``effect_p``; the keywords after ``ordered`` are the fields of
+  the ``host_callback.HostCallback`` built here."""
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
     _compat.require("effects in jax.pmap", description)

@@ -1,29 +1,11 @@
 """The XLA FFI C ABI, read and written from Python: no C compiler needed.
 
-XLA calls an FFI handler with one pointer, an ``XLA_FFI_CallFrame*``
-(``xla/ffi/api/c_api.h``, shipped with jaxlib under ``jax.ffi.include_dir()``),
-and takes back an ``XLA_FFI_Error*`` (NULL: success). This module is the
-layout of that frame and of what hangs off it (buffers, attributes, the API
-table) for the FFI API versions it knows (:data:`KNOWN_VERSIONS`: 0.2 to
-0.5, jaxlib 0.8 to 0.12, the same where read), and the means to use it:
-
-* :data:`mem8`, :data:`mem32`, :data:`mem64`: memoryviews over the address
-  space, indexed by address (``mem64[address >> 3]``: about 40 ns a read,
-  where ctypes costs a Python object per field);
-* :func:`handler_capsule`: a Python ``handler(frame) -> error`` as the C
-  function XLA registers, through the compiled entry (``_trampoline.c``,
-  built where a C compiler exists; it also runs the common site itself)
-  or a ctypes callback (:data:`ENTRY`); :func:`answer_metadata` answers
-  XLA's registration-time query;
-* :func:`check_frame` (once, on the first call: the API version and struct
-  sizes) and :func:`error` (an ``XLA_FFI_Error`` made by the API itself);
-* buffers: :func:`buffer`, :data:`DTYPES`, :func:`read_array` and
-  :func:`write_array`, with XLA's packing of sub-byte types (several
-  elements per byte, the first in the lowest bits); :func:`attr_strings`.
-
-A version or struct size this module does not know (the header's,
-:data:`FRAMEWORK_VERSION`) makes :data:`UNAVAILABLE` say why, naming the
-versions, and nothing is registered: no memory of unknown layout is read.
+The layout of an ``XLA_FFI_CallFrame`` (``xla/ffi/api/c_api.h``) and what
+hangs off it, for the FFI API versions it knows (:data:`KNOWN_VERSIONS`),
+read through :data:`mem8`, :data:`mem32`, :data:`mem64` (the address
+space); :func:`handler_capsule` makes a Python handler the C function XLA
+registers (``design/host_target.md``). Where the layout is not known,
+:data:`UNAVAILABLE` says why.
 
 Part in the token calling convention: none; it is the transport under the
 host calls (``host_target``).
@@ -40,18 +22,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-__all__ = ["mem8", "mem32", "mem64", "KNOWN_VERSIONS", "FRAMEWORK_VERSION",
-           "UNAVAILABLE", "handler_capsule", "check_frame", "error",
-           "buffer", "DTYPES", "view", "read_array", "write_array",
-           "attr_strings", "answer_metadata", "refuse"]
-
-# --- memory ---------------------------------------------------------------------
-
-if sys.maxsize < 1 << 62 or sys.byteorder != "little":   # (pragma: no cover)
-  _SPAN = 0
-else:
-  _SPAN = 1 << 62
-#: The address space as bytes, int32 and uint64 (index = address >> 0, 2, 3).
+_SPAN = (1 << 62 if sys.maxsize >= 1 << 62 and sys.byteorder == "little"
+         else 0)
+#: The address space as bytes, int32 and uint64 (index: address >> 0, 2, 3).
 mem8 = memoryview((ctypes.c_char * max(_SPAN, 8)).from_address(0)).cast("B")
 mem32 = mem8.cast("i")
 mem64 = mem8.cast("Q")
@@ -156,25 +129,19 @@ UNAVAILABLE: str | None = _unavailable()
 
 
 def refuse(reason: str) -> None:
-  """Marks the FFI transport unusable in this process (``reason``: why,
-  naming the versions)."""
+  """Marks the FFI transport unusable in this process, saying why."""
   global UNAVAILABLE
   if UNAVAILABLE is None:
     UNAVAILABLE = reason
 
-
-# --- registration ------------------------------------------------------------------
 
 _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _kept: list = []   # the ctypes function objects XLA holds pointers to
 
 
 def answer_metadata(frame: int) -> bool:
-  """Answers XLA's metadata query (a call frame with the metadata
-  extension, made once when the handler is registered): the FFI API version
-  the frame is read with, no traits. Returns False (and answers nothing, so
-  XLA refuses the registration) when a struct size differs from the layout
-  this module knows, after recording why (:func:`refuse`)."""
+  """Answers XLA's metadata query (at registration); False (refused) when a
+  struct size differs from the layout this module knows."""
   extension = mem64[(frame >> 3) + F_EXTENSION]
   size = mem64[frame >> 3]
   ext_size = mem64[extension >> 3]
@@ -201,10 +168,7 @@ def answer_metadata(frame: int) -> bool:
 
 
 def _compiled_entry():
-  """The compiled entry's module (``_trampoline``, built by ``pip install
-  .`` where a C compiler exists), or None: not built, or
-  ``JAX_EFFECTS_FFI_ENTRY`` is ``ctypes`` (the fallback, forced: tests run
-  both). Read once, at import."""
+  """``_trampoline``, or None (not built, or ``JAX_EFFECTS_FFI_ENTRY``)."""
   if os.environ.get("JAX_EFFECTS_FFI_ENTRY", "") == "ctypes":
     return None
   try:
@@ -220,17 +184,8 @@ ENTRY = "compiled" if _TRAMPOLINE is not None else "ctypes"
 
 
 def handler_capsule(handler: Callable[[int], int], common=None):
-  """``handler`` (frame address -> error address or 0) as a PyCapsule for
-  ``jax.ffi.register_ffi_target``: through the compiled entry where it was
-  built (:data:`ENTRY`), else a ctypes callback. The handler answers XLA's
-  metadata query itself (:func:`answer_metadata`).
-
-  ``common``: ``(sites, empty, partitions, raised)``, what the compiled
-  entry reads to run a common site itself (``_trampoline.c``, at this
-  module's layout words): the handler's sites (key -> weak reference to a
-  ``host_sites.Site``, whose ``compiled`` it runs), ``numpy.empty``, the
-  partition ids met (int -> ``numpy.uint32``), and ``raised(exc) -> error
-  address`` for an exception out of a host function."""
+  """``handler`` (frame address -> error address or 0) as a PyCapsule,
+  through :data:`ENTRY`; ``common``: what ``_trampoline.c`` reads."""
   if _TRAMPOLINE is not None:
     address = _TRAMPOLINE.entry(handler)
     if common is not None:
@@ -245,17 +200,14 @@ def handler_capsule(handler: Callable[[int], int], common=None):
   return jax.ffi.pycapsule(ctypes.cast(cfunc, ctypes.c_void_p).value)
 
 
-# --- a frame's API table, errors ---------------------------------------------------
-
 _ERROR_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _error_create = None
 _checked = False
 
 
 def check_frame(frame: int) -> str | None:
-  """Checks, once per process, an executing call frame: its size and those
-  of its argument, result and attribute lists, and the version of the API
-  table it points to. Returns what is wrong (None: the layout is known)."""
+  """Checks, once per process, an executing call frame's struct sizes and
+  API version. Returns what is wrong (None: the layout is known)."""
   global _checked, _error_create
   if _checked:
     return None
@@ -280,9 +232,7 @@ def check_frame(frame: int) -> str | None:
 
 
 def error(message: str) -> int:
-  """An ``XLA_FFI_Error`` (INTERNAL) with ``message``: the address a
-  handler returns to fail its computation (a bug of ours, never a user's
-  error: those are deferred). 0 if no frame was checked yet."""
+  """An ``XLA_FFI_Error`` with ``message`` (0 before a frame is checked)."""
   if _error_create is None:
     return 0
   text = ctypes.create_string_buffer(message.encode("utf-8", "replace"))
@@ -291,11 +241,8 @@ def error(message: str) -> int:
   return _error_create(ctypes.addressof(args)) or 0
 
 
-# --- attributes --------------------------------------------------------------------
-
 def attr_strings(frame: int) -> dict[str, str] | None:
-  """The frame's attributes as ``{name: value}`` when every one is a string
-  (None otherwise): the slow path's reading, checked entry by entry."""
+  """The frame's attributes as ``{name: value}`` if all are strings."""
   f = frame >> 3
   n = mem64[f + F_NATTRS]
   if n > 64:
@@ -317,8 +264,6 @@ def _span(address: int) -> str:
   ptr, n = mem64[address >> 3], mem64[(address >> 3) + 1]
   return bytes(mem8[ptr:ptr + n]).decode("utf-8", "replace")
 
-
-# --- buffers -----------------------------------------------------------------------
 
 def _of_jax(table: dict) -> dict:
   """``table`` keyed by the NumPy dtypes of the names this JAX has."""
@@ -350,19 +295,9 @@ def buffer(address: int) -> tuple[int, int, tuple]:
           tuple(mem64[dims + i] for i in range(rank)))
 
 
-def nbytes(shape: tuple, dtype: np.dtype) -> int:
-  """Bytes of an XLA buffer of ``shape`` and ``dtype`` (sub-byte packed)."""
-  count = math.prod(shape)
-  bits = SUB_BYTE.get(dtype)
-  if bits is None:
-    return count * dtype.itemsize
-  return (count * bits + 7) // 8
-
-
 def view(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
   """The buffer data at ``address`` as a NumPy array (no copy; not for
-  sub-byte dtypes). ``np.frombuffer`` over :data:`mem8` (the ``ndarray``
-  constructor ignores a buffer this large)."""
+  sub-byte dtypes; ``np.ndarray`` ignores a buffer this large)."""
   flat = np.frombuffer(mem8, dtype, math.prod(shape), address)
   return flat if len(shape) == 1 else flat.reshape(shape)
 
@@ -375,9 +310,8 @@ def read_array(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
   bits = SUB_BYTE.get(dtype)
   if bits is None:
     return view(address, shape, dtype).copy()
-  packed = np.frombuffer(mem8, np.uint8, nbytes(shape, dtype), address)
-  per_byte = 8 // bits
-  shifts = np.arange(per_byte, dtype=np.uint8) * bits
+  packed = np.frombuffer(mem8, np.uint8, (count * bits + 7) // 8, address)
+  shifts = np.arange(8 // bits, dtype=np.uint8) * bits
   values = (packed[:, None] >> shifts) & np.uint8((1 << bits) - 1)
   return values.reshape(-1)[:count].view(dtype).reshape(shape)
 

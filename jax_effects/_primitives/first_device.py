@@ -1,12 +1,10 @@
 """An effect that runs once in a computation over several devices.
 
-Under automatic partitioning over several devices a callback runs once, on
-the first device. Its part of the token calling convention: the carrier
-must stay a replicated value that no device waits for, so the host call is
-made inside a ``shard_map`` by the first device's branch of a ``cond``
-(:func:`on_first_device`, :data:`first_device_call_p`), and where per-device
-effects follow, the carrier is taken from the first device
-(:data:`from_first_device_p`). See ``design/placement.md``.
+Its part of the token calling convention (``design/placement.md``): the
+carrier must stay a replicated value that no device waits for, so the host
+call is made inside a ``shard_map`` by the first device's branch of a
+``cond`` (:func:`on_first_device`), and where per-device effects follow,
+the carrier is taken from the first device (:data:`from_first_device_p`).
 """
 from __future__ import annotations
 
@@ -23,39 +21,15 @@ from jax_effects import _jax_api
 from jax_effects._primitives import host_call as _host_call
 
 
-def once_across_devices(ctx) -> bool:
-  """Whether ``ctx`` lowers a computation over several devices under
-  automatic partitioning, where a callback runs once, on the first device."""
-  axis_context = ctx.module_context.axis_context
-  return (isinstance(axis_context, _compat.ShardingContext)
-          and axis_context.num_devices > 1)
-
-
 def on_first_device(ctx, side, operands) -> list:
-  """The host call of an effect that runs once in a computation over several
-  devices, with a carrier no other device waits for (``design/placement.md``).
-
-  JAX's rule for such a callback (``MAXIMAL`` on device 0) would make the
-  carrier device 0's alone, broadcast with an all-reduce wherever the chain
-  needs a replicated value, in which every device waits for the callback.
-  Instead the call is made in a ``shard_map`` over all the devices, by the
-  first device's branch of a ``cond`` (the others pass their copy through)::
-
-      carrier', results = shard_map(
-          lambda c, *a: cond(axis_index == 0, host_call, pass_through, c, *a),
-          in_specs=P(), out_specs=P())(carrier, *args)
-
-  The carrier stays replicated; device 0's copy is the chain's (the others
-  are stale, never read: see :data:`from_first_device_p`). Results are
-  device 0's (``_compat.on_first_device``). ``ctx`` has the operands' and
-  results' avals.
-  """
+  """The host call of an effect that runs once over several devices, made
+  by device 0 in a ``shard_map`` (``design/placement.md``): its carrier is
+  the chain's, its results the call's."""
   avals_out = tuple(ctx.avals_out)
   mesh, names = _all_devices_mesh(ctx.module_context.axis_context.num_devices)
 
-  # An operand with no elements holds no data: it is made where the host
-  # call is, not passed into the shard_map (XLA 0.11.2 crashes compiling a
-  # shard_map with a zero-size operand, under plain jax.jit too).
+  # An operand with no elements is made where the host call is (XLA 0.11.2
+  # crashes compiling a shard_map with a zero-size operand).
   avals_in = tuple(ctx.avals_in)
   empty = [_is_empty(a) for a in avals_in]
   kept = [i for i, e in enumerate(empty) if not e]
@@ -78,8 +52,7 @@ def on_first_device(ctx, side, operands) -> list:
                               in_specs=(P(),) * len(kept),
                               out_specs=(P(),) * len(avals_out),
                               check_vma=False)
-  # (Operands are whole on every device, _gathered; under an explicit mesh
-  # their types say so too, as shard_map's in_specs require.)
+  # (under an explicit mesh, shard_map's in_specs require replicated types)
   ctx = dataclasses.replace(
       ctx, avals_in=[_unsharded(avals_in[i]) for i in kept])
   carrier, *results = mlir.lower_fun(mapped, multiple_results=True)(
@@ -104,10 +77,8 @@ def _unsharded(aval):
 
 
 def _all_devices_mesh(num_devices: int):
-  """``(mesh, axis_names)`` spanning the ``num_devices`` devices of the
-  computation being lowered, whose flat axis index is the partition id: the
-  user's ambient mesh if one of that size is set (``jax.shard_map`` requires
-  the context's mesh), else a one-axis abstract mesh of our own."""
+  """``(mesh, axis_names)`` over ``num_devices``: the ambient mesh if one of
+  that size is set (``jax.shard_map`` requires it), else our own."""
   context = jax.sharding.get_abstract_mesh()
   if (context is not None and not context.empty
       and context.size == num_devices):
@@ -116,8 +87,7 @@ def _all_devices_mesh(num_devices: int):
   return jax.sharding.AbstractMesh((num_devices,), names), names
 
 
-# The host call inside on_first_device's shard_map (a per-device custom call
-# there: the cond makes it on device 0 only).
+# The host call inside on_first_device's shard_map.
 first_device_call_p = Primitive("jax_effects_first_device_call")
 first_device_call_p.multiple_results = True
 # (The carrier keeps its operand's type and the results are strong-typed, as
@@ -137,17 +107,15 @@ mlir.register_lowering(first_device_call_p, _first_device_call_lowering,
                        cacheable=False)
 
 
-# Identity on a carrier that enters a shard_map (``_pass.shard_map_rule``): where
-# the chain's last effect ran once on the first device of several
-# (on_first_device), only device 0's copy is current, so it is broadcast from
-# there; every device's effects inside then follow that effect.
+# Identity on a carrier entering a shard_map (``_pass.shard_map_rule``):
+# after on_first_device only device 0's copy is current, so it is broadcast.
 from_first_device_p = Primitive("jax_effects_from_first_device")
 from_first_device_p.def_abstract_eval(lambda aval: aval)
 from_first_device_p.def_impl(lambda x: x)
 
 
 def _from_first_device_lowering(ctx, x):
-  if once_across_devices(ctx):
+  if _host_call.once_across_devices(ctx):
     return [_compat.on_first_device(ctx, x, ctx.avals_in[0])]
   return [x]
 

@@ -1,35 +1,16 @@
 """Operands of a once-effect assembled on the host from the devices' parts.
 
-Under automatic partitioning over several devices an effect runs once, on
-the first device (``first_device``), and a sharded operand is gathered onto
-every device first (a collective). Here instead every device passes the
-part it holds of what the host needs (the edges, or the whole array) to its
-own host call, and the parts are assembled on the host: no collective is
-added (``design/formatting.md``, "Where the edges are cut"). The lowering
-(:func:`lower`), one custom call per device (JAX's partitioned callback
-target, which XLA gives each device's local part of the operands)::
-
-    carrier', *results = partitioned_host_call(carrier, *parts, device_id)
-
-``parts``: per array operand, ``uint32`` rows ``(*rows, 1 + words)``, each
-tagged with its index, made by operations every sharding keeps local
-(:class:`Layout`); ``device_id``: an iota annotated one element per device.
-Every call but the first device's leaves its parts in the site's
-``_runtime.host_jobs.Pieces``; the first device's call runs the effect
-(``host_functions.host_function``) with each operand assembled (its own
-part last, so a value only it holds wins) if every part is there, else
-leaves it as a job of its thread (``_runtime.host_jobs``) that the call
-bringing the last part runs: it never waits inside the computation, where
-another device may be in a collective waiting for it. Used where
-:func:`applies`: an ordered effect without results, lowered for CPU or GPU,
-every device in this process; elsewhere operands are cut (``edges.cut``).
+Where an effect runs once over several devices, every device passes the
+part of an operand it holds (its edges, or the whole) to its own host call
+(:class:`Layout`), and the first device's call assembles them, or leaves
+the effect as a job (``_runtime.host_jobs``) that the call bringing the
+last part runs: no collective, no wait inside the computation
+(``design/formatting.md``, "Where the edges are cut"). Used where
+:func:`applies`.
 
 Part in the token calling convention: the carrier enters and leaves every
-device's call, as ``first_device``'s ``shard_map`` passes it. Its value (the
-dispatching thread's slot and the execution's sequence number,
-``_runtime/token_value``), alike on every device, matches the parts of one
-execution (never first in first out; a failed execution's are dropped);
-the first device's carrier is the chain's, the others' stale copies.
+device's call; its value (slot and sequence number) matches the parts of
+one execution; the first device's carrier is the chain's.
 """
 from __future__ import annotations
 
@@ -52,15 +33,10 @@ from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import token_value as _token_value
 
-__all__ = ["Layout", "applies", "lower"]
-
-#: Whether an effect none of whose operands is summarized (every array shown
-#: whole) assembles its sharded operands on the host too, rather than
-#: gathering them on the devices (``_on_first_device``). Measured by
-#: ``python -m jax_effects bench`` (row k): see ``design/formatting.md``.
+#: Whether an effect with no operand summarized assembles its sharded
+#: operands on the host too (measured: ``design/formatting.md``).
 WHOLE_ON_HOST = False
 
-# --- values as 32-bit words -------------------------------------------------
 
 def _bits(dtype) -> int:
   dtype = np.dtype(dtype)
@@ -76,6 +52,13 @@ def _bits(dtype) -> int:
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 
+def _wide(dtype):
+  """The byte-wide type holding a sub-byte dtype's values exactly."""
+  return (np.float32 if jnp.issubdtype(dtype, jnp.floating)
+          else np.int8 if jnp.issubdtype(dtype, jnp.signedinteger)
+          else np.uint8)
+
+
 def _words_per_value(dtype) -> int:
   dtype = np.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -84,9 +67,8 @@ def _words_per_value(dtype) -> int:
 
 
 def _to_words(y):
-  """``y`` (traced) as ``uint32`` words, ``(*y.shape, k)``: elementwise
-  operations and a stack on a new last axis, which every sharding keeps
-  local (a bitcast that adds an axis is not: GSPMD gathers it)."""
+  """``y`` as ``uint32`` words, ``(*y.shape, k)``, by operations every
+  sharding keeps local (GSPMD gathers a bitcast that adds an axis)."""
   dtype = np.dtype(y.dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
     parts = [_to_words(lax.real(y)), _to_words(lax.imag(y))]
@@ -94,11 +76,8 @@ def _to_words(y):
   if dtype == np.bool_:
     return y.astype(jnp.uint32)[..., None]
   bits = _bits(dtype)
-  if bits < 8:   # int4/uint4/float4: widened (exactly) to a whole byte
-    wide = (jnp.float32 if jnp.issubdtype(dtype, jnp.floating)
-            else jnp.int8 if jnp.issubdtype(dtype, jnp.signedinteger)
-            else jnp.uint8)
-    return _to_words(y.astype(wide))
+  if bits < 8:
+    return _to_words(y.astype(_wide(dtype)))
   u = lax.bitcast_convert_type(y, _UINT[bits])
   if bits <= 32:
     return u.astype(jnp.uint32)[..., None]
@@ -121,23 +100,17 @@ def _from_words(w: np.ndarray, dtype) -> np.ndarray:
     return w[..., 0] != 0
   bits = _bits(dtype)
   if bits < 8:
-    wide = (np.float32 if jnp.issubdtype(dtype, jnp.floating)
-            else np.int8 if jnp.issubdtype(dtype, jnp.signedinteger)
-            else np.uint8)
-    return _from_words(w, wide).astype(dtype)
+    return _from_words(w, _wide(dtype)).astype(dtype)
   if bits <= 32:
     return w[..., 0].astype(np.dtype(f"uint{bits}")).view(dtype)
   u = w[..., 0].astype(np.uint64) | (w[..., 1].astype(np.uint64) << np.uint64(32))
   return u.view(dtype)
 
 
-# --- what each device passes ----------------------------------------------------
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How one operand of ``shape`` travels as rows of words (module
-  docstring), and how the host gets back its edges (``edges`` given, for
-  its trailing axes) or the whole array."""
+  """How one operand travels as rows of words, and how the host gets back
+  its edges (``edges`` given) or the whole array."""
   shape: tuple
   dtype: np.dtype
   edges: _edges.Edges | None
@@ -170,12 +143,8 @@ class Layout:
     y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows)
                         for v in (m, n // m)))
     for d, (n, m, c) in enumerate(zip(self.shape, self.rows, self.cols)):
-      length = n // m
-      if c != length:   # keep the edgeitems at both ends of each row
-        axis = 2 * d + 1
-        y = lax.concatenate([lax.slice_in_dim(y, 0, e, axis=axis),
-                             lax.slice_in_dim(y, length - e, length,
-                                              axis=axis)], axis)
+      if c != n // m:   # keep the edgeitems at both ends of each row
+        y = _edges.ends(y, e, 2 * d + 1)
     y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2))
                       + tuple(range(1, 2 * ndim, 2)))
     words = _to_words(y).reshape(self.rows + (self.words,))
@@ -192,8 +161,7 @@ class Layout:
     return self.rows + (1 + self.words,)
 
   def unpack(self, parts) -> np.ndarray:
-    """The host value (the edges, or the whole array) from the parts of
-    the devices; later parts win where rows repeat."""
+    """The host value from the devices' parts (later ones win)."""
     n_rows = math.prod(self.rows)
     table = np.zeros((n_rows, self.words), np.uint32)
     for part in parts:
@@ -223,17 +191,12 @@ class Layout:
     return values
 
 
-# --- lowering ----------------------------------------------------------------------
-
 def applies(ctx, host_callback, avals, edges: tuple, ordered: bool) -> bool:
-  """Whether the once-effect lowered in ``ctx`` (automatic partitioning over
-  several devices) takes its operands through the host: see the module
-  docstring; with no operand summarized, only if :data:`WHOLE_ON_HOST`."""
-  if not ordered or host_callback.result_avals:
-    return False
-  if not any(a.shape for a in avals):
-    return False
-  if not any(e is not None for e in edges) and not WHOLE_ON_HOST:
+  """Whether the once-effect lowered in ``ctx`` takes its operands through
+  the host: ordered, without results, on CPU or GPU, in this process."""
+  if (not ordered or host_callback.result_avals
+      or not any(a.shape for a in avals)
+      or not (WHOLE_ON_HOST or any(e is not None for e in edges))):
     return False
   module_context = ctx.module_context
   if (len(module_context.platforms) != 1
@@ -253,32 +216,24 @@ _TARGETS = {"cpu": "xla_ffi_partitioned_python_cpu_callback",
 
 def lower(ctx, host_callback, entry: bool, carrier, args,
           edges: tuple) -> list:
-  """``[carrier', *results]`` of the effect lowered in ``ctx`` (its
-  ``avals_in``: token, carrier, *args; ``avals_out``: token, carrier,
-  *results), with its array operands taken from the devices' parts.
-  ``edges``: one per argument (None: shown whole)."""
+  """``[carrier', *results]`` of the effect lowered in ``ctx`` (avals:
+  token, carrier, *args -> token, carrier, *results)."""
   where, _, _ = _placement.at_lowering(ctx, [], [])   # the first device
   axis_context = ctx.module_context.axis_context
   num_devices = axis_context.num_devices
-  carrier_aval = ctx.avals_in[1]
-  arg_avals = list(ctx.avals_in[2:])
   avals_out = list(ctx.avals_out[1:])
-
-  operands, operand_avals, layouts = [carrier], [carrier_aval], []
-  for x, aval, e in zip(args, arg_avals, edges):
-    if not aval.shape:
-      operands.append(x)
-      operand_avals.append(aval)
-      layouts.append(None)
-      continue
-    layout = Layout.of(aval.shape, aval.dtype, e, num_devices)
-    packed_aval = jax.core.ShapedArray(layout.packed_shape, np.uint32)
-    (packed,) = lower_cached(
-        dataclasses.replace(ctx, avals_in=[aval], avals_out=[packed_aval]),
-        ("pack", layout), layout.pack, x)
-    packed = _compat.last_axis_whole(ctx, packed, packed_aval)
-    operands.append(packed)
-    operand_avals.append(packed_aval)
+  operands, operand_avals, layouts = [carrier], [ctx.avals_in[1]], []
+  for x, aval, e in zip(args, ctx.avals_in[2:], edges):
+    layout = None
+    if aval.shape:
+      layout = Layout.of(aval.shape, aval.dtype, e, num_devices)
+      packed_aval = jax.core.ShapedArray(layout.packed_shape, np.uint32)
+      (x,) = lower_cached(
+          dataclasses.replace(ctx, avals_in=[aval], avals_out=[packed_aval]),
+          ("pack", layout), layout.pack, x)
+      x, aval = _compat.last_axis_whole(ctx, x, packed_aval), packed_aval
+    operands.append(x)
+    operand_avals.append(aval)
     layouts.append(layout)
 
   ids_aval = jax.core.ShapedArray((num_devices,), np.int32)
@@ -309,9 +264,7 @@ _jaxprs: dict = {}
 
 
 def lower_cached(ctx, key, fn, *args) -> list:
-  """``fn(*args)`` (one result) lowered in ``ctx`` (its ``avals_in`` are
-  ``args``'), traced once per ``key`` and input avals: a program printing
-  many arrays lowers each shape's packing from one traced jaxpr."""
+  """``fn(*args)`` lowered in ``ctx``, traced once per ``key`` and avals."""
   key = (key, tuple(ctx.avals_in))
   closed = _jaxprs.get(key)
   if closed is None:
@@ -325,11 +278,7 @@ def lower_cached(ctx, key, fn, *args) -> list:
 
 def _assembling_host(inner, site: _host_jobs.Pieces, layouts: list,
                      avals_out):
-  """The function every device's call runs (module docstring): the other
-  devices leave their parts; the first device's call runs the effect now if
-  every part of its execution is there and its thread has no job waiting,
-  else leaves it as a job (``_host_jobs``) that the call bringing the last
-  part runs."""
+  """The function every device's call runs (module docstring)."""
   FAILED = int(_errors.FAILED)
   zeros = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   packed_at = [i for i, layout in enumerate(layouts) if layout is not None]
@@ -340,7 +289,6 @@ def _assembling_host(inner, site: _host_jobs.Pieces, layouts: list,
       for j, i in enumerate(packed_at):
         args[i] = layouts[i].unpack([*(o[j] for o in others), args[i]])
     except Exception as exc:  # noqa: BLE001 - reported like a callback's
-      # (a bug of ours: never fail the computation, see design/errors.md)
       _errors.defer(exc, slot, inline=True)
       return (np.bitwise_or(carrier, _errors.FAILED), *zeros)
     return inner(carrier, *args)

@@ -1,13 +1,9 @@
 """``HostCallback``: the side-effect primitives' parameter, and its vmap forms.
 
-:class:`HostCallback` is the parameter of the side-effect primitives: the
-user-facing function's host side (``fn``), built once, complete, when the
-effect is bound, and never mutated (JAX compares and hashes primitive
-parameters; this one by identity). :class:`BatchedHost` is its ``fn`` under
-``vmap`` (once per batch element, in batch order), :class:`MaskedHost` that
-of an effect in a ``cond`` branch whose predicate vmap batched, and
-:func:`masked` skips the elements of a vmapped ``while_loop`` that are no
-longer iterating. ``host_functions`` builds what XLA calls around it.
+:class:`HostCallback` holds the user-facing function's host side (``fn``),
+built once when the effect is bound and never mutated. :class:`BatchedHost`,
+:class:`MaskedHost` and :class:`LiveMasked` are its ``fn`` under ``vmap``
+(``design/transformations.md``). No part in the token calling convention.
 """
 from __future__ import annotations
 
@@ -24,30 +20,14 @@ from jax_effects._primitives import host_specs as _host_specs
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostCallback:
-  """A host function run by a side-effect primitive (a primitive parameter).
-
-  ``fn`` takes the flat operands as NumPy arrays; its results must match
-  ``result_avals`` (:func:`check_results`, naming ``description``).
-  ``traced_in_branch``/``traced_in_while_cond``: bound directly in a
-  ``cond``/``switch`` branch, or a ``while_loop``'s ``cond_fun``. ``eager``
-  (result-free effects): run instead of ``fn`` outside any trace, with the
-  operands as bound (``print``/``log`` format eager values as
-  ``jax.debug.print`` does). ``reads_placement``: ``fn`` calls
-  ``_runtime.placement.current()`` on every run, so the host function sets
-  ``_runtime.placement.site``. ``batch_once``: runs once for a whole ``vmap``
-  batch, even under control dependence (a progress bar); a batched operand
-  is refused. ``edges``: an ``edges.Edges`` or None for each of the last
-  ``len(edges)`` operands, which ``fn`` receives cut to their edges under
-  ``jit``. ``counts_elements`` (with ``batch_once``): the operands count the
-  elements of the ``vmap``s around it, refused in a ``while_loop`` whose
-  predicate ``vmap`` batched. ``cleanup``: runs also after an earlier effect
-  of its chain failed in the same execution (``host_functions.FailedBit``).
-  ``chain``: the chain key the pass put it on (None before), which names what
-  the host keeps for an execution (``_runtime.host_jobs``). ``user_code``:
-  ``fn`` runs the user's own function, which may dispatch or block: a
-  computation running one is waited for (``_runtime.launch_lock``,
-  ``design/errors.md``). ``spec``: the host side as data (``host_specs``),
-  or a str saying why not, or None. Compared and hashed by identity.
+  """A host function run by a side-effect primitive (a primitive parameter,
+  compared by identity): ``fn`` takes the flat operands as NumPy arrays and
+  returns results matching ``result_avals``. ``eager``: run instead outside
+  any trace. ``reads_placement``: ``fn`` calls
+  ``_runtime.placement.current()``. ``edges``: an ``edges.Edges`` or None
+  per last operand. ``cleanup``: runs also after an earlier failure of its
+  chain. ``user_code``: ``fn`` may dispatch or block (``design/errors.md``).
+  ``spec``: the host side as data (``host_specs``), or why not, or None.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -62,19 +42,13 @@ class HostCallback:
   cleanup: bool = False
   chain: Any = None
   user_code: bool = False
-  #: The effect as its front end bound it (``root``), which every form made
-  #: of it (batched, masked, on a chain: ``dataclasses.replace``) keeps:
-  #: a lowered form's site lives as long as the effect does
-  #: (``host_target``), not as long as the form (made anew by a pass).
+  #: The effect as its front end bound it, kept by every form made of it:
+  #: a lowered form's site lives as long as the effect does.
   origin: Any = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
     if self.origin is None:
       object.__setattr__(self, "origin", self)
-
-  @property
-  def root(self) -> "HostCallback":
-    return self.origin
   spec: dict | str | None = None
 
   def __repr__(self):
@@ -90,9 +64,7 @@ class HostCallback:
 
 
 def on_chain(host_callback: HostCallback, chain) -> HostCallback:
-  """``host_callback`` with ``chain`` set (the token-threading pass), the
-  same object every time for the same effect and chain (kept on the effect
-  itself: it lives as long as the effect does)."""
+  """``host_callback`` with ``chain`` set (one object per chain)."""
   if host_callback.chain is chain:
     return host_callback
   by_chain = host_callback.__dict__.get("_on_chains")
@@ -117,17 +89,12 @@ def check_results(description, results, avals):
       if (isinstance(r, (bool, int, float, complex, list, tuple))
           and not isinstance(r, np.generic)):
         # Python scalars and lists take the declared dtype, like literals
-        # (not NumPy scalars, even those that are Python floats or complexes:
-        # np.float64 has its own dtype).
+        # (np.float64, a float, has its own dtype).
         r = np.asarray(r, dtype=aval.dtype)
       else:
-        # NumPy scalars, jax.Array, anything with __array__ (whatever its
-        # signature: asarray without a dtype calls it without one).
         r = np.asarray(r)
     if r.dtype != aval.dtype:
-      # Compared after JAX's canonicalization, as io_callback/pure_callback
-      # compare theirs: with jax_enable_x64 off a 64-bit result is taken as
-      # its 32-bit type (float64 for float32, int64 for int32, ...).
+      # Compared after JAX's canonicalization, as io_callback compares.
       canonical = jax.dtypes.canonicalize_dtype(r.dtype)
       if canonical == aval.dtype:
         r = np.asarray(r, canonical)
@@ -144,16 +111,10 @@ def check_results(description, results, avals):
   return tuple(out)
 
 
-# --- vmap ------------------------------------------------------------------------------
-
 class BatchedHost:
   """Host function of a vmapped effect: the element callback per element.
-
-  ``levels[i][j]`` says whether operand ``i`` has the batch axis of vmap level
-  ``j`` (levels outermost first); its leading axes are the levels it has, in
-  order. ``live`` (optional, a bool array of ``batch_shape``) skips elements:
-  their results are zeros (JAX discards them).
-  """
+  ``levels[i][j]``: operand ``i`` has the batch axis of vmap level ``j``
+  (outermost first). ``live``: which elements run (else zeros)."""
   __slots__ = ("element", "batch_shape", "levels", "element_avals")
 
   def __init__(self, element: HostCallback, batch_shape: tuple,
@@ -181,8 +142,7 @@ class BatchedHost:
 
 def batched(host_callback: HostCallback, element: HostCallback,
             shape: tuple, levels: tuple, spec) -> HostCallback:
-  """``host_callback`` run as ``element`` once per element of a vmap batch
-  of ``shape`` (``levels``: :class:`BatchedHost`'s), eagerly too."""
+  """``host_callback`` run as ``element`` per element of a vmap batch."""
   avals = element.result_avals if element is host_callback else (
       host_callback.fn.element_avals)
   return dataclasses.replace(
@@ -192,10 +152,8 @@ def batched(host_callback: HostCallback, element: HostCallback,
 
 
 class MaskedHost:
-  """Host function of an effect in a ``cond`` branch that vmap batched the
-  predicate of: its first operand says whether this element took the branch.
-  Elements that did not take it run nothing; their results are zeros (the
-  ``select`` after the branches discards them)."""
+  """Host function of an effect in a vmapped ``cond`` branch: runs where
+  its first operand (the element took the branch) is True, else zeros."""
   __slots__ = ("inner", "result_avals")
 
   def __init__(self, inner, result_avals: tuple):
@@ -209,10 +167,8 @@ class MaskedHost:
 
 
 class LiveMasked:
-  """Host function of a vmapped effect inside ``while_loop``s whose
-  predicates ``vmap`` batched: its first ``len(reshapes)`` operands are those
-  predicates, reshaped to broadcast against the batch; an element runs only
-  while every one is True (:func:`masked`)."""
+  """Host function of a vmapped effect in vmapped ``while_loop``s: an
+  element runs while each predicate (the first operands) is True."""
   __slots__ = ("inner", "reshapes")
 
   def __init__(self, inner: BatchedHost, reshapes: tuple):
@@ -227,30 +183,18 @@ class LiveMasked:
     return self.inner(*args[k:], live=live)
 
 
-# --- the forms as data ------------------------------------------------------------------
-#
-# A batched, masked or live-masked form runs other code than its element (it
-# loops over the batch, skips elements, reads a mask operand first): its
-# spec (``host_specs``) says so, wrapping the element's, so that its key
-# (``host_keys``) is never the element's, and any process rebuilds the
-# same form from it. A form of a local effect stays local.
-
 def wrapped_spec(inner, kind: str, **fields):
-  """The spec of a form ``kind`` of an effect whose spec is ``inner``: data
-  when ``inner`` is, else ``inner`` (the reason it is local)."""
+  """The spec of a form ``kind`` of an effect whose spec is ``inner``
+  (another key than the element's), or ``inner`` if that is not data."""
   if not isinstance(inner, dict):
     return inner
   return {"kind": kind, "inner": inner, **fields}
 
 
-def _levels(data) -> tuple:
-  return tuple(tuple(bool(b) for b in lv) for lv in data)
-
-
 def _rebuild_batched(spec) -> HostCallback:
   element = _host_specs.rebuild_effect(spec["inner"])
   shape = tuple(int(n) for n in spec["shape"])
-  levels = _levels(spec["levels"])
+  levels = tuple(tuple(bool(b) for b in lv) for lv in spec["levels"])
   if any(len(lv) != len(shape) for lv in levels):
     raise _host_specs.NotData("a batched form whose levels do not fit its "
                               "batch shape")
@@ -258,8 +202,7 @@ def _rebuild_batched(spec) -> HostCallback:
 
 
 def in_branch(inner: HostCallback, spec) -> HostCallback:
-  """``inner`` in a ``cond`` branch that vmap batched the predicate of: run
-  only where its first operand (the element took the branch) is True."""
+  """``inner`` in a vmapped ``cond`` branch (:class:`MaskedHost`)."""
   return dataclasses.replace(
       inner, fn=MaskedHost(inner.fn, tuple(inner.result_avals)),
       traced_in_branch=False, eager=None, spec=spec)
@@ -286,8 +229,6 @@ _host_specs.register_kind("masked", _rebuild_masked)
 _host_specs.register_kind("live", _rebuild_live)
 
 
-# --- liveness under vmap-of-while -------------------------------------------------------
-
 def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:
   """Increasing positions p with batch_shape[p[i]] == mask_shape[i]."""
   return [p for p in itertools.combinations(range(len(batch_shape)),
@@ -296,12 +237,8 @@ def _alignments(mask_shape: tuple, batch_shape: tuple) -> list[tuple]:
 
 
 def masked(host_callback: HostCallback, masks: Sequence):
-  """``(host_callback', extra_operands)``: skip elements where a mask is False.
-
-  ``masks`` are bool arrays (traced values), each the batched predicate of an
-  enclosing vmapped ``while_loop``: its axes are some of the effect's vmap
-  levels, in order (outermost first).
-  """
+  """``(host_callback', extra_operands)``: skip elements where a mask (the
+  batched predicate of an enclosing vmapped ``while_loop``) is False."""
   fn = host_callback.fn
   what = host_callback.description
   if not isinstance(fn, BatchedHost):

@@ -1,18 +1,13 @@
 """Host functions: what XLA calls when a side effect runs.
 
-:func:`host_function` builds the one Python function XLA calls for a
-lowered effect, specialised when lowered. Part in the token calling
-convention: its operands are ``passthrough`` values returned as received
-(for a threaded effect the ``int32`` carrier, which holds the dispatching
-thread's slot and the ``FAILED`` bit and orders the call after the chain's
-previous effect; the compiler token stays in the program,
-``threaded._threaded_lowering``), the effect's operands, and, for a
-per-device callback, the partition id. While the user's function runs,
-``_runtime.placement.site`` says where. A user exception never fails the
-computation: it is deferred to the dispatching thread, and the results are
-zeros (:class:`FailedBit`, ``design/errors.md``); an interrupt (Ctrl-C) of
-the dispatching thread's call is raised into XLA, which ends the
-computation (``_runtime.interrupts``).
+:func:`host_function` builds the Python function XLA calls for a lowered
+effect. Part in the token calling convention: its first operands are
+``passthrough`` values returned as received (for a threaded effect the
+``int32`` carrier, holding the dispatching thread's slot and the ``FAILED``
+bit), then the effect's operands and, per device, the partition id. A user
+exception is deferred to the dispatching thread and the results are zeros
+(:class:`FailedBit`, ``design/errors.md``); an interrupt of the
+dispatching thread's call is raised into XLA.
 """
 from __future__ import annotations
 
@@ -31,21 +26,11 @@ from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import token_value as _token_value
 
 
-# --- the function XLA calls ------------------------------------------------------------
-
 def host_function(host_callback: _host_callback.HostCallback, where: _placement.Where, *,
                   passthrough: int, threaded: bool, avals_out: Sequence,
                   entry: bool = False, operands: int | None = None):
-  """The function XLA calls for one lowered effect (module docstring).
-
-  ``where``: from ``_runtime.placement.at_lowering``. ``threaded``: lowered
-  from ``threaded_effect_p`` (the carrier is the last passthrough operand).
-  ``avals_out``: of all results, passthrough ones first. ``entry``: the
-  carrier is the chain's runtime token (a ``FAILED`` bit there is an earlier
-  execution's, cleared). ``operands``: how many operands the effect has
-  after the passthrough ones (None if unknown). The common case (threaded,
-  a scalar carrier, one fixed placement) gets :func:`_threaded_once`.
-  """
+  """The function XLA calls for one lowered effect (module docstring);
+  ``threaded``: the carrier is the last passthrough operand."""
   if threaded and passthrough == 1 and avals_out[0].shape == ():
     if where.table is None:
       return _threaded_once(host_callback, where.fixed, avals_out, entry,
@@ -56,10 +41,7 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
 
 
 def _setting_site(fn, running):
-  """``fn`` with ``_runtime.placement.site`` set to ``running`` while it runs: the
-  host side of an effect that reads its placement on every run
-  (``HostCallback.reads_placement``: ``print``, ``log``; they clear it again
-  around the user code they call, see ``_runtime.output``)."""
+  """``fn`` with ``_runtime.placement.site`` set to ``running``."""
   site = _placement.site
 
   def placed(*args):
@@ -73,11 +55,8 @@ def _setting_site(fn, running):
 
 
 def _waiting(value: int, chain):
-  """The slow path's gate, taken when jobs wait somewhere or some thread's
-  call is interrupted (``value``: the carrier's): raises
-  ``KeyboardInterrupt`` in a computation of an interrupted slot (it ends
-  there: see :class:`FailedBit`); ``(slot, seq)`` when the effect must wait
-  behind its chain's jobs (``_runtime.host_jobs``); else None."""
+  """The slow path's gate: raises ``KeyboardInterrupt`` for an interrupted
+  slot; ``(slot, seq)`` if the effect must wait behind its chain's jobs."""
   slot = _token_value.slot_of(value)
   interrupted = _interrupts.slots
   if interrupted and slot in interrupted:
@@ -89,12 +68,10 @@ def _waiting(value: int, chain):
 
 
 def _behind(run, running, result_avals, skipped, chain):
-  """``behind(slot, carrier, args)``: an effect of a thread with jobs waiting
-  (``_runtime.host_jobs``) runs after them: as a job of its own (with its
-  placement set for it, named by its execution), or, if it has results,
-  once they have run (or their executions are known to have failed)."""
+  """``behind(slot, seq, carrier, args)``: the effect run after its
+  thread's waiting jobs (``_runtime.host_jobs``)."""
   FAILED = int(_errors.FAILED)
-  site = _placement.site
+  placed = _setting_site(run, running)
 
   def behind(slot, seq, carrier, args):
     if result_avals:
@@ -104,12 +81,7 @@ def _behind(run, running, result_avals, skipped, chain):
       return run(carrier, args)
 
     def job() -> bool:
-      prev = site.running
-      site.running = running
-      try:
-        return bool(int(np.max(run(carrier, args)[0])) & FAILED)
-      finally:
-        site.running = prev
+      return bool(int(np.max(placed(carrier, args)[0])) & FAILED)
 
     if not _host_jobs.submit(slot, chain, seq, _host_jobs.Job(job)):
       # (its execution failed: skipped, and so are its later effects here)
@@ -119,34 +91,21 @@ def _behind(run, running, result_avals, skipped, chain):
   return behind
 
 
-# The host functions below set nothing per run for
-# ``_runtime.placement.current()``, which reads ``running`` in the innermost
-# host frame (a keyword-only default, never passed). ``index(carrier)`` is
-# the fastest read of a 0-d integer array.
-
+# ``_runtime.placement.current()`` reads ``running`` in the innermost host
+# frame; ``index(carrier)`` is the fastest read of a 0-d integer array.
 class FailedBit:
-  """The ``FAILED``-bit rule of a threaded effect, written once
-  (``design/errors.md``): a carrier with ``FAILED`` set skips the effect
-  (results zeros, carrier as received: :meth:`on_failed` returns None),
-  unless the effect is the chain's entry (an earlier execution's bit,
-  cleared) or a *cleanup* (``HostCallback.cleanup``, run as a ``finally``
-  block); a user exception is deferred to the thread whose slot the carrier
-  holds and sets ``FAILED`` (:meth:`fail`), an interrupt of that thread's
-  call is raised into XLA instead. Host functions test the bit themselves
-  (the hot path) and call these only when it matters.
-  """
+  """The ``FAILED``-bit rule of a threaded effect (``design/errors.md``);
+  host functions test the bit themselves (the hot path)."""
   __slots__ = ("entry", "cleanup")
   FAILED = int(_errors.FAILED)
   SLOT_MASK = int(_token_value.SLOT_MASK)
 
-  def __init__(self, entry: bool, cleanup: bool = False):
+  def __init__(self, entry: bool, cleanup: bool):
     self.entry = entry
     self.cleanup = cleanup
 
   def on_failed(self, carrier):
-    """``carrier`` has ``FAILED`` set: None (skip this effect), or the
-    carrier to run with (the chain's entry: an earlier execution's bit; a
-    cleanup effect: as received)."""
+    """None (skip this effect), or the carrier to run with."""
     if self.cleanup:
       return carrier
     if not self.entry:
@@ -154,20 +113,18 @@ class FailedBit:
     return np.bitwise_and(carrier, _token_value.ID_MASK)
 
   @staticmethod
-  def fail(carrier, exc: BaseException, slot: int, inline: bool = True):
-    """Defers ``exc`` to thread ``slot`` (``errors.defer``); returns the
-    carrier with ``FAILED`` set. An interrupt of ``slot``'s call is raised
-    instead (see above)."""
+  def fail(carrier, exc: BaseException, slot: int):
+    """Defers ``exc`` to thread ``slot``; returns the carrier with
+    ``FAILED`` set. An interrupt of ``slot``'s call is raised instead."""
     if _interrupts.slots and slot in _interrupts.slots:
       raise exc
-    _errors.defer(exc, slot, inline=inline)
+    _errors.defer(exc, slot, inline=True)
     return np.bitwise_or(carrier, _errors.FAILED)
 
 
 def _threaded_once(host_callback: _host_callback.HostCallback, placement,
                    avals_out, entry: bool, n_operands: int | None):
-  """``host(carrier, *operands)`` of a threaded effect that runs once
-  (``n_operands`` of them, if known)."""
+  """``host(carrier, *operands)`` of a threaded effect that runs once."""
   running = _placement.running(placement, True)
   fn = host_callback.fn
   if host_callback.reads_placement:
@@ -230,9 +187,8 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
 
 def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
                          avals_out, entry: bool):
-  """``host(carrier, *operands, partition_id)`` of a threaded effect that
-  runs on every device (in a manual ``shard_map``): :func:`_threaded_once`,
-  placed by the partition id through ``table``."""
+  """``host(carrier, *operands, partition_id)``: :func:`_threaded_once`
+  per device, placed by the partition id through ``table``."""
   placed = tuple(_placement.running(p, True) for p in table)
   fn = host_callback.fn
   fns = ((tuple(_setting_site(fn, r) for r in placed)
@@ -276,9 +232,8 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
 def _general(host_callback: _host_callback.HostCallback, where: _placement.Where,
              passthrough: int, threaded: bool, avals_out: Sequence,
              entry: bool):
-  """Every other lowered effect: per device (the partition id is the last
-  operand), not threaded (plain ``jax.jit``: no carrier), or with a
-  non-scalar carrier."""
+  """Every other lowered effect: per device, not threaded (plain
+  ``jax.jit``: no carrier), or with a non-scalar carrier."""
   fn = host_callback.fn
   what = host_callback.description
   result_avals = host_callback.result_avals
@@ -304,8 +259,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       at = _waiting(int(c if not c.ndim else c.max()), chain)
       if at is not None:
         slot, seq = at
-        # (False from either: its execution failed: skipped, and so are its
-        # later effects here)
+        # (False from either: its execution failed: skipped)
         if not result_avals:
           if _host_jobs.submit(slot, chain, seq, _host_jobs.Job(
               functools.partial(job, args, fixed if table is None
@@ -320,9 +274,6 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       running = table[int(args[-1])]
       args = args[:-1]
     if carrier_at is not None:
-      # The carrier holds the dispatching thread's slot, and FAILED once an
-      # earlier effect of its chain failed: as after a raise in Python, the
-      # later effects of the chain do not run.
       carrier = args[carrier_at]
       value = int(carrier) if not carrier.ndim else int(carrier.max())
       if value & rule.FAILED:
@@ -352,14 +303,8 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
 
   queues, interrupted = _host_jobs.queues, _interrupts.slots
 
-  def job(args, place) -> bool:
-    # (an effect behind a thread's waiting jobs, see _behind)
-    prev = site.running
-    site.running = place
-    try:
-      out = host(*args)
-    finally:
-      site.running = prev
+  def job(args, place) -> bool:   # (see _behind)
+    out = _setting_site(host, place)(*args)
     return bool(int(np.max(out[carrier_at])) & rule.FAILED)
 
   return host

@@ -1,25 +1,22 @@
 """Keys and site specs of jax_effects' FFI target (``host_target``).
 
-A site spec (``host_specs``: the effect's spec, and what the lowering
-decided: avals, placement, passthrough, chain) names everything that
-decides what a host side does; its key is made from it
-(``design/host_target.md``, "Keys"): ``jfx1.D<hash of the spec>`` for a
-site whose effect spec is data, the same in every process; else (a *local*
-site) ``jfx1.L<hash>.<n>``, ``n`` counting the local sites of that hash
-lowered in this process. A key arriving in a module is made again from the
-spec it carries (:func:`key_problem`) before a site is rebuilt from that
-spec (:func:`rebuild`); a local site is never rebuilt, nor exported
-(:class:`NotExportable`).
+A site spec (:func:`site_spec`) names everything that decides what a host
+side does; its key is made from it (``design/host_target.md``, "Keys"):
+``jfx1.D<hash>`` when its effect spec is data, else (a *local* site)
+``jfx1.L<hash>.<n>``. A key arriving in a module is checked against its
+spec (:func:`key_problem`) before a site is rebuilt (:func:`rebuild`); a
+local site is never rebuilt, nor exported (:class:`NotExportable`).
 
 Part in the token calling convention: none; the carrier is one of a site's
-passthrough operands, passed to the host function as a NumPy scalar
-(:func:`scalars`).
+passthrough operands, passed as a NumPy scalar (:func:`scalars`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+
+import jax
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
@@ -47,10 +44,8 @@ _LOCAL_KEY = re.compile(rb"jfx1\.L([0-9a-f]{20})\.(0|[1-9][0-9]{0,17})")
 
 
 def key_problem(key: bytes, text: str) -> str | None:
-  """Why ``key`` is not the key of the spec ``text`` it arrived with (a
-  module from elsewhere: exported, cached, or corrupt), or None. The key is
-  made again from the spec: a data spec's hash; a local spec's hash and a
-  count (such a site is never rebuilt, only named)."""
+  """Why ``key`` is not the key of the spec ``text`` it arrived with, or
+  None (a local key: its hash, its count never checked)."""
   shown = key.decode("utf-8", "replace")[:80]
   try:
     spec = json.loads(text)
@@ -72,8 +67,7 @@ def key_problem(key: bytes, text: str) -> str | None:
 
 def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
   """``(site, failing)`` rebuilt from the spec ``text``; a failing site's
-  effect reports why it cannot run (``UnboundHostFunction``, deferred as a
-  callback's error)."""
+  effect raises ``UnboundHostFunction``, deferred as a callback's error."""
   try:
     spec = json.loads(text)
     if spec.get("v") != _specs.VERSION:
@@ -84,7 +78,8 @@ def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
     avals_out = [_specs.decode_aval(a) for a in site_spec["out"]]
     where = _decode_where(site_spec["where"])
     passthrough = int(site_spec["passthrough"])
-    results = [_aval_of(a) for a in avals_out if a is not None]
+    results = [jax.core.ShapedArray(shape, dtype)
+               for dtype, shape in filter(None, avals_out)]
   except Exception as err:  # noqa: BLE001 - a spec this version cannot read
     raise _host_sites.SiteMismatch(
         f"a call site spec jax_effects cannot read ({err})")
@@ -122,8 +117,7 @@ def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
 
 
 def _encode_chain(chain):
-  """A chain key as data: an ``Effect``'s name, or None (unordered, or
-  not on a chain)."""
+  """A chain key as data: an ``Effect``'s name, or None."""
   return chain.name if isinstance(chain, _effects.Effect) else None
 
 
@@ -131,15 +125,9 @@ def _decode_chain(name):
   return _effects.UNORDERED if name is None else _effects.Effect(name)
 
 
-def _aval_of(decoded):
-  import jax
-  dtype, shape = decoded
-  return jax.core.ShapedArray(shape, dtype)
-
-
 def scalars(site_spec, avals_in, where) -> frozenset:
-  """Operand positions passed as NumPy scalars: the 0-d passthrough ones
-  (the carrier) and a per-device call's partition id (the last)."""
+  """Operand positions passed as NumPy scalars: 0-d passthrough ones (the
+  carrier) and the partition id."""
   tokens = sum(1 for a in avals_in if a is None)
   out = {tokens + i for i in range(site_spec["passthrough"])
          if avals_in[tokens + i][1] == ()}
@@ -181,8 +169,7 @@ def _physical(aval):
 
 def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
   """``(spec, why_local)``: the site spec of ``side`` lowered with these
-  custom-call avals; ``why_local`` says why its host side is not data
-  (None: it is)."""
+  avals; ``why_local``: why its host side is not data (None: it is)."""
   host_callback = side.host_callback
   effect = host_callback.spec
   why = None
@@ -203,8 +190,7 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
 
 
 class NotExportable(ValueError):
-  """An effect whose host side only its own process has, lowered for
-  ``jax.export``."""
+  """An effect whose host side only its process has, lowered for export."""
 
   def __init__(self, what: str, why: str):
     fix = ("give it a stable name, jax_effects.callback("

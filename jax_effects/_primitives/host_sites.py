@@ -1,13 +1,11 @@
 """A call site's host side as the FFI handler runs it (``host_target``).
 
 A :class:`Site` is what a key is bound to: the host function, and how to
-read its operands from an XLA call frame and write its results back. Every
-frame's buffers are checked against the site (:attr:`Site.match`; the
-compiled entry checks ``Site.sig``, ``_trampoline.c``) on every call, before
-a byte of them is read; a frame that does not fit fails with
-:class:`SiteMismatch`, never reads past a buffer. The common site (the
-carrier and one operand in, the carrier out) is run by the handler or the
-compiled entry itself (:func:`inline_form`, :func:`compiled_form`).
+read its operands from a call frame and write its results. Every frame's
+buffers are checked against the site (:attr:`Site.match`; the compiled
+entry checks ``Site.sig``) before a byte is read; a frame that does not
+fit fails with :class:`SiteMismatch`. The common site is run by the
+handler or the compiled entry itself (:func:`inline_form`).
 
 Part in the token calling convention: reads the carrier operand as a NumPy
 scalar and writes the carrier result like any other int32 (``host_call``).
@@ -28,14 +26,12 @@ B_DATA = _abi.B_DATA
 
 
 class SiteMismatch(Exception):
-  """A call frame whose buffers are not what its spec says (never a user's
-  error: the computation fails with it)."""
+  """A call frame whose buffers are not what its spec says."""
 
 
 class Site:
-  """One call site's host side, as the handler runs it: ``host`` (the host
-  function) called with the operands read from the frame, its results
-  written back (:meth:`run`, specialised when first run)."""
+  """One call site's host side: ``host`` called with the operands read
+  from the frame, its results written back (:meth:`run`)."""
   __slots__ = ("key", "spec", "what", "host", "avals_in", "avals_out",
                "scalars", "run", "inline", "compiled", "match", "sig",
                "__weakref__")
@@ -50,11 +46,8 @@ class Site:
     self.avals_out = avals_out
     self.scalars = scalars       # operand positions passed as NumPy scalars
     self.run = self._first_run
-    # How the handler and the compiled entry run a common site themselves,
-    # once checked (:func:`inline_form`, :func:`compiled_form`); else None.
+    # (:func:`inline_form`, :func:`compiled_form`, once checked)
     self.inline = self.compiled = None
-    # Whether a frame's buffers are this site's, checked on every call
-    # (:func:`_matcher`); the same as the compiled entry checks it.
     self.match = _matcher(avals_in, avals_out)
     self.sig = _signature(avals_in, avals_out)
 
@@ -73,8 +66,7 @@ class Site:
 
 
 def _mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
-  """What differs between the frame's buffers and a site's avals (None:
-  nothing)."""
+  """What differs between the frame's buffers and a site's avals."""
   f = frame >> 3
   for what, n_at, v_at, avals in (("operand", _abi.F_NARGS, F_ARGV,
                                    avals_in),
@@ -97,18 +89,15 @@ def _mismatch(site_what: str, avals_in, avals_out, frame: int) -> str | None:
   return None
 
 
-#: (dtype code, rank) of an ``XLA_FFI_Buffer`` at its address
-#: (``ffi_abi.B_DTYPE``, ``B_RANK``: bytes 16 and 32).
+#: (dtype code, rank) of an ``XLA_FFI_Buffer`` (``B_DTYPE``, ``B_RANK``).
 _CODE_RANK = struct.Struct("<16xi12xq").unpack_from
 #: The same and its dims' address (``B_DIMS``: byte 40).
 _CODE_RANK_DIMS = struct.Struct("<16xi12xqQ").unpack_from
 
 
 def _matcher(avals_in, avals_out):
-  """``match(argv, retv, nargs, nrets)``: whether a frame with these
-  argument and result lists has this site's buffers (their number, and the
-  XLA dtype code and dims of every one; a token's code only), checked on
-  every call before a byte of a buffer is read (module docstring)."""
+  """``match(argv, retv, nargs, nrets)``: whether a frame has this site's
+  buffers (number, XLA dtype code and dims; a token's code only)."""
   n_in, n_out = len(avals_in), len(avals_out)
   checks = []
   for side, avals in ((0, avals_in), (1, avals_out)):
@@ -162,10 +151,8 @@ def _matcher(avals_in, avals_out):
 
 
 def _signature(avals_in, avals_out) -> bytes:
-  """What the compiled entry checks a frame's buffers against
-  (``_trampoline.c``, ``frame_matches``): int64 words ``nargs, nrets``,
-  then for each argument and result its dtype code, rank (-1: a token,
-  its code only) and dims."""
+  """What ``_trampoline.c`` checks a frame against: int64 words ``nargs,
+  nrets``, then per buffer its dtype code, rank (-1: a token) and dims."""
   words = [len(avals_in), len(avals_out)]
   for aval in (*avals_in, *avals_out):
     if aval is None:
@@ -176,9 +163,8 @@ def _signature(avals_in, avals_out) -> bytes:
   return struct.pack(f"<{len(words)}q", *words)
 
 
-# NumPy scalars of the partition-id values seen (immutable; a carrier's
-# value names its execution, ``_runtime/token_value``: made anew each call,
-# never kept).
+# NumPy scalars of the partition-id values seen (a carrier's value names
+# its execution: made anew each call, never kept).
 uint32s: dict[int, np.uint32] = {}
 
 
@@ -195,10 +181,8 @@ def _typed(fmt: str) -> memoryview:
 
 
 def _reader(aval, scalar: bool):
-  """``read(address)``: the operand at ``address`` as the host function
-  receives it: a NumPy scalar (``scalar``: the carrier, a partition id,
-  made once per value: :data:`uint32s`), else a NumPy array of its own
-  (the host function may keep it)."""
+  """``read(address)``: the operand there, a NumPy scalar (``scalar``: the
+  carrier, a partition id) or an array of its own (the host may keep it)."""
   dtype, shape = aval
   if scalar and shape == () and dtype in (np.int32, np.uint32):
     view, make = _typed(_SCALAR_FORMATS[dtype.name]), dtype.type
@@ -254,9 +238,7 @@ def _writer(aval):
 
 
 def _runner(site: Site) -> Callable[[int], int]:
-  """``run(frame)`` of a checked site: reads the operands, calls the host
-  function, writes its results (the handler runs the common site itself,
-  :func:`inline_form`)."""
+  """``run(frame)`` of a checked site."""
   host = site.host
   ins = [(i, _reader(a, i in site.scalars)) for i, a in
          enumerate(site.avals_in) if a is not None]
@@ -284,15 +266,9 @@ def _runner(site: Site) -> Callable[[int], int]:
 
 
 def inline_form(site: Site):
-  """What the handler needs to run a common site (the carrier and one
-  operand in, and a per-device call's partition id; the carrier out:
-  ``print``, ``log``, a result-free ``callback``) itself, with no frame of
-  its own (``host_target._handle``): ``(host, view, shift, dtype, count,
-  shape, per_device)``, ``view`` a typed view of memory for a 0-d operand
-  read as one value (else None: a buffer copy of ``count`` elements,
-  reshaped to ``shape`` unless None), ``per_device``: a partition id
-  follows; None for any other site, or an operand of a sub-byte dtype or
-  with no elements."""
+  """``(host, view, shift, dtype, count, shape, per_device)``: how the
+  handler runs a common site (the carrier and one operand in, maybe a
+  partition id; the carrier out) itself, or None."""
   i32, u32 = (np.dtype(np.int32), ()), (np.dtype(np.uint32), ())
   ins, per_device = site.avals_in, len(site.avals_in) == 3
   if per_device and (ins[2] != u32 or 2 not in site.scalars):
@@ -313,11 +289,8 @@ def inline_form(site: Site):
 
 
 def compiled_form(inline, sig: bytes) -> tuple | None:
-  """What the compiled entry (``_trampoline.c``) needs to run a common site
-  itself: ``(host, shape, dtype, nbytes, per_device, sig)``, the operand
-  made as ``numpy.empty(shape, dtype)`` and its ``nbytes`` copied in (a
-  NaN's payload too) once the frame matched ``sig`` (:func:`_signature`);
-  None where :func:`inline_form` is."""
+  """``(host, shape, dtype, nbytes, per_device, sig)``: what
+  ``_trampoline.c`` needs to run a common site itself, or None."""
   if inline is None:
     return None
   host, view, _, dtype, count, shape, per_device = inline
@@ -327,4 +300,3 @@ def compiled_form(inline, sig: bytes) -> tuple | None:
     shape = (count,)
   return (host, tuple(shape), dtype, count * dtype.itemsize, per_device,
           sig)
-

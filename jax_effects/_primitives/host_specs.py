@@ -1,23 +1,12 @@
 """Specs: a host side written as data, from which any process rebuilds it.
 
-A lowered effect's host side is a Python function of this process. Where it
-is fully determined by data (a ``print``'s format string, static arguments,
-NumPy print options and operand shapes; a ``log``'s logger name and level; a
-named ``callback``'s name), the front end describes it as a JSON-able dict,
-its *effect spec* (``HostCallback.spec``: ``{"kind": ..., ...}``), and
-builds its host function *from that dict* with the rebuild function it
-registered for its kind (:func:`register_kind`), so the host side of equal
-specs is the same code run on the same data in every process. Where it is
-not (a closure, an object formatted by its own ``__format__``),
-``HostCallback.spec`` is a string saying why, and the host side exists only
-in the process that traced it (*local*).
-
-A *site spec* adds what the lowering decided (``host_keys.site_spec``:
-placement, avals, the carrier's place, entry). Serialized canonically
-(:func:`dumps`), it is the custom call's ``jax_effects_spec`` attribute; its
-hash is the call's key (``host_keys.key_of``). :func:`encode_tree` and
-:func:`decode_tree` write the argument pytrees of ``print``/``log``/
-``callback`` as data.
+Where a host side is fully determined by data, its front end describes it
+as a JSON-able *effect spec* (``HostCallback.spec``, ``{"kind": ...}``) and
+builds its host function from it with the function it registered for its
+kind (:func:`register_kind`); else ``HostCallback.spec`` says why not (a
+*local* host side). A *site spec* (``host_keys.site_spec``) adds what the
+lowering decided; serialized by :func:`dumps`, it is the custom call's
+``jax_effects_spec`` attribute (``design/host_target.md``).
 
 Part in the token calling convention: none (the carrier's place in a site
 spec is the convention's: ``passthrough`` operands first).
@@ -32,16 +21,12 @@ from typing import Any, Callable
 import numpy as np
 from jax import tree_util
 
-__all__ = ["dumps", "register_kind", "rebuild_effect", "encode_aval",
-           "decode_aval", "encode_tree", "decode_tree", "NotData"]
-
 #: Version of the spec format (a site spec's ``"v"``).
 VERSION = 1
 
 
 class NotData(Exception):
-  """What a host side is made of cannot be written as data (the message says
-  which part)."""
+  """What a host side is made of cannot be written as data."""
 
 
 def dumps(spec: dict) -> str:
@@ -53,8 +38,6 @@ def dumps(spec: dict) -> str:
 def digest(text: str, n: int = 32) -> str:
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:n]
 
-
-# --- avals ---------------------------------------------------------------------
 
 def encode_aval(aval) -> list:
   """``[dtype name, shape]`` (``["token"]`` for a token)."""
@@ -80,21 +63,15 @@ def decode_aval(data):
 def _dtype(name: str) -> np.dtype:
   import jax.numpy as jnp   # (ml_dtypes' names: bfloat16, float8_*, int4)
   found = getattr(jnp, name, None)
-  if found is not None:
-    return np.dtype(found)
-  return np.dtype(name)
+  return np.dtype(name if found is None else found)
 
-
-# --- pytrees of arguments ------------------------------------------------------
 
 _STATIC = (str, int, float, bool)
 
 
 def encode_tree(tree, operand_leaves: set) -> Any:
-  """``tree`` as data (nodes tuple, list, dict with str keys, None): the leaf
-  at flat position ``i`` is ``{"op": j}`` when ``i`` is the ``j``-th of
-  ``operand_leaves``, else its value, exactly a str, int, float or bool.
-  Raises :class:`NotData` naming what is not data."""
+  """``tree`` as data: the leaf at flat position ``i`` is ``{"op": j}``
+  when ``i`` is the ``j``-th of ``operand_leaves``, else its value."""
   leaves = tree_util.tree_leaves(tree)
   order = sorted(operand_leaves)
   index = {pos: j for j, pos in enumerate(order)}
@@ -130,8 +107,7 @@ def encode_tree(tree, operand_leaves: set) -> Any:
 
 
 def decode_tree(data, values) -> Any:
-  """The pytree of :func:`encode_tree`'s ``data`` with ``values[j]`` for
-  operand ``j``."""
+  """The pytree of :func:`encode_tree`'s ``data`` with these ``values``."""
   if "op" in data:
     return values[data["op"]]
   if "v" in data:
@@ -149,10 +125,8 @@ _MAKERS = {"t": tuple, "l": list, "d": dict}
 
 
 def _shallow(data) -> tuple | None:
-  """``(make, keys, items, slots)``: how to build the node ``data`` whose
-  children are leaves (``make(items)``, or ``make(zip(keys, items))`` for a
-  dict, with ``items[i] = values[j]`` for each ``(i, j)`` of ``slots``); a
-  leaf itself is ``(None, None, value, operand)``; None for a deeper node."""
+  """``(make, keys, items, slots)``: how :func:`tree_decoder` builds the
+  node ``data`` of leaves (None for a deeper node)."""
   if "op" in data:
     return None, None, None, data["op"]
   kind = next((k for k in _MAKERS if k in data), None)
@@ -173,9 +147,7 @@ def _shallow(data) -> tuple | None:
 
 
 def check_tree(data, what: str = "a tree") -> int:
-  """Checks that ``data`` (from a module) is what :func:`encode_tree` writes,
-  its operands numbered from 0, each once; returns their number, or raises
-  :class:`NotData` naming what is wrong."""
+  """Checks ``data`` is :func:`encode_tree`'s; returns its operand count."""
   ops = []
 
   def walk(d, depth):
@@ -219,9 +191,8 @@ def check_tree(data, what: str = "a tree") -> int:
 
 
 def tree_decoder(data) -> Callable:
-  """``decode(values)``: :func:`decode_tree` of ``data``, its structure read
-  once here, not on every call of the host side: a tuple of nodes of leaves
-  (plain ``(args, kwargs)``) directly, a deeper tree by :func:`decode_tree`."""
+  """``decode(values)``: :func:`decode_tree` of ``data``, a tuple of nodes
+  of leaves (plain ``(args, kwargs)``) read once here."""
   parts = ([_shallow(d) for d in data["t"]] if "t" in data else [None])
   if None in parts:
     def decode_deep(values):
@@ -241,8 +212,6 @@ def tree_decoder(data) -> Callable:
     return tuple(out)
   return decode
 
-
-# --- kinds -------------------------------------------------------------------------
 
 _kinds: dict[str, Callable] = {}
 _kinds_lock = threading.Lock()

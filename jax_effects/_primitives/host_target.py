@@ -1,29 +1,11 @@
 """jax_effects' FFI target: one process-global custom call for every host call.
 
-Every effect lowered for CPU is one custom call to :data:`TARGET`, an XLA
-FFI handler registered once per process (``ffi_abi.handler_capsule``,
-written in Python: no C compiler), with two string attributes:
-``jax_effects_key``, naming the call site's host side (a ``host_sites.Site``
-bound to each key in this process, :data:`_sites`, looked up on every call),
-and ``jax_effects_spec``, the site spec the key was made from
-(``host_keys``). A key not bound here (a module from another process:
-exported, or an executable whose host side is gone) is bound on its first
-call by rebuilding the site from its spec, once the key is made again from
-it (``host_keys.key_problem``), when the spec is data; otherwise the call's
-effect fails with a clear error, deferred like a callback's
-(``design/errors.md``), never an XLA error. A local site cannot be exported
-(:func:`emit` refuses it, naming the effect and the fix).
-
-Lifetime (``design/host_target.md``): the registry holds sites weakly; a
-site lives as long as an executable it was lowered into (a keepalive of the
-lowering; never in an exported module), the effect's ``HostCallback``, or
-the ``jax_effects.jit`` function that lowered it (:func:`keep_sites_in`;
-across ``jax.clear_caches()``) does; sites rebuilt from a spec are kept in
-a bounded store (:data:`REBUILT_KEPT`, the oldest dropped first).
-
-The handler runs on the thread XLA calls it on: the dispatching thread when
-the CPU client runs the computation inline, else one of XLA's threads, whose
-Python thread state it keeps (:func:`_pin`, once per thread).
+Every effect lowered for CPU is one custom call to :data:`TARGET` with two
+string attributes: ``jax_effects_key``, bound in this process to a
+``host_sites.Site`` (:data:`_sites`, held weakly), and ``jax_effects_spec``,
+the site spec the key was made from (``host_keys``). A key not bound here
+is rebuilt from its spec on its first call, or its effect fails with a
+deferred error. Registry, lifetime and handler: ``design/host_target.md``.
 
 Part in the token calling convention: none of its own; it carries the
 carrier operand and result like any other (``host_call``).
@@ -49,21 +31,18 @@ TARGET = "jax_effects_host"
 KEY_ATTR = "jax_effects_key"
 SPEC_ATTR = "jax_effects_spec"
 #: How many sites rebuilt from a spec are kept alive (the oldest dropped
-#: first; one dropped is rebuilt at its next call).
+#: first).
 REBUILT_KEPT = 4096
 
 mem8, mem32, mem64 = _abi.mem8, _abi.mem32, _abi.mem64
 
-
-# --- registration ----------------------------------------------------
 
 _registered = False
 _unavailable: str | None = None
 
 
 def unavailable() -> str | None:
-  """Why this process lowers host calls to JAX's Python-callback target
-  instead of :data:`TARGET` (None: the target is registered)."""
+  """Why :data:`TARGET` is not registered in this process (None: it is)."""
   _register()
   return _unavailable
 
@@ -89,8 +68,6 @@ def _register() -> None:
     _registered = True
 
 
-# --- sites -----------------------------------------------------------
-
 _lock = threading.RLock()
 #: key (bytes) -> weak reference to its Site.
 _sites: dict[bytes, weakref.ref] = {}
@@ -105,8 +82,7 @@ _local_counts: dict[str, int] = {}
 
 def _raised(exc: BaseException) -> int:
   """The XLA error for an exception out of the handler or a host function
-  (an interrupt, or a bug of ours: users' errors are deferred): what
-  :func:`_handle` returns, and the compiled entry for a site it ran."""
+  (an interrupt, or a bug of ours: users' errors are deferred)."""
   try:
     return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
                       f"{exc}")
@@ -115,10 +91,8 @@ def _raised(exc: BaseException) -> int:
 
 
 def _bind(key: bytes, site: _host_sites.Site) -> None:
-  """Binds ``key`` to ``site`` (weakly; under the lock)."""
   def dropped(ref, key=key, lock=_lock, sites=_sites):
-    # (the lock and dict bound here: at interpreter exit the module's
-    # globals may already be gone)
+    # (bound here: at interpreter exit the module's globals may be gone)
     with lock:
       if sites.get(key) is ref:
         del sites[key]
@@ -130,36 +104,23 @@ def _bound(key: bytes) -> _host_sites.Site | None:
   return None if ref is None else ref()
 
 
-# --- the handler -----------------------------------------------------
-
-class _Pinned(threading.local):
-  """``done``: this thread's Python thread state is kept (:func:`_pin`);
-  unset on a thread whose state ctypes made for this call alone."""
-
-
-_pinned = _Pinned()
-_ensure = None
+#: ``done``: this thread's Python thread state is kept (:func:`_pin`).
+_pinned = threading.local()
 
 
 def _pin() -> None:
-  """Keeps the Python thread state of an XLA thread calling the handler
-  (ctypes would make and delete one on every call, a dozen microseconds):
-  one more ``PyGILState_Ensure``, never released, once per such thread."""
-  global _ensure
+  """Keeps an XLA thread's Python thread state (else ctypes makes one per
+  call): one more ``PyGILState_Ensure``, never released."""
   thread = threading._active.get(threading.get_ident())
   if thread is None or isinstance(thread, threading._DummyThread):
-    if _ensure is None:
-      import ctypes
-      _ensure = ctypes.pythonapi.PyGILState_Ensure
-    _ensure()
+    import ctypes
+    ctypes.pythonapi.PyGILState_Ensure()
   _pinned.done = True
 
 
-
-#: The words of a call frame the handler reads, at once: extension_start,
-#: args.size, args.args, rets.size, rets.rets, attrs.size, attrs.types,
-#: attrs.attrs (``ffi_abi.F_EXTENSION``, ``F_NARGS``, ``F_ARGV``,
-#: ``F_NRETS``, ``F_RETV``, ``F_NATTRS``, ``F_ATTR_TYPES``, ``F_ATTRV``).
+#: The words of a call frame the handler reads, at once (``ffi_abi``'s
+#: ``F_EXTENSION``, ``F_NARGS``, ``F_ARGV``, ``F_NRETS``, ``F_RETV``,
+#: ``F_NATTRS``, ``F_ATTR_TYPES``, ``F_ATTRV``).
 _FRAME = struct.Struct("<8xQ40xQ8xQ16xQ8xQ16xQQ8xQ")
 
 
@@ -167,11 +128,8 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
             pinned=_pinned,
             pids=_host_sites.uint32s, uint32=np.uint32, array=np.array,
             frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
-  """The FFI handler (see the module docstring): the address of an
-  ``XLA_FFI_Error``, or 0. It runs on every host call, so a common site
-  (``host_sites.inline_form``) is run here, with no frame of its own; any
-  other through its ``Site.run``. (Names bound as defaults, local to the
-  frame; a buffer's data address is its word ``ffi_abi.B_DATA``, 3.)"""
+  """The FFI handler: an ``XLA_FFI_Error`` address, or 0. A common site
+  runs here (a buffer's data address: its word ``ffi_abi.B_DATA``)."""
   try:
     pinned.done
   except AttributeError:
@@ -202,8 +160,7 @@ def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
           or f"{site.what}: a call frame that does not fit its site")
     host, view, shift, dtype, count, shape, per_device = inline
     argv >>= 3
-    carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int, as
-    # the compiled entry passes it: the host functions read it by index)
+    carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int)
     address = mem64[(mem64[argv + 1] >> 3) + 3]
     if view is not None:
       v = view[address >> shift]
@@ -232,8 +189,7 @@ _interrupts.entry_frame(_handle)
 
 
 def _cold(frame: int, key: bytes) -> _host_sites.Site:
-  """The site of a key not bound in this process, rebuilt from the call's
-  spec (and bound), or one whose effect fails with the reason it cannot be."""
+  """The site of a key not bound here, rebuilt from the call's spec."""
   problem = _abi.check_frame(frame)
   if problem:
     raise _host_sites.SiteMismatch(problem)
@@ -267,13 +223,12 @@ def _site_for(side, avals_in, avals_out,
   except _specs.NotData as err:
     spec, why = None, f"it has {err}"
   description = side.host_callback.description
-  if for_export and why is not None:
-    raise _keys.NotExportable(description, why)
-  if spec is None:   # (symbolic shapes: never lowered for execution)
+  # (a spec of symbolic shapes is never lowered for execution)
+  if spec is None or (for_export and why is not None):
     raise _keys.NotExportable(description, why)
   text = _specs.dumps(spec)
   with _lock:
-    held = _holders.setdefault(side.host_callback.root, {})
+    held = _holders.setdefault(side.host_callback.origin, {})
     site = held.get(text)
     if site is not None and _bound(site.key) is site:
       return site
@@ -302,45 +257,39 @@ def _site_for(side, avals_in, avals_out,
 _lowerings: dict = {}
 
 
-class _Owner(threading.local):
-  """Where the sites lowered on this thread are kept strongly: the kept
-  traces of the ``jax_effects.jit`` function traced last on it
-  (:func:`keep_sites_in`; the lowering follows on the same thread).
-  ``jax.jit``'s C++ dispatch runs an executable as long as the function's
-  ``jax.jit`` objects live, after its lowering's keepalives may have gone:
-  so do its sites. (Plain ``jax.jit`` code keeps them in the last one
-  traced: longer than needed, never shorter.)"""
-  holder = None   # (a weak reference to an object with ``sites``)
-
-
-_owner = _Owner()
+#: ``holder``: a weak reference to the ``jax_effects.jit`` function traced
+#: last on this thread, which keeps the sites lowered on it strongly (its
+#: C++ dispatch may outlive the lowering's keepalives).
+_owner = threading.local()
 
 
 def keep_sites_in(owner) -> None:
-  """The sites lowered next on this thread are kept in ``owner.sites`` (a
-  set), while ``owner`` lives (held weakly here)."""
+  """The sites lowered next on this thread are kept in ``owner.sites``."""
   _owner.holder = weakref.ref(owner)
 
 
 def emit(ctx, side, operands, sharding) -> list:
-  """Emits the custom call of ``side`` (a ``host_call.HostSide``) to
-  :data:`TARGET` in ``ctx`` (whose avals are the call's: tokens included);
-  returns its results."""
-  import jax
+  """The results of the custom call of ``side`` to :data:`TARGET`."""
   for_export = _compat.lowering_for_export(ctx)
   site = _site_for(side, ctx.avals_in, ctx.avals_out, for_export)
   if not for_export:   # (jax.export refuses keepalives: rebuilt there)
     _compat.keep_alive_with_executable(ctx, site)
-    holder = _owner.holder
+    holder = getattr(_owner, "holder", None)
     owner = None if holder is None else holder()
     if owner is not None:
       owner.sites.add(site)
-  lower = _lowerings.get(TARGET)
+  return custom_call(ctx, TARGET, operands, sharding,
+                     **{KEY_ATTR: site.key.decode(), SPEC_ATTR: site.spec})
+
+
+def custom_call(ctx, target, operands, sharding, **attrs) -> list:
+  """The results of a side-effecting FFI custom call to ``target``."""
+  import jax
+  lower = _lowerings.get(target)
   if lower is None:
-    lower = _lowerings[TARGET] = jax.ffi.build_ffi_lowering_function(
-        TARGET, has_side_effect=True)
-  op = lower(ctx, *operands, **{KEY_ATTR: site.key.decode(),
-                                SPEC_ATTR: site.spec})
+    lower = _lowerings[target] = jax.ffi.build_ffi_lowering_function(
+        target, has_side_effect=True)
+  op = lower(ctx, *operands, **attrs)
   if sharding is not None:
     _compat.set_sharding(ctx.module_context, op, sharding)
   return op.results

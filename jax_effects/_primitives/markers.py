@@ -1,14 +1,8 @@
 """Which equations of a jaxpr hold ``jax_effects`` effects, and which ones.
 
-Both jaxpr walkers (the token-threading pass, ``_pass.token_pass``, and the
-masking of effects in a vmapped ``cond`` branch,
-``control_flow_batching``) ask the same questions of an equation: does it
-hide the effects of its sub-computations (:data:`HIDES_EFFECTS`), does it
-hold an effect of ours (its own effects carry our marker, asked of the
-registry of chain kinds, ``_core.effects.has_own_marker``, or one is hidden
-inside), and what is the first effect inside (for error messages). They are
-answered here, once. No part of the token calling convention: the walkers
-add it.
+The questions both jaxpr walkers (``_pass.token_pass`` and
+``control_flow_batching``) ask of an equation, answered once. No part of
+the token calling convention: the walkers add it.
 """
 from __future__ import annotations
 
@@ -16,11 +10,9 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import effect as _effect
 
-#: Names of higher-order primitives whose equation does not report the
-#: effects of its sub-computations (their abstract evaluation drops them):
-#: the walkers look inside. Without this, an effect in them would reach XLA
-#: unthreaded (or unmasked). Names: ``pallas_call`` lives in a module
-#: jax_effects does not import.
+#: Higher-order primitives whose equation does not report the effects of
+#: its sub-computations: the walkers look inside. (Names: ``pallas_call``
+#: lives in a module jax_effects does not import.)
 HIDES_EFFECTS = frozenset({
     "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
 
@@ -29,8 +21,7 @@ SOME_EFFECT = "a jax_effects side effect"
 
 
 def effects_inside(eqn) -> list[str]:
-  """The descriptions of the ``jax_effects`` effects in ``eqn``'s
-  sub-computations, at any depth, in program order."""
+  """The descriptions of the effects in ``eqn``'s sub-computations."""
   found: list[str] = []
 
   def walk(jaxpr):
@@ -45,8 +36,7 @@ def effects_inside(eqn) -> list[str]:
 
 
 def holds_effect(eqn) -> bool:
-  """Whether ``eqn`` holds an effect of ours: its effects say so, or it
-  hides its sub-computations' effects and one is inside."""
+  """Whether ``eqn`` holds an effect of ours (maybe hidden inside)."""
   return _effects.has_own_marker(eqn.effects) or (
       eqn.primitive.name in HIDES_EFFECTS and bool(effects_inside(eqn)))
 

@@ -1,38 +1,17 @@
 """``threaded_effect_p``: an effect after the token-threading pass.
 
-The token-threading pass replaces each effect with::
+Part in the token calling convention (``design/tokens.md``)::
 
     token', carrier', results = threaded_effect_p(token, carrier, *args;
                                                   host_callback, entry,
                                                   ordered)
 
-Part in the token calling convention: ``token`` is a *compiler token*
-(``!stablehlo.token``) linking consecutive effects of one chain in the
-program; ``carrier`` is an ``int32`` scalar standing for the same chain
-where a token cannot go (across ``cond``/``while``/``scan`` boundaries, out
-to the runtime token). The host call takes the carrier as an operand and
-returns it, the data dependency that orders the lowered calls (on CPU and
-GPU the call does not take the token, :func:`_threaded_lowering`). Its value
-is the dispatching thread's slot and the ``FAILED`` bit
-(``design/errors.md``). ``entry``: the carrier is the chain's runtime token
-and the effect runs once per execution, so a ``FAILED`` bit there is an
-earlier execution's, cleared by the host; ``ordered``: the carrier comes
-from a runtime token (an unordered chain's starts at 0 in every execution).
-The primitive has *no* JAX-level effect: after the pass ``jax.jit``'s C++
-fast path stays in use.
-
-Where the effect runs once over several devices under automatic
-partitioning, its call is made inside a ``shard_map`` by the first device
-only (``first_device``: the carrier stays replicated). An operand
-``print``/``log`` will show summarized is cut to its edges first
-(``edges``), or every device passes its part to the host
-(``host_assembly``).
-
-It has no eager rule: it is evaluated outside a threaded computation only
-in JAX's de-optimized re-run of one that produced a NaN or Inf
-(``jax_debug_nans``/``jax_debug_infs``, ``_dispatch.tracing.replay``),
-inside :func:`already_ran`, where it returns its token and carrier
-unchanged and zeros for its results.
+``token`` is the chain's compiler token; ``carrier`` (``int32``: the
+dispatching thread's slot and the ``FAILED`` bit) stands for the chain
+where a token cannot go, and is what the host call takes and returns.
+``entry``: the carrier is the chain's runtime token; ``ordered``: it comes
+from one. No JAX-level effect (``jax.jit``'s C++ fast path stays in use);
+no eager rule outside :func:`already_ran`.
 """
 from __future__ import annotations
 
@@ -68,8 +47,7 @@ _replaying = threading.local()
 
 @contextlib.contextmanager
 def already_ran():
-  """A context in which threaded effects are evaluated eagerly without
-  running (their computation ran them already)."""
+  """A context in which threaded effects evaluate eagerly without running."""
   previous = getattr(_replaying, "on", False)
   _replaying.on = True
   try:
@@ -99,20 +77,13 @@ threaded_effect_p.def_impl(_threaded_impl)
 
 def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
                        ordered):
-  """Lowers one threaded effect to a host callback ``carrier', results =
-  host(carrier, *args)``.
-
-  The custom call does not take the compiler token: the carrier orders it
-  after the chain's previous effect as the token would, and the token
-  costs an operand and a result of every call (about 3% of a dispatch).
-  The token operand is returned as the token result; XLA removes the
-  unused ``create_token``. (Off CPU and GPU, ``emit_python_callback`` takes
-  the token itself.) Operands with ``edges.Edges`` are cut to their edges
-  first, or passed in parts by the devices where ``host_assembly`` applies.
-  """
+  """Lowers one threaded effect to ``carrier', results = host(carrier,
+  *args)``, the token passed through (as an operand of every call it would
+  cost about 3% of a dispatch), by the first device (``first_device``) or
+  every device (``host_assembly``) where it runs once over several."""
   edges = _edges.of_operands(host_callback, len(args))
   if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (
-      _first_device.once_across_devices(ctx)) and _host_assembly.applies(
+      _host_call.once_across_devices(ctx)) and _host_assembly.applies(
           ctx, host_callback, ctx.avals_in[2:], edges, ordered):
     return [token, *_host_assembly.lower(ctx, host_callback, entry, carrier,
                                          args, edges)]
@@ -123,7 +94,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
   args = _host_call.gathered(ctx, args, ctx.avals_in[2:])
-  # Where it runs (device, shard): may add the partition id as an operand.
+  # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
   side = _host_call.HostSide(host_callback, where, passthrough=1,
@@ -131,7 +102,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
                                 avals_out=ctx.avals_out[1:])
   if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:
-    if _first_device.once_across_devices(ctx):
+    if _host_call.once_across_devices(ctx):
       return [token, *_first_device.on_first_device(sub_ctx, side, operands)]
     return [token, *_host_call.emit(sub_ctx, side, operands, sharding)]
   # Other platforms (TPU): through emit_python_callback, which adds the token.
@@ -143,6 +114,5 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
 
 
 mlir.register_lowering(threaded_effect_p, _threaded_lowering, cacheable=False)
-# The lowering reads the device assignment: which device runs each callback
-# (device_id of log records, see _placement).
+# (the lowering reads the device assignment: which device runs each call)
 _compat.require_devices_during_lowering(threaded_effect_p)
