@@ -1,10 +1,8 @@
 """JAX's own callbacks and functions: adopted, or called as JAX's.
 
-JAX's host-callback primitives and effect types (adopted by the pass), the
-functions jax_effects also offers a drop-in for (taken from the modules that
-define them), and what JAX's impls set around a user's callback (for the
-adopted host side). Part in the token calling convention: none of its own
-(``jax_effects._compat``).
+Part in the token calling convention: none of its own; the pass adopts
+JAX's host-callback primitives, whose host side (``_frontends.adopted_host``)
+gives the user's function what JAX's impls give it.
 """
 from __future__ import annotations
 
@@ -12,15 +10,10 @@ from jax._src import callback as _callback
 from jax._src.lib import xla_client as _xc
 from jax_effects._compat.versions import JAX_VERSION
 
-# JAX's own functions that jax_effects calls and that it also offers a
-# drop-in for: ``jit`` (``jax.jit``), ``effects_barrier``
-# (``jax.effects_barrier``), ``io_callback`` and ``debug_callback``
-# (``jax.experimental.io_callback``, ``jax.debug.callback``). A user may
-# replace the public names by jax_effects' (``jax.jit = jax_effects.jit``),
-# even before jax_effects is imported (a wrapper that imports it lazily):
-# taken from the modules that define them, these stay JAX's, so jax_effects
-# never calls itself through them (``_jax_api``). The public names are these
-# very objects on JAX 0.8-0.12.
+# JAX's functions jax_effects calls and also offers a drop-in for, taken
+# from their defining modules so that they stay JAX's when a user replaces
+# the public names (``jax.jit = jax_effects.jit``; ``design/thirdparty.md``).
+# The public names are these objects on JAX 0.8-0.12.
 from jax._src.api import effects_barrier as jax_effects_barrier  # noqa: E402
 from jax._src.api import jit as jax_jit  # noqa: E402
 from jax._src.callback import io_callback as jax_io_callback  # noqa: E402
@@ -30,66 +23,47 @@ from jax._src.debugging import (  # noqa: E402
 from jax._src.callback import io_callback_p  # noqa: E402
 from jax._src.callback import IOEffect
 from jax._src.callback import OrderedIOEffect
-# The jax_disable_jit flag's state object: ``.value`` reads it without the
-# attribute lookup of ``jax.config.jax_disable_jit`` (on every dispatch).
+# The jax_disable_jit flag's state: ``.value`` without the attribute lookup
+# of ``jax.config.jax_disable_jit`` (read on every dispatch). JAX 0.8-0.12.
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
-# JAX's own host-callback primitives, adopted by the token-threading pass
-# (``_pass.adopted``): ``jax.debug.callback`` binds ``debug_callback_p``,
-# ``jax.debug.print``/``log`` bind ``debug_print_p``,
-# ``jax.experimental.io_callback`` binds ``io_callback_p``. No public handle
-# on the primitives, their effect types (``jax.debug`` exports only the debug
-# ones). JAX 0.8-0.12.
+# JAX's host-callback primitives and their effect types, adopted by the pass
+# (``_pass.adopted``): no public handle. JAX 0.8-0.12.
 from jax._src.debugging import debug_callback_p  # noqa: E402
 from jax._src.debugging import debug_print_p
 from jax._src.debugging import DebugEffect
 from jax._src.debugging import OrderedDebugEffect
 
 
-# The host side of adopted callbacks (``_frontends.adopted_host``) gives the user's
-# function what JAX's impls of these primitives give it, without their
-# per-call Python overhead (``api.device_put`` of the operands is ~30 us a
-# call; the three ``with`` blocks ~4 us), so adopted callbacks run at
-# jax_effects' speed. JAX 0.8-0.10 all do the same (``debug_callback_impl``:
-# operands ``device_put`` to the first CPU device, the callback run with that
-# device as ``jax_default_device`` and no concrete or abstract mesh;
-# ``io_callback_impl``: the same, with only the default device set; a failing
-# callback logged by the module's ``logger`` before it propagates). JAX
-# 0.11 does the same; 0.12's ``io_callback_impl`` also clears the meshes
-# (``IO_CALLBACK_CLEARS_MESHES``).
+# What JAX's impls set around a callback, for the adopted host side to set
+# without their per-call overhead (``device_put`` ~30 us, ``with`` blocks
+# ~4 us): the CPU device as ``jax_default_device`` and, for
+# ``debug_callback_impl`` (and 0.12's ``io_callback_impl``), no mesh.
 from jax._src import config as _config  # noqa: E402
 from jax._src import debugging as _debugging  # noqa: E402
 from jax._src import mesh as _mesh  # noqa: E402
 
-#: The loggers of JAX's ``jax.debug.callback``/``print``/``log`` and of its
-#: ``io_callback`` (``jax.debug.log`` records go to the first).
+#: The loggers of JAX's ``jax.debug`` callbacks and of its ``io_callback``.
 debugging_logger = _debugging.logger
 callback_logger = _callback.logger
 
-#: ``jax_default_device``'s thread-local state: JAX's impls set it to the
-#: CPU device around the user's function. ``swap_local(value)`` sets it and
-#: returns what ``set_local`` restores: the swap JAX's ``with`` block makes
-#: (the state has no update hook), without its context-manager objects.
+#: ``jax_default_device``'s thread-local state: ``swap_local(value)`` sets
+#: it and returns what ``set_local`` restores (JAX's ``with`` block's swap).
 default_device_setting = _config.default_device
-#: ``((state, value), ...)``: what ``debug_callback_impl`` also sets (no
-#: concrete and no abstract mesh), swapped the same way.
-# The concrete and abstract mesh states are ``jax._src.config``'s
-# ``device_context`` and ``abstract_mesh_context_manager`` on JAX 0.8-0.10,
-# ``jax._src.mesh``'s (same names) from 0.11.
+# The mesh states are ``jax._src.config``'s on JAX 0.8-0.10, ``mesh``'s
+# from 0.11.
 _mesh_states = _config if hasattr(_config, "device_context") else _mesh
-#: Whether ``io_callback_impl`` also runs the callback with no concrete or
-#: abstract mesh (JAX 0.12 on; 0.8-0.11 set only the default device).
+#: Whether ``io_callback_impl`` also clears the meshes (JAX 0.12 on).
 IO_CALLBACK_CLEARS_MESHES = JAX_VERSION >= (0, 12)
+#: ``((state, value), ...)``: no concrete and no abstract mesh.
 NO_MESH_SETTINGS = ((_mesh_states.device_context, _mesh.empty_concrete_mesh),
                     (_mesh_states.abstract_mesh_context_manager,
                      _mesh.empty_abstract_mesh))
 
+
 def debug_callback_parts(flat_callback):
-  """``(callback, in_tree, static_args)`` of the flat callback
-  ``jax.debug.callback`` binds (its closure: ``_flat_callback`` merges
-  ``static_args``, a dict position -> value, into the flat arguments,
-  unflattens them with ``in_tree`` to ``(args, kwargs)`` and calls
-  ``callback``; JAX 0.8-0.12), or None for any other callable (one bound
-  to ``debug_callback_p`` directly): then it is called as it is."""
+  """``(callback, in_tree, static_args)`` from the closure of the flat
+  callback ``jax.debug.callback`` binds (``_flat_callback``, JAX
+  0.8-0.12), or None for any other callable."""
   code = getattr(flat_callback, "__code__", None)
   closure = getattr(flat_callback, "__closure__", None)
   if (code is None or closure is None or code.co_name != "_flat_callback"
@@ -108,33 +82,26 @@ def debug_callback_parts(flat_callback):
 
 def io_callback_parts(flat_callback):
   """``(callback, in_tree)`` of io_callback's flat callback (a
-  ``_FlatCallback``: unflattens with ``in_tree``, calls ``callback_func``,
-  returns the leaves of its result; JAX 0.8-0.12), or None for another
-  callable."""
+  ``_FlatCallback``, JAX 0.8-0.12), or None for another callable."""
   if type(flat_callback) is not _callback._FlatCallback:
     return None
   return flat_callback.callback_func, flat_callback.in_tree
 
 
-#: ``batched_device_put(aval, sharding, [x], [device], True)``: ``x`` (a
-#: NumPy array of ``aval``'s shape and dtype, ``aval`` not weakly typed) as
-#: the committed ``jax.Array`` on ``device`` (``sharding``: its
-#: ``SingleDeviceSharding``) that ``jax.device_put(x, device)`` returns, by
-#: the C++ call it ends in (``pxla.batched_device_put`` for one shard)
-#: without its Python layers (~3 us instead of ~30 us).
+#: ``batched_device_put(aval, sharding, [x], [device], True)``: NumPy ``x``
+#: as the committed ``jax.Array`` ``jax.device_put(x, device)`` returns, by
+#: the C++ call it ends in (~3 us instead of ~30 us). JAX 0.8-0.12.
 batched_device_put = _xc.batched_device_put
 
 
-
-# is batched (io_callback's, and Ref effects): a cond holding one is left to
-# JAX's rule and its error (``_primitives.control_flow_batching``). The
-# Ref effect type has no public handle. JAX 0.8-0.12.
+# The Ref effect type: no public handle. JAX 0.8-0.12.
 from jax._src.state.types import RefEffect  # noqa: E402
 
 
 def refused_by_jax_in_batched_cond(effect) -> bool:
   """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
-  whose predicate is batched (see the imports above)."""
+  whose predicate is batched (a cond holding one is left to JAX's rule and
+  its error: ``_primitives.control_flow_batching``)."""
   return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
 
 

@@ -1,8 +1,7 @@
 """``jax.export``: the call of an exported function.
 
-Part in the token calling convention: an exported jax_effects function's
-call is threaded on the chain of DEFAULT (``_pass.exported_rule``), its
-compiler token the exported module's (``jax_effects._compat``).
+Part in the token calling convention: none of its own; ``_pass.exported_rule``
+threads an exported function's call on DEFAULT's chain with these.
 """
 from __future__ import annotations
 
@@ -15,11 +14,8 @@ EXPORTED_CALLS = "calling a jax.export function with effects"
 
 
 def _load():
-  # ``jax.export``: ``Exported.call`` binds ``call_exported_p`` (no public
-  # handle on the primitive or its lowering). The token-threading pass
-  # threads an exported jax_effects function's call on the chain of DEFAULT
-  # (``_pass.exported_rule``), lowering it with JAX's own rule given the
-  # chain's compiler token as the exported module's. JAX 0.8-0.12.
+  # ``Exported.call`` binds ``call_exported_p``: no public handle on it or
+  # its lowering (which the pass reuses). JAX 0.8-0.12.
   export = importlib.import_module("jax._src.export._export")
   return export.call_exported_p, export._call_exported_lowering
 
@@ -30,11 +26,9 @@ call_exported_p, call_exported_lowering = (
 
 def export_allowed_custom_calls() -> frozenset | None:
   """The custom-call targets the running ``jax.export.export(...)(...)``
-  call allows (its ``disabled_checks``), read from its frame (``do_export``
-  in ``jax._src.export._export``, whose ``disabled_checks`` is a closure
-  variable: JAX 0.8-0.12); None when no such frame is found (another
-  caller, another JAX). ``"ALL"`` stands for every target (from JAX
-  0.10; before, it is no target's name)."""
+  allows (its ``disabled_checks``, a closure variable of ``do_export`` read
+  from its frame: JAX 0.8-0.12), or None when no such frame is found.
+  ``"ALL"`` stands for every target from JAX 0.10."""
   import sys
   frame = sys._getframe(1)
   while frame is not None:
@@ -53,10 +47,7 @@ def export_allowed_custom_calls() -> frozenset | None:
 
 
 def export_module_bytes(module) -> bytes:
-  """The bytes ``jax.export`` stores for an MLIR ``module``
-  (``Exported.mlir_module_serialized``: a portable StableHLO artifact where
-  the line writes one, JAX 0.8-0.12). Used by the tests that forge a
-  module from elsewhere (``tests/primitives/test_host_keys.py``): plain MLIR
-  bytecode is refused by JAX 0.8's deserializer."""
+  """The bytes ``jax.export`` stores for an MLIR ``module`` (JAX 0.8-0.12;
+  for tests forging a module: JAX 0.8 refuses plain MLIR bytecode)."""
   export = importlib.import_module("jax._src.export._export")
   return export._module_to_bytecode(module)

@@ -15,10 +15,8 @@ from jax._src import traceback_util as _traceback_util
 
 
 def _filtered(tb):
-  """``tb`` without the frames of the excluded paths (JAX's and ours): a
-  prefix test per frame (JAX's ``filter_traceback`` stats files per frame
-  and path, and its boundary extracts the whole stack, source lines
-  included, per error: milliseconds where a callback's error is raised)."""
+  """``tb`` without the frames of the excluded paths: a prefix test per
+  frame (JAX's ``filter_traceback`` costs milliseconds per error)."""
   prefixes = tuple(_traceback_util._exclude_paths)
   out = None
   for frame, lineno in reversed(list(_traceback.walk_tb(tb))):
@@ -28,14 +26,9 @@ def _filtered(tb):
 
 
 def api_boundary(fun):
-  """As JAX's ``traceback_util.api_boundary``: an exception leaving ``fun``
-  loses the frames of the excluded paths from its traceback
-  (``JAX_TRACEBACK_FILTERING`` as for JAX: ``off`` keeps them,
-  ``tracebackhide`` marks them), at a cost of microseconds per exception
-  (:func:`_filtered`) and nothing per call. Unlike JAX's it adds no note
-  (``__notes__``): a callback's error reaches the caller as the user's own
-  object, unchanged but for its traceback (JAX's boundaries inside, around
-  a trace, add theirs as under ``jax.jit``)."""
+  """As JAX's ``traceback_util.api_boundary`` (``JAX_TRACEBACK_FILTERING``
+  honoured), but adding no note: a callback's error reaches the caller as
+  the user's own object, unchanged but for its traceback."""
   @functools.wraps(fun)
   def boundary(*args, **kwargs):
     __tracebackhide__ = True  # noqa: F841 - read by IPython
@@ -49,7 +42,7 @@ def api_boundary(fun):
         _traceback_util._add_tracebackhide_to_hidden_frames(e.__traceback__)
         raise
       e.with_traceback(_filtered(e.__traceback__))
-      raise   # (no note added: a callback's error is the user's object)
+      raise
   return boundary
 
 

@@ -17,9 +17,8 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
 
 
 def jax_caches_host_callbacks() -> bool:
-  """Whether JAX's persistent cache keeps executables with host callbacks
-  (``jax.debug.print`` under ``jax.jit``): from JAX 0.12
-  (``compiler._cache_write`` refused them before)."""
+  """Whether JAX's persistent cache keeps executables with host callbacks:
+  from JAX 0.12 (``compiler._cache_write`` refused them before)."""
   return JAX_VERSION >= (0, 12)
 
 
@@ -36,9 +35,8 @@ def _own_version() -> str:
 
 
 def unsupported_jax(err: BaseException) -> ImportError:
-  """The error ``import jax_effects`` raises when a JAX internal that every
-  feature needs is missing (a JAX line newer than the tested ones that
-  moved it): it names the installed JAX, the tested lines and what to do."""
+  """The error ``import jax_effects`` raises when a JAX internal every
+  feature needs is missing (``design/versions.md``)."""
   return ImportError(
       f"jax_effects {_own_version()} cannot run with the installed JAX "
       f"{jax.__version__} (jaxlib {jaxlib.__version__}): a JAX internal it "
@@ -48,9 +46,7 @@ def unsupported_jax(err: BaseException) -> ImportError:
       f"jax_effects release that supports JAX {jax.__version__}.")
 
 
-#: Feature -> the JAX internal it needs that the installed JAX lacks (an
-#: optional import of ``jax_effects._compat`` failed): ``require`` raises
-#: :class:`UnsupportedFeature` for it, and nothing else is affected.
+#: Feature -> the missing JAX internal it needs (an ``optional`` import).
 MISSING: dict[str, str] = {}
 
 
@@ -64,14 +60,11 @@ def optional(feature: str, load):
     return None
 
 
-# --- features that not every supported JAX line has ---------------------------
+# --- features that not every supported JAX line has --------------------------
 
 class UnsupportedFeature(NotImplementedError):
-  """A jax_effects feature the installed JAX version cannot support.
-
-  The message names the feature, the installed JAX version, the JAX version
-  (or setting) that supports it, and a fix.
-  """
+  """A jax_effects feature the installed JAX version cannot support; the
+  message names the feature, the installed JAX, what supports it, a fix."""
 
 
 def _pmap_shmap_merge_off() -> bool:
@@ -80,37 +73,25 @@ def _pmap_shmap_merge_off() -> bool:
   return not getattr(jax.config, "jax_pmap_shmap_merge", True)
 
 
-def _simplified_constants_on() -> bool:
-  return bool(getattr(jax.config, "jax_use_simplified_jaxpr_constants", False))
-
-
-# name -> (is the feature unavailable with the installed JAX and its settings?,
-#          why, and what fixes it). One entry per limit of a supported line;
-# ``unsupported_reason`` reads them, ``require`` raises them, and the tests
-# skip with the same text (tests/conftest.py, marker ``jax_feature``).
+# name -> (is it unavailable now?, why and the fix): one entry per limit of a
+# supported line (``design/versions.md``); the tests skip with the same text
+# (marker ``jax_feature``).
 FEATURES = {
-    # JAX 0.8 and 0.9 with jax_pmap_shmap_merge=False stage jax.pmap as the
-    # legacy xla_pmap primitive, which has no route for our side effects (JAX
-    # refuses ordered effects in it). Not an issue on JAX 0.10.
+    # (0.8/0.9's legacy xla_pmap primitive refuses ordered effects)
     "effects in jax.pmap": (
         _pmap_shmap_merge_off,
         "side effects inside jax.pmap need jax.pmap staged as shard_map: "
         "jax_pmap_shmap_merge=False (an option of JAX 0.8 and 0.9) is set. "
         "Fix: jax.config.update('jax_pmap_shmap_merge', True) (the default), "
         "or upgrade to JAX >= 0.10, where pmap is always staged so"),
-    # JAX 0.8 and 0.9 with JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 fail to lower
-    # a function closing over NumPy constants under plain jax.jit too
-    # ("'TypedNdArray' object has no attribute 'sharding'"); fixed in 0.10.
+    # ("'TypedNdArray' object has no attribute 'sharding'")
     "simplified jaxpr constants": (
         lambda: JAX_VERSION < (0, 10),
         "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 with closed-over NumPy "
         "constants needs JAX >= 0.10 (JAX 0.8 and 0.9 fail to lower them, "
         "under plain jax.jit too). Fix: upgrade to JAX >= 0.10, or close "
         "over jax.Arrays (jnp.asarray) instead of NumPy arrays"),
-    # JAX 0.8 and 0.9 hand 4-bit integer arrays to host callbacks with wrong
-    # values (a packed buffer read as unpacked: [1, 2, -3] arrives as
-    # [1, 2, 7] or prints as [1 2 4]; jax.debug.print and io_callback too).
-    # Fixed in 0.10.
+    # (a packed buffer read as unpacked: [1, 2, -3] arrives as [1, 2, 7])
     "4-bit integer operands": (
         lambda: JAX_VERSION < (0, 10),
         "int4/uint4 arrays passed to a host callback need JAX >= 0.10 (JAX "
@@ -121,18 +102,13 @@ FEATURES = {
 
 
 # JAX 0.8 can crash (SIGSEGV in ``pxla.MeshExecutable.from_hlo``) when two
-# threads compile the same new jax.jit computation at once (seen in CI: two
-# threads' first calls of one jax_effects.jit function). On JAX 0.8 the
-# first calls of one jax_effects.jit function (which trace and compile) are
-# serialized by a lock of that function; JAX 0.9 and 0.10 need nothing. (One
-# lock per function, not one for all: a first call also runs its
-# computation, whose callbacks may wait for another function's first call.)
+# threads compile the same new computation at once.
 _NO_GUARD = contextlib.nullcontext()
 
 
 def first_call_guard():
-  """A new context for one jax_effects.jit function's first calls (see
-  above): a lock on JAX 0.8, nothing on later lines."""
+  """A new context for one jax_effects.jit function's first calls: a lock
+  on JAX 0.8 (one per function, ``design/versions.md``), else nothing."""
   return threading.RLock() if JAX_VERSION < (0, 9) else _NO_GUARD
 
 
@@ -160,10 +136,8 @@ def unsupported_reason(feature: str) -> str | None:
 
 
 def require(feature: str, call: str = "jax_effects") -> None:
-  """Raises :class:`UnsupportedFeature` when ``feature`` is unavailable.
-
-  ``call`` names the user's call that needs the feature (message prefix).
-  """
+  """Raises :class:`UnsupportedFeature`, prefixed with ``call``, when
+  ``feature`` is unavailable."""
   reason = unsupported_reason(feature)
   if reason is not None:
     raise UnsupportedFeature(f"{call}: {reason}")

@@ -1,55 +1,15 @@
-"""The host side of JAX's own callbacks adopted by the pass (``_pass.adopted``).
+"""The host side of the JAX callbacks that the pass adopts (``_pass.adopted``).
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
-``io_callback`` runs when its ``threaded_effect_p`` runs: JAX's semantics at
-jax_effects' cost. A front end (it formats as ``_frontends.printing`` does),
-so it registers itself with the pass (``_pass.adopted.register_host_side``)
-instead of being imported by it. Its part in the token calling convention
-is that of every effect's host side (``HostCallback.fn``: operands in as
-NumPy arrays, results out); the host function around it
-(``_primitives.host_functions``) handles the carrier.
-What the user observes is JAX's (the calling convention JAX's impls keep
-around a callback is ``jax_calling``'s):
+``io_callback`` runs: what the user observes is JAX's (arguments, text,
+result checks, errors as ``jax.jit`` delivers them), at jax_effects' cost.
+It registers itself with the pass (``_pass.adopted.register_host_side``).
+See ``design/formatting.md`` (text), ``design/errors.md`` (errors) and
+``design/placement.md`` (held output).
 
-* **Arguments.** ``jax.debug.callback`` and ``io_callback`` receive what
-  JAX's impls give them: each operand as a committed ``jax.Array`` on the
-  first CPU device, with ``jax_default_device`` set to that device (and, for
-  ``debug.callback``, no mesh in effect). JAX builds them with
-  ``jax.device_put`` (~30 us a call); here the same arrays come from the C++
-  call it ends in (``_compat.batched_device_put``) and the settings are
-  swapped directly (``_compat.default_device_setting``,
-  ``NO_MESH_SETTINGS``).
-* **Text.** ``jax.debug.print``/``log`` format as JAX's
-  ``_format_print_callback`` does (``fmt.format`` under the traced NumPy
-  print options, or ``" ".join`` without placeholders), but from the NumPy
-  values: :class:`~jax_effects._frontends.printing.Value` formats,
-  ``str``s and ``repr``s as the ``jax.Array`` JAX would build (its ``repr``
-  builds one). Where a field reaches into an argument (``{x.shape}``,
-  ``{x[0]}``) or an argument is a pytree node other than tuple/list/dict
-  (whose ``repr`` may do anything with its leaves), real ``jax.Array`` s are
-  built as for a callback. Lines go through
-  :func:`jax_effects._runtime.output.deliver_jax_line` (stdout and
-  listeners, held in the deterministic view), records through
-  :func:`~jax_effects._runtime.output.deliver_jax_record`.
-* **Results** (``io_callback``): checked and converted as JAX's
-  ``emit_python_callback`` does (number, then shape and dtype after JAX's
-  dtype canonicalization), with JAX's ``RuntimeError`` messages.
-* **Errors.** An exception (``Exception``) of the user's function, of a
-  result check or of formatting reaches the caller as ``jax.jit`` delivers
-  it: :func:`jax_calling.jax_error`, a ``jax.errors.JaxRuntimeError`` (a
-  ``RuntimeError``) with XLA's message, the original exception as its
-  ``__cause__``. Delivered once, where ``design/errors.md`` says. A
-  ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
-  ``SystemExit``) stays itself.
-* **Held output** (``deterministic()``): a callback runs user code, which
-  cannot be held without moving it after the effects that follow it on its
-  device; so the output held so far is released before the callback runs
-  (:func:`jax_effects._runtime.output.release_in_callback`): on each device, what
-  the program printed before the callback comes out before what the
-  callback writes. Per device (``shard_map``/``pmap``) that release would
-  leave every device's output unsorted, against what ``deterministic()``
-  promises: there the callback is refused instead (a ``RuntimeError``
-  per device, reported as callbacks' errors are).
+Part in the token calling convention: that of every effect's host side
+(``HostCallback.fn``: NumPy operands in, results out); the host function
+around it (``_primitives.host_functions``) handles the carrier.
 """
 from __future__ import annotations
 
@@ -72,12 +32,9 @@ from jax_effects._runtime import placement as _placement
 
 
 def _refuse_if_held(what: str) -> None:
-  """Inside ``deterministic()``, a per-device ``jax.debug.callback`` or
-  ``io_callback`` is refused: it runs user code, which cannot be held
-  without moving it after the effects that follow it on its device, and
-  releasing the held output before it (on the first device to reach it)
-  leaves that output unsorted; so the sorted, byte-identical output
-  ``deterministic()`` promises cannot be kept (``design/placement.md``)."""
+  """Refuses a per-device callback inside ``deterministic()``: releasing
+  the held output before it would leave it unsorted (``design/placement.md``).
+  """
   p = _placement.current()
   if p is not None and p.per_device:
     raise RuntimeError(
@@ -89,15 +46,12 @@ def _refuse_if_held(what: str) -> None:
         f"function outside the deterministic() block")
 
 
-# The host functions below are written for speed (one frame per run; the
-# settings swapped inline): they are JAX's impls (``debug_callback_impl``,
-# ``io_callback_impl``) with ``jax.device_put`` and the ``with`` blocks
-# replaced by what they do (``_compat``).
+# JAX's impls (``debug_callback_impl``, ``io_callback_impl``) with
+# ``jax.device_put`` and the ``with`` blocks inlined, for speed.
 
 def debug_callback(params: dict) -> Callable[..., tuple]:
   """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
-  params): JAX's flat callback (merging static arguments, unflattening)
-  called as ``debug_callback_impl`` calls it."""
+  params), as ``debug_callback_impl`` calls it."""
   parts = _compat.debug_callback_parts(params["callback"])
   if parts is None:   # bound by other code: called as it is
     call = params["callback"]
@@ -186,12 +140,11 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   return host
 
 
-# --- jax.debug.print / jax.debug.log ---------------------------------------------------
+# --- jax.debug.print / jax.debug.log -----------------------------------------
 
 
 def _reaches_into_arguments(fmt: str) -> bool:
-  """Whether a field of ``fmt`` (nested ones too) accesses an attribute or
-  an item of its argument (``{x.shape}``, ``{0[1]}``)."""
+  """Whether a field of ``fmt`` reaches into its argument (``{x.shape}``)."""
   try:
     for _, name, spec, _ in string.Formatter().parse(fmt):
       if name is not None and ("." in name or "[" in name):
@@ -204,9 +157,8 @@ def _reaches_into_arguments(fmt: str) -> bool:
 
 
 def _plain_structure(node) -> bool:
-  """Whether ``node`` (a print argument, its leaves replaced by slots) is a
-  slot, a static leaf, or tuples, lists, dicts and None around them: things
-  whose formatting only formats, ``str``s or ``repr``s the array leaves."""
+  """Whether ``node`` (a print argument, leaves replaced by slots) is only
+  tuples, lists and dicts around leaves."""
   if type(node) in (tuple, list):
     return all(_plain_structure(n) for n in node)
   if type(node) is dict:
@@ -215,14 +167,10 @@ def _plain_structure(node) -> bool:
 
 
 def print_edges(params: dict, avals: tuple) -> tuple:
-  """For an adopted ``jax.debug.print``: one ``edges.Edges`` per operand that
-  NumPy will print summarized under the print options its call site
-  captured, None for one shown whole (``_primitives.edges.plan``); ``()``
-  when every operand passes whole: none is summarized, the format has no
-  placeholders (JAX then formats with the options of the callback's thread,
-  unknown here), or it formats more than the arrays' text (a field reaching
-  into an argument, an argument structure other than tuples, lists and
-  dicts), which needs the whole array."""
+  """For an adopted ``jax.debug.print``: per operand, the ``edges.Edges``
+  NumPy prints of it under the call site's print options, or None (shown
+  whole); ``()`` when every operand must pass whole (none summarized, no
+  placeholders, or formatting more than the arrays' text)."""
   if not params["has_placeholders"] or not _formats_only_values(params):
     return ()
   options = dict(params["np_printoptions"])
@@ -233,20 +181,16 @@ def print_edges(params: dict, avals: tuple) -> tuple:
 
 
 def _formats_only_values(params: dict) -> bool:
-  """Whether formatting the print's arguments only ``str``s, ``repr``s or
-  formats the array values (then NumPy values stand for them)."""
-  in_tree = params["in_tree"]
-  args_, kwargs_ = tree_util.tree_unflatten(
-      in_tree, [_jc.Slot(i) for i in range(in_tree.num_leaves)])
+  """Whether NumPy values can stand for the print's arrays."""
+  args_, kwargs_ = _jc.slots(params["in_tree"])
   return not _reaches_into_arguments(params["fmt"]) and all(
       _plain_structure(a) for a in (*args_, *kwargs_.values()))
 
 
 def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.print``/``jax.debug.log``
-  (``debug_print_p``'s params): the text of JAX's ``_format_print_callback``,
-  delivered through ``_output``. ``edges``: :func:`print_edges` (the
-  operands that arrive as their edges, formatted as the whole arrays)."""
+  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
+  ``_format_print_callback``, delivered through ``_output``. ``edges``:
+  :func:`print_edges`."""
   fmt = params["fmt"]
   options = dict(params["np_printoptions"])
   has_placeholders = params["has_placeholders"]
@@ -320,35 +264,30 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
   return host
 
 
-# --- registered with the pass -------------------------------------------------------
+# --- registered with the pass ------------------------------------------------
 
 _ADOPTED = "(adopted by jax_effects.jit)"
+_HostCallback = _host_callback.HostCallback
 
 
-def _print_host_callback(params: dict,
-                         avals: tuple) -> _host_callback.HostCallback:
+def _print_host_callback(params: dict, avals: tuple) -> _HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
   edges = print_edges(params, avals)
-  return _host_callback.HostCallback(debug_print(params, edges),
-                            f"{what}({params['fmt']!r}) {_ADOPTED}",
-                            reads_placement=True, edges=edges)
+  return _HostCallback(debug_print(params, edges),
+                       f"{what}({params['fmt']!r}) {_ADOPTED}",
+                       reads_placement=True, edges=edges)
 
 
-def _debug_callback_host_callback(params: dict,
-                                  avals: tuple) -> _host_callback.HostCallback:
-  del avals
-  return _host_callback.HostCallback(debug_callback(params),
-                            f"jax.debug.callback {_ADOPTED}",
-                            user_code=True)
+def _debug_callback_host_callback(params: dict, avals) -> _HostCallback:
+  return _HostCallback(debug_callback(params),
+                       f"jax.debug.callback {_ADOPTED}", user_code=True)
 
 
-def _io_callback_host_callback(params: dict,
-                               avals: tuple) -> _host_callback.HostCallback:
-  del avals
+def _io_callback_host_callback(params: dict, avals) -> _HostCallback:
   result_avals = tuple(params["result_avals"])
-  return _host_callback.HostCallback(io_callback(params, result_avals),
-                            f"jax.experimental.io_callback {_ADOPTED}",
-                            result_avals, user_code=True)
+  return _HostCallback(io_callback(params, result_avals),
+                       f"jax.experimental.io_callback {_ADOPTED}",
+                       result_avals, user_code=True)
 
 
 _adopted.register_host_side(_compat.debug_print_p, _print_host_callback)

@@ -1,30 +1,14 @@
 """Splitting user arguments into traced arrays and static values.
 
-Every user-facing effect takes ``*args, **kwargs`` pytrees. Array leaves
-become operands of the side-effect primitive (they take no part in the token
-calling convention: the pass adds the token and carrier in front of them) and
-reach the host callback as NumPy arrays. Which leaves are arrays depends on
-the front end:
-
-* :func:`split` (``callback``, which receives NumPy arrays): ``jax.Array``,
-  tracers, NumPy arrays and scalars of numbers or bools, and Python
-  ``bool``/``int``/``float``/``complex``; any other leaf is refused, naming
-  the argument;
-* :func:`split_for_format` (``print``/``log`` arguments): the same, except
-  that Python numbers are static values formatted as Python formats them
-  (``print("{}", x.shape)`` prints ``(2, 3)``); other leaves are static too,
-  PRNG key arrays travel as their key data and are rebuilt for formatting;
-* ``split_for_format(..., arrays_only=True)`` (``log``'s ``extra``, which
-  ``Logger.log`` keeps as given): only ``jax.Array`` values and tracers are
-  operands; everything else stays the Python object it is.
-
-Arrays that are not arrays of numbers (object, str, bytes, datetime dtypes)
-are refused with an error naming the argument (see
-``design/formatting.md``).
+Array leaves of an effect's ``*args, **kwargs`` become the primitive's
+operands and reach the host as NumPy arrays: :func:`split` for
+``callback``, :func:`split_for_format` for ``print``/``log`` (rules in
+``design/formatting.md``). Part in the token calling convention: none (the
+pass adds the token and carrier in front of the operands).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import tree_util
@@ -48,7 +32,7 @@ def _is_key(x) -> bool:
 
 
 def _numeric(dtype) -> bool:
-  """bool, integer, floating or complex, including ml_dtypes (bfloat16, int4)."""
+  """bool, integer, floating or complex, ml_dtypes (bfloat16, int4) too."""
   dtype = np.dtype(dtype)
   if dtype.kind in "biufc":
     return True
@@ -61,10 +45,8 @@ def _numeric(dtype) -> bool:
 
 
 def _classify(leaf, python_numbers: bool = True) -> str:
-  """'array', 'key', 'static' (not an array), or 'bad' (a non-number array).
-
-  ``python_numbers``: whether a Python ``bool``/``int``/``float``/``complex``
-  is an array (else static)."""
+  """'array', 'key', 'static' (not an array), or 'bad' (a non-number array);
+  Python numbers are arrays if ``python_numbers``, else static."""
   if isinstance(leaf, (jax.Array, jax.core.Tracer)):
     return "key" if _is_key(leaf) else "array"
   if isinstance(leaf, (np.str_, np.bytes_)):
@@ -87,17 +69,11 @@ def _bad_array(what: str, path, leaf, fix: str) -> TypeError:
 
 
 def split(what: str, args: tuple, kwargs: dict):
-  """Returns ``(operands, calling)`` for a host callback taking the arguments.
-
-  Every leaf must be an array of numbers or bools. ``calling(fn)`` is the
-  host-side function of the NumPy operands that calls ``fn`` with the
-  arguments rebuilt: each operand replaced by its NumPy value (0-d arrays as
-  NumPy scalars). It is ``fn`` itself when the NumPy operands *are* the
-  arguments (only positional array arguments, none 0-d): no frame of ours
-  on every run.
-  """
+  """``(operands, calling)``: every leaf an array operand; ``calling(fn)``
+  calls ``fn`` with the arguments rebuilt from the NumPy operands (0-d as
+  NumPy scalars), and is ``fn`` itself when those are the arguments."""
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
-  operands, leaves = [], []
+  operands = []
   fix = ("pass arrays, NumPy or Python numbers as arguments; bind any other "
          "value to the function instead: jax_effects.callback("
          "functools.partial(fn, value), ...) or a closure")
@@ -113,12 +89,11 @@ def split(what: str, args: tuple, kwargs: dict):
       raise TypeError(
           f"{what}: argument {_describe(path)} is of type "
           f"{type(leaf).__name__}, which is not an array; {fix}")
-    leaves.append(leaf)
     operands.append(leaf)
 
   scalar = [getattr(x, "shape", ()) == () for x in operands]
   if not (not kwargs and len(operands) == len(args)
-          and all(a is leaf for a, leaf in zip(args, leaves))):
+          and all(a is leaf for a, leaf in zip(args, operands))):
     def calling(fn):
       def call(*np_operands):
         a, k = tree_util.tree_unflatten(
@@ -141,39 +116,24 @@ def split(what: str, args: tuple, kwargs: dict):
   return operands, calling
 
 
-class Formatting:
-  """The arguments of ``print``/``log``, split for formatting.
-
-  ``operands``: what the primitive binds (array leaves; a PRNG key array as
-  its key data). ``rebuild(values)`` gives ``(args, kwargs)`` with the
-  operands replaced by ``values`` (one per operand) and the static leaves as
-  they were. ``key_impls[i]`` is the PRNG implementation of operand ``i``
-  when it is a key array (None otherwise), for the eager path, which shows
-  keys as ``jax.debug.print`` shows them eagerly. ``positions``: the
-  operands' flat positions among the leaves of ``(args, kwargs)``
-  (``jax.tree_util``'s order).
+class Formatting(NamedTuple):
+  """The arguments of ``print``/``log``, split for formatting:
+  ``operands``: array leaves (a PRNG key array as its key data);
+  ``rebuild(values)``: ``(args, kwargs)`` with the operands replaced by
+  ``values``; ``key_impls[i]``: operand ``i``'s PRNG implementation, or
+  None; ``positions``: the operands' flat positions among the leaves.
   """
-  __slots__ = ("operands", "rebuild", "key_impls", "positions")
-
-  def __init__(self, operands: list, rebuild: Callable[[Any], tuple],
-               key_impls: tuple, positions: tuple = ()):
-    self.operands = operands
-    self.rebuild = rebuild
-    self.key_impls = key_impls
-    self.positions = positions
+  operands: list
+  rebuild: Callable[[Any], tuple]
+  key_impls: tuple
+  positions: tuple = ()
 
 
 def split_for_format(what: str, args: tuple, kwargs: dict, *,
                      arrays_only: bool = False) -> Formatting:
-  """Splits ``print``/``log`` arguments for formatting.
-
-  Array leaves as ``jax.debug.print`` takes them, except Python numbers,
-  which are static (formatted as Python formats them, as a shape's ints).
-  Leaves that are not arrays (str, None is no leaf, dtypes, any object) are
-  static. NumPy arrays and scalars of object, str, bytes or datetime dtypes
-  are refused, naming the argument. ``arrays_only``: only ``jax.Array``
-  values and tracers are operands, every other leaf is static as it is
-  (``log``'s ``extra``, kept as ``Logger.log`` keeps it).
+  """Splits ``print``/``log`` arguments for formatting: Python numbers and
+  non-arrays are static; with ``arrays_only`` (``log``'s ``extra``) only
+  ``jax.Array`` values and tracers are operands.
   """
   paths_leaves, treedef = tree_util.tree_flatten_with_path((args, kwargs))
   operands, positions, leaves, key_impls = [], [], [], []

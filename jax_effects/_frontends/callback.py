@@ -1,17 +1,8 @@
 """``jax_effects.callback``: host functions with results, in program order.
 
-The callback receives NumPy arrays (the pytree structure of ``*args`` and
-``**kwargs`` is kept) and must return a pytree matching
-``result_shape_dtypes``: same structure, and each leaf of the declared shape
-and dtype. A leaf may be anything NumPy takes as an array (NumPy arrays and
-scalars, ``jax.Array``, objects with ``__array__``, whatever its signature;
-Python scalars and lists take the declared dtype). Dtypes are compared as
-``io_callback``/``pure_callback`` compare them, after JAX's canonicalization:
-with ``jax_enable_x64`` off a 64-bit result is converted to its 32-bit type
-(a ``float64`` array for a ``float32`` result, ``int64`` for ``int32``);
-any other dtype is an error naming expected and actual. Results take no part in the token
-calling convention beyond being the primitive's outputs after the token and
-carrier.
+Results are checked as ``io_callback`` checks them (``docs/reference.md``).
+Part in the token calling convention: that of every effect (the pass adds
+the token and carrier); the results are the primitive's outputs after them.
 """
 from __future__ import annotations
 
@@ -49,12 +40,9 @@ def _result_avals(what: str, result_shape_dtypes):
 
 
 class NamedCallback:
-  """A host function registered under a stable name
-  (:func:`register_callback`). Passed to :func:`callback` as its ``fn``,
-  the call site names it by ``name``: whenever it runs, in this process or
-  in another one (an exported module, a persistent-cache hit), it calls the
-  function registered under ``name`` *there* at that time. Calling the
-  object itself does the same."""
+  """A host function referred to by name (:func:`register_callback`):
+  passed to :func:`callback` as its ``fn``, or called, it calls the
+  function registered under ``name`` where and when it runs."""
   __slots__ = ("name",)
   name: str
 
@@ -124,9 +112,7 @@ def _registered(name: str) -> Callable[..., Any]:
 
 
 def _named_host(spec: dict) -> _host_callback.HostCallback:
-  """The host side of a named callback's spec (``{"kind": "callback",
-  ...}``), in any process: the function registered under its name when it
-  runs."""
+  """The host side of a named callback's spec, in any process."""
   name, args_tree = spec["name"], spec["args"]
   _host_specs.check_tree(args_tree, f"{spec['what']}: its arguments")
   decode = _host_specs.decode_tree
@@ -156,9 +142,8 @@ _host_specs.register_kind("callback", _named_host)
 
 
 def _no_result_expected(what: str, out) -> TypeError:
-  """A callback declared without results (``result_shape_dtypes=None``)
-  that returned a value with leaves (a pytree of no leaves, ``(None,
-  None)``, is nothing): refused, as ``io_callback`` refuses it."""
+  """A callback declared without results that returned leaves: refused,
+  as ``io_callback`` refuses it."""
   text = repr(out)
   if len(text) > 60:
     text = text[:57] + "..."
@@ -196,8 +181,7 @@ def _flatten_results(what: str, out, out_tree, result_shape_dtypes):
 
 def _named_spec(what: str, name: str, args, kwargs, n_operands: int,
                 result_shape_dtypes, avals) -> dict:
-  """The named callback's call site as data (its operands are every leaf
-  of the arguments: ``_arguments.split`` refuses others)."""
+  """The named callback's call site as data."""
   args_tree = _host_specs.encode_tree((args, kwargs), set(range(n_operands)))
   results = None
   if result_shape_dtypes is not None:
@@ -228,11 +212,9 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
   if not callable(fn):
     raise TypeError(f"jax_effects.callback: {fn!r} is not callable")
   named = fn.name if isinstance(fn, NamedCallback) else None
-  if named is not None:
-    what = f"jax_effects.callback({named!r})"
-  else:
-    name = getattr(fn, "__qualname__", None) or repr(fn)
-    what = f"jax_effects.callback({name})"
+  name = (repr(named) if named is not None
+          else getattr(fn, "__qualname__", None) or repr(fn))
+  what = f"jax_effects.callback({name})"
   effect, ordered = _effects.resolve(what, effect, ordered)
   operands, calling = _arguments.split(what, args, kwargs)
   avals, out_tree = _result_avals(what, result_shape_dtypes)
@@ -246,29 +228,23 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
   else:
     spec = "its host side is a Python function of this process"
   if isinstance(spec, dict):
-    host = _named_host(spec).fn
-    results = _effect.bind_effect(host, what, operands, effect=effect,
-                                      ordered=ordered, result_avals=avals,
-                                      spec=spec, user_code=True)
-    return (None if result_shape_dtypes is None
-            else tree_util.tree_unflatten(out_tree, results))
+    call = _named_host(spec).fn
+  elif result_shape_dtypes is None:
+    host = calling(fn)
 
-  host = calling(fn)
-  if result_shape_dtypes is None:
-    def no_result(*np_operands):
+    def call(*np_operands):
       out = host(*np_operands)
       if out is not None and tree_util.tree_leaves(out):
-        raise _no_result_expected(what, out)   # (as io_callback refuses it)
+        raise _no_result_expected(what, out)
+  else:
+    host = calling(fn)
 
-    _effect.bind_effect(no_result, what, operands, effect=effect,
-                            ordered=ordered, spec=spec, user_code=True)
-    return None
-
-  def call(*np_operands):
-    return _flatten_results(what, host(*np_operands), out_tree,
-                            result_shape_dtypes)
+    def call(*np_operands):
+      return _flatten_results(what, host(*np_operands), out_tree,
+                              result_shape_dtypes)
 
   results = _effect.bind_effect(call, what, operands, effect=effect,
-                                   ordered=ordered, result_avals=avals,
-                                   spec=spec, user_code=True)
-  return tree_util.tree_unflatten(out_tree, results)
+                                ordered=ordered, result_avals=avals,
+                                spec=spec, user_code=True)
+  return (None if result_shape_dtypes is None
+          else tree_util.tree_unflatten(out_tree, results))

@@ -1,18 +1,15 @@
 """JAX's host-callback calling convention, as JAX's impls keep it.
 
-What ``debug_callback_impl``/``io_callback_impl`` and XLA's CPU callback do
-around a user's function, written once for the host side of adopted callbacks
-(``adopted_host``): the operands as JAX's impls give them (committed
-``jax.Array`` s on the first CPU device, put by explicit transfers), the
-arguments rebuilt from JAX's flat callback (its pytree and static arguments),
-the results checked and converted as ``emit_python_callback`` does, and an
-exception turned into the error ``jax.jit`` raises (:func:`jax_error`).
+For ``adopted_host``: operands as JAX's impls give them, arguments rebuilt
+from JAX's flat callback, results checked as ``emit_python_callback`` checks
+them, errors as ``jax.jit`` raises them (``design/errors.md``).
 
 Part in the token calling convention: none (it runs inside a host function;
 ``_primitives.host_functions`` handles the carrier).
 """
 from __future__ import annotations
 
+import traceback
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,7 +18,7 @@ from jax import tree_util
 
 from jax_effects import _compat
 
-# --- errors as jax.jit delivers them -----------------------------------------------
+# --- errors as jax.jit delivers them -----------------------------------------
 
 #: XLA's status prefix for a failed Python callback (jaxlib 0.8-0.10).
 JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
@@ -29,22 +26,16 @@ JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
 
 def traceback_text(exc: BaseException) -> str:
   """``exc`` as jaxlib puts it in the status message (nanobind's
-  ``python_error::what()``): every frame of the stack at the raise, outermost
-  first, without source lines, then ``Type: message``."""
+  ``python_error::what()``)."""
   parts = []
   tb = exc.__traceback__
   if tb is not None:
     while tb.tb_next is not None:
       tb = tb.tb_next
-    frames = []
-    frame = tb.tb_frame
-    while frame is not None:
-      frames.append(frame)
-      frame = frame.f_back
     parts.append("Traceback (most recent call last):\n")
-    for frame in reversed(frames):
+    for frame, lineno in reversed(list(traceback.walk_stack(tb.tb_frame))):
       code = frame.f_code
-      parts.append(f'  File "{code.co_filename}", line {frame.f_lineno}, '
+      parts.append(f'  File "{code.co_filename}", line {lineno}, '
                    f"in {code.co_name}\n")
   parts.append(f"{type(exc).__name__}: ")
   try:
@@ -55,22 +46,21 @@ def traceback_text(exc: BaseException) -> str:
 
 
 def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
-  """The error ``jax.jit`` raises when a host callback raised ``exc``,
-  with ``exc`` as its ``__cause__``. Built where ``exc`` is caught, while
-  the frames of its traceback are live (their line numbers are read)."""
+  """The error ``jax.jit`` raises when a host callback raised ``exc`` (its
+  ``__cause__``); built where ``exc`` is caught, while its frames are live."""
   err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + traceback_text(exc))
   err.__cause__ = exc
   return err
 
 
-# --- arguments as JAX's impls give them ------------------------------------------
+# --- arguments as JAX's impls give them --------------------------------------
 
 _cpu_sharding: list = []
 
 
 def cpu():
-  """``(device, sharding)``: the first local CPU device, where JAX's
-  callback impls put the operands, and its ``SingleDeviceSharding``."""
+  """``(device, sharding)``: the first local CPU device (where JAX's impls
+  put the operands) and its ``SingleDeviceSharding``."""
   if not _cpu_sharding:
     try:
       device = jax.local_devices(backend="cpu")[0]
@@ -84,9 +74,8 @@ def cpu():
 
 
 def avals() -> Callable[[np.ndarray], Any]:
-  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``
-  (not weakly typed), cached by shape and dtype (a host function sees the
-  same few)."""
+  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``,
+  cached by shape and dtype."""
   avals: dict = {}
   shaped = jax.core.ShapedArray
 
@@ -100,11 +89,9 @@ def avals() -> Callable[[np.ndarray], Any]:
 
 
 def putter() -> Callable[[tuple, Any, Any], Sequence]:
-  """``put_all(operands, device, sharding)``: ``operands`` (NumPy arrays) as
-  the committed ``jax.Array`` s ``jax.device_put(x, device)`` returns. Under a
-  transfer guard for host-to-device transfers they are marked explicit, as
-  ``jax.device_put``'s are (:func:`explicit_puts`); without one (the common
-  case) the mark, which costs about a tenth of the put, is left out."""
+  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
+  ``jax.Array`` s ``jax.device_put(x, device)`` returns (marked explicit
+  only under a transfer guard: the mark costs a tenth of the put)."""
   aval_of = avals()
   put = _compat.batched_device_put
   guarded = _compat.host_transfers_guarded
@@ -121,8 +108,8 @@ def putter() -> Callable[[tuple, Any, Any], Sequence]:
 
 
 def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
-  """``operands`` on ``devices`` as ``jax.device_put`` puts them: explicit
-  transfers for ``jax.transfer_guard`` (JAX's impls call ``device_put``)."""
+  """``operands`` on ``devices`` as explicit transfers, as
+  ``jax.device_put``'s are for ``jax.transfer_guard``."""
   state = _compat.transfer_guard_state()
   previous = state.explicit_device_put
   state.explicit_device_put = True
@@ -140,19 +127,24 @@ class Slot:
     self.i = i
 
 
+def slots(in_tree) -> tuple:
+  """``(args, kwargs)`` of ``in_tree`` with each flat argument ``i`` a
+  ``Slot(i)``."""
+  return tree_util.tree_unflatten(
+      in_tree, [Slot(i) for i in range(in_tree.num_leaves)])
+
+
 def rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
   """``rebuild(dynamic_values) -> (args, kwargs)`` as JAX's
   ``merge_callback_args`` does, without a pytree unflatten when every
   argument is itself a leaf."""
   static = dict(static_args)
   n = in_tree.num_leaves
-  slots = tree_util.tree_unflatten(in_tree, [Slot(i) for i in range(n)])
-  args, kwargs = slots
+  args, kwargs = slots(in_tree)
   dynamic = [i for i in range(n) if i not in static]
   where = {leaf: pos for pos, leaf in enumerate(dynamic)}
 
-  def leaf(node):
-    """How to get argument ``node``: ("d", k) dynamic value k, ("s", v)."""
+  def leaf(node):   # ("d", k): dynamic value k; ("s", v): static v
     i = node.i
     return ("d", where[i]) if i in where else ("s", static[i])
 
@@ -177,12 +169,10 @@ def rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
 
 
 def caller(fn, in_tree, static_args) -> Callable[..., Any]:
-  """``call(*values)``: ``fn(*args, **kwargs)`` with the arguments JAX's
-  flat callback rebuilds from ``values``; ``fn`` itself when they are the
-  positional arguments themselves (the common case: no frame of ours)."""
+  """``call(*values)``: ``fn`` called with the arguments JAX's flat callback
+  rebuilds from ``values``; ``fn`` itself when they are those arguments."""
   n = in_tree.num_leaves
-  args, kwargs = tree_util.tree_unflatten(in_tree,
-                                          [Slot(i) for i in range(n)])
+  args, kwargs = slots(in_tree)
   if (not static_args and not kwargs and len(args) == n
       and all(type(a) is Slot and a.i == i for i, a in enumerate(args))):
     return fn
@@ -194,19 +184,17 @@ def caller(fn, in_tree, static_args) -> Callable[..., Any]:
   return call
 
 
-# --- results as JAX checks them ---------------------------------------------------
+# --- results as JAX checks them ----------------------------------------------
 
 def canonical(x: np.ndarray) -> np.ndarray:
-  """``x`` with JAX's canonical dtype (``jax.dtypes.canonicalize_dtype``:
-  with ``jax_enable_x64`` off, 64-bit types are their 32-bit ones), as JAX
-  converts a callback's results before it compares dtypes."""
+  """``x`` with JAX's canonical dtype, as JAX converts a callback's results
+  before it compares dtypes."""
   dtype = jax.dtypes.canonicalize_dtype(x.dtype)
   return x if x.dtype == dtype else np.asarray(x, dtype)
 
 
 def check_results(out, result_avals: tuple, n_results: int) -> tuple:
-  """JAX's checks of a callback's flat results (``emit_python_callback``),
-  with its messages."""
+  """JAX's checks of a callback's flat results, with its messages."""
   out = tuple(out)
   if len(out) != n_results:
     raise RuntimeError(

@@ -1,31 +1,11 @@
 """``jax_effects.log``: standard ``logging`` records from compiled code.
 
-The call binds one ``effect_p`` (its operands: the array arguments of the
-message, then those of ``extra``; the pass adds the token and carrier as for
-every effect). What ``logging.Logger.log`` decides when it is called is
-decided when ``log`` is traced: the format string is checked (as for
-``print``), the logger resolved (a name, a ``Logger`` or a
-``LoggerAdapter``), the source location found on the Python stack
-(honouring ``stacklevel`` as ``logging`` does, jax and jax_effects frames
-not counting), ``stack_info`` and ``exc_info`` captured. At run time the host
-callback formats the message as ``print`` formats its line, applies the
-adapters' ``process()``, builds a :class:`logging.LogRecord` with
-``logger.makeRecord`` (so the logger's record factory and filters apply) and
-hands it to :func:`jax_effects._runtime.output.deliver_record` (which holds it in
-the deterministic view). Every record carries:
-
-* ``device_id``: the device whose computation ran the callback (None when run
-  eagerly, outside a compiled computation);
-* ``shard_index``: the device's position along the mesh axes in per-device
-  code (``shard_map``/``pmap``; an ``int`` for a one-axis mesh, a tuple of ints
-  otherwise), None where the value is not per-device;
-* ``process_index``: the JAX process index of that device (of this process
-  when run eagerly).
-
-``record.getMessage()`` is the formatted text (``record.msg`` holds it and
-``record.args`` is empty), so ``%``-style handler formatting never re-applies.
-A record whose level the logger does not enable is built only while a
-capturing listener (the pytest fixture) wants every level.
+What ``logging.Logger.log`` decides at the call is decided when ``log`` is
+traced; at run time the message is formatted as ``print`` formats its line
+and the record made with ``logger.makeRecord`` and handed to
+``_runtime.output.deliver_record`` (``design/formatting.md``, "Logging").
+Part in the token calling convention: that of every effect (one
+``effect_p``: the message's array arguments, then ``extra``'s).
 """
 from __future__ import annotations
 
@@ -82,9 +62,7 @@ def _resolve_logger(what: str, logger):
 
 
 def _resolve_level(what: str, level) -> int:
-  if isinstance(level, bool):
-    raise TypeError(f"{what}: level= must be an int or a level name, got {level!r}")
-  if isinstance(level, int):
+  if isinstance(level, int) and not isinstance(level, bool):
     return level
   if isinstance(level, str):
     levels = logging.getLevelNamesMapping()
@@ -93,7 +71,8 @@ def _resolve_level(what: str, level) -> int:
     raise ValueError(
         f"{what}: unknown level name {level!r}; expected one of "
         f"{sorted(levels)} or an int")
-  raise TypeError(f"{what}: level= must be an int or a level name, got {level!r}")
+  raise TypeError(
+      f"{what}: level= must be an int or a level name, got {level!r}")
 
 
 def _internal(frame) -> bool:
@@ -101,12 +80,8 @@ def _internal(frame) -> bool:
 
 
 def _caller(what: str, stacklevel, stack_info: bool):
-  """(pathname, lineno, funcName, sinfo) as ``Logger.findCaller`` finds them.
-
-  ``stacklevel=1`` is the frame that called ``log``; each level above counts
-  one more frame that is not jax's or jax_effects' (tracing and
-  transformations put theirs in between), as ``logging`` skips its own.
-  """
+  """(pathname, lineno, funcName, sinfo) as ``Logger.findCaller`` finds
+  them, jax's and jax_effects' frames not counting as levels."""
   if isinstance(stacklevel, bool) or not isinstance(stacklevel, int):
     raise TypeError(f"{what}: stacklevel= must be an int, got {stacklevel!r}")
   f = sys._getframe(1)
@@ -143,9 +118,8 @@ def _resolve_exc_info(exc_info):
 
 
 def _split_extra(what: str, extra):
-  """Returns ``(operands, rebuild, spec)``; ``rebuild(np_values)`` gives the
-  dict; ``spec`` is its structure as data (``_primitives.host_specs``), or
-  why it is not (a str)."""
+  """``(operands, values, spec)``: ``values(np_values)`` gives the dict;
+  ``spec``: its structure as data, or why it is not (a str)."""
   if extra is None:
     return [], lambda values: None, None
   if not isinstance(extra, Mapping):
@@ -164,8 +138,6 @@ def _split_extra(what: str, extra):
           f"{what}: extra= sets {key!r}, an attribute of every LogRecord "
           "(logging would raise KeyError: \"Attempt to overwrite\"); use "
           "another name")
-  # (only jax arrays and tracers cross to the host; every other value stays
-  # the object it is, as Logger.log keeps it: 7 an int, 0.1 a float)
   fa = _arguments.split_for_format(f"{what} extra=", (), dict(extra),
                                    arrays_only=True)
   try:
@@ -176,8 +148,7 @@ def _split_extra(what: str, extra):
 
 
 def _extra_values(rebuild):
-  """``values(np_values)``: the ``extra`` dict of the NumPy values
-  (``rebuild(values) -> (args, kwargs)``; 0-d arrays as scalars)."""
+  """``values(np_values)``: the ``extra`` dict (0-d arrays as scalars)."""
   def values(np_values):
     vals = [np.asarray(x) for x in np_values]
     return rebuild([x[()] if x.ndim == 0 else x for x in vals])[1]
@@ -204,9 +175,8 @@ class _Record:
       setattr(self, name, fields[name])
 
   def emit(self, message, np_extra):
+    """Builds and delivers the record (its level checked by the caller)."""
     lg, levelno = self.lg, self.levelno
-    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
-      return
     extra = self.extra_values(np_extra)
     if self.adapters:
       kw = {"extra": extra, "exc_info": self.exc,
@@ -240,8 +210,7 @@ class _Record:
 
 
 def _log_host(spec: dict) -> _host_callback.HostCallback:
-  """The host side of a ``log`` spec (``{"kind": "log", ...}``), in any
-  process: the logger found by name there."""
+  """The host side of a ``log`` spec, in any process."""
   name = spec["logger"]
   extra = spec["extra"]
   if extra is not None:
@@ -300,13 +269,9 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
         **kwargs: Any) -> None:
   """Emits a ``logging`` record with ``fmt.format(*args, **kwargs)``.
 
-  Works inside and outside ``jax_effects.jit`` like :func:`jax_effects.print`
-  (and formats the message as it does): the record is emitted when the
-  computation runs, in program order with the other ordered effects of
-  ``effect`` (default :data:`jax_effects.DEFAULT`). ``ordered=None`` (the
-  default) takes the effect's default, True unless the
-  :class:`~jax_effects.Effect` was created with ``ordered=False``, as for
-  ``print``.
+  Works as :func:`jax_effects.print` (and formats the message as it does,
+  with ``ordered`` and ``effect`` as for it): the record is emitted when
+  the computation runs, in program order.
 
   ``logger`` is None (the ``"jax_effects"`` logger), a logger name, a
   :class:`logging.Logger` or a :class:`logging.LoggerAdapter` (its
@@ -319,9 +284,11 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   its NumPy value, a 0-d one a NumPy scalar).
   Whether the level is enabled is decided when the record would be emitted.
 
-  Records carry ``device_id``, ``shard_index`` and ``process_index`` (see
-  :mod:`jax_effects._frontends.logging`); in per-device code (``shard_map``, ``pmap``)
-  each device emits its own record.
+  Records carry ``device_id`` (None when run eagerly), ``shard_index`` (in
+  per-device code, ``shard_map``/``pmap``, the device's position along the
+  mesh axes, else None) and ``process_index``; in per-device code each
+  device emits its own record. ``record.getMessage()`` is the formatted
+  text (``record.args`` is empty).
   """
   what = f"jax_effects.log({fmt!r})"
   effect, ordered = _effects.resolve(what, effect, ordered)
@@ -351,7 +318,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
                 [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
 
   _effect.bind_effect(host, what, [*operands, *extra_operands],
-                          effect=effect, ordered=ordered, eager=emit_eager,
-                          reads_placement=True,
-                          edges=(*edges, *(None,) * len(extra_operands)),
-                          spec=spec)
+                      effect=effect, ordered=ordered, eager=emit_eager,
+                      reads_placement=True,
+                      edges=(*edges, *(None,) * len(extra_operands)),
+                      spec=spec)

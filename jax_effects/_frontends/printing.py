@@ -1,16 +1,10 @@
 """``jax_effects.print``: formatted lines from compiled code, in order.
 
-The format string is checked when the call is traced (fields against
-arguments, with Python's own ``str.format`` rules, no unused arguments, no
-attribute or index access in a field, format specs against the arguments'
-shapes and dtypes), so a bad format fails at trace time naming the format
-string and the field, never inside XLA. The call binds one ``effect_p``
-whose operands are the array arguments (its place in the token calling
-convention is that of every effect: the pass adds the token and carrier).
-At run time the host callback formats the values as ``jax.debug.print``
-does (see ``design/formatting.md``: :class:`Value` stands for each array,
-the NumPy print options of the call site apply) and hands the line to
-:func:`jax_effects._runtime.output.deliver_line` (``sys.stdout`` plus listeners).
+The format is checked when the call is traced, naming the format string and
+the field; at run time the host callback formats the values as
+``jax.debug.print`` does and hands the line to ``_runtime.output``
+(``design/formatting.md``). Part in the token calling convention: that of
+every effect (one ``effect_p``; the pass adds the token and carrier).
 """
 from __future__ import annotations
 
@@ -31,7 +25,7 @@ from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 
-# --- trace-time checks --------------------------------------------------------
+# --- trace-time checks -------------------------------------------------------
 
 class _Probe:
   """Stands for an argument during the trace-time format check."""
@@ -40,15 +34,11 @@ class _Probe:
   def __init__(self):
     self.used = False
 
-  def __format__(self, spec):
+  def __format__(self, spec=""):
     self.used = True
     return ""
 
-  def __str__(self):
-    self.used = True
-    return ""
-
-  __repr__ = __str__
+  __str__ = __repr__ = __format__
 
 
 _FORMATTER = string.Formatter()
@@ -64,13 +54,8 @@ def _fields(fmt: str):
 
 
 def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
-  """Raises ValueError/TypeError naming ``fmt`` if it does not fit the args.
-
-  A field may name an argument (``{}``, ``{0}``, ``{x}``) with a conversion
-  (``!r``, ``!s``, ``!a``) and a format spec, but not reach into it
-  (``{0.shape}``, ``{x[0]}``): the host never evaluates attribute or index
-  access on user data.
-  """
+  """Raises ValueError/TypeError naming ``fmt`` if it does not fit the args
+  or a field reaches into an argument (``{0.shape}``, ``{x[0]}``)."""
   if not isinstance(fmt, str):
     raise TypeError(f"{what}: the format must be a str, got {type(fmt).__name__}")
   try:
@@ -127,10 +112,8 @@ _TRACER_TEXT = re.compile(r"\b\w*Tracer\([^)]*\)|Traced<")
 
 
 def warn_tracer_text(what: str, fmt: str, stacklevel: int) -> None:
-  """Warns (once per call site: ``warnings``' default filter) where the
-  format string holds the text of a traced value, as ``f"loss={loss}"``
-  makes it when traced: the line would print that text on every run, not
-  the value. The fix is a field and an argument."""
+  """Warns (once per call site) where the format string holds the text of a
+  traced value (``f"loss={loss}"`` under ``jit``)."""
   if "Trace" not in fmt:
     return
   found = _TRACER_TEXT.search(fmt)
@@ -151,12 +134,9 @@ class TracedTextWarning(UserWarning):
 
 
 def _format_known(fmt: str, args, kwargs, run_time_only: set[int]) -> None:
-  """Formats ``fmt`` as ``str.format`` does (the same fields, numbered the
-  same way), except the fields whose format spec takes a value from an
-  argument in ``run_time_only`` (ids): that spec is known when the
-  computation runs, not now (``{:>{w}}`` with ``w`` an array), so the field
-  is not formatted here. Raises what ``str.format`` raises for the others.
-  """
+  """Formats ``fmt`` as ``str.format`` does, but for the fields whose spec
+  takes a value from an argument in ``run_time_only`` (ids), known at run
+  time only (``{:>{w}}``, ``w`` an array)."""
   auto = 0
 
   def value(name):
@@ -186,17 +166,9 @@ def _format_known(fmt: str, args, kwargs, run_time_only: set[int]) -> None:
 
 
 def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
-  """Formats zero-valued stand-ins of the operands' shapes and dtypes.
-
-  Catches format specs that do not fit the values (``"{:d}"`` of a float,
-  ``"{:.2f}"`` of a non-scalar array) at trace time, naming ``fmt``. The
-  stand-ins are broadcast views of one zero: no memory per element. Key
-  arrays are formatted as their key data, as under ``jax.jit``. Static
-  arguments are formatted as they are. A spec with a nested field naming an
-  array (``"{:>{w}}"``, ``w`` traced) is known at run time only: that field
-  is left to the run (where a spec that does not fit raises what
-  ``str.format`` raises, as under ``jax.debug.print``).
-  """
+  """Formats zero-valued stand-ins (broadcast views of one zero) of the
+  operands, so that a spec not fitting them (``"{:d}"`` of a float) fails
+  at trace time, naming ``fmt``."""
   samples = []
   for x in fa.operands:
     dtype = getattr(x, "dtype", None)
@@ -211,14 +183,14 @@ def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
         f"{err}") from None
 
 
-# --- run-time formatting ------------------------------------------------------
+# --- run-time formatting -----------------------------------------------------
 
 _cpu_device: list = []
 
 
 def _cpu():
   """The first local CPU device (where ``jax.debug.print`` puts values), or
-  None (the default device) where JAX has no CPU backend."""
+  None where JAX has no CPU backend."""
   if not _cpu_device:
     try:
       _cpu_device.append(jax.local_devices(backend="cpu")[0])
@@ -231,32 +203,20 @@ def _cpu():
 Value = _edges.Value
 
 
-def printoptions():
-  """The NumPy print options of the caller, to apply when formatting."""
-  return np.get_printoptions()
-
-
 def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   """Checks ``fmt`` against the arguments; returns ``(operands, eager, jit,
   edges, spec)``.
 
-  ``jit(*np_operands)`` and ``eager(*operands)`` return the formatted text:
-  the first for values arriving from a compiled computation (as NumPy
-  arrays), the second for the values bound outside any trace (as
-  ``jax.debug.print`` formats them eagerly: ``jax.Array`` on the CPU, key
-  arrays as keys, Python scalars weakly typed). ``edges``: per operand, the
-  ``_edges.Edges`` NumPy will show of it under the print options in effect
-  here, or None (shown whole); ``jit`` receives such an operand cut to its
-  edges (bind with ``edges=``) and formats it as the whole array. ``spec``:
-  the text as data (:func:`text_spec`; ``jit`` is then
-  :func:`text_from_spec` of it, as in any process that rebuilds it), or a
-  str saying why it is not data.
+  ``jit(*np_operands)`` and ``eager(*operands)`` return the text of values
+  from a compiled computation and of values outside any trace. ``edges``:
+  per operand, the ``_edges.Edges`` NumPy shows of it here (it arrives cut
+  to them), or None. ``spec``: :func:`text_spec`.
   """
   check_format(what, fmt, args, kwargs)
   warn_tracer_text(what, fmt, stacklevel=3)   # (the caller of print/log)
   fa = _arguments.split_for_format(what, args, kwargs)
   check_format_specs(what, fmt, fa)
-  options = printoptions()
+  options = np.get_printoptions()
   key_impls = fa.key_impls
   edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
   spec = text_spec(fmt, fa, args, kwargs, options, edges)
@@ -279,8 +239,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
 
 
 def _formatted(fmt: str, rebuild, options: dict):
-  """``text(values)``: ``fmt`` formatted with the arguments ``rebuild``
-  makes of ``values``, under the NumPy print ``options``."""
+  """``text(values)``: ``fmt`` formatted under the NumPy print ``options``."""
   def fmt_values(values):
     a, k = rebuild(values)
     if np.get_printoptions() == options:
@@ -291,8 +250,7 @@ def _formatted(fmt: str, rebuild, options: dict):
 
 
 def _texts(fmt: str, rebuild, options: dict, edges: tuple):
-  """``jit(*np_operands)``: the text of the values a computation passes
-  (operands with ``edges`` arrive as their edges)."""
+  """``jit(*np_operands)``: the text of the values a computation passes."""
   fmt_values = _formatted(fmt, rebuild, options)
   if any(e is not None for e in edges):
     def jit(*np_operands):
@@ -305,9 +263,8 @@ def _texts(fmt: str, rebuild, options: dict, edges: tuple):
 
 def text_spec(fmt: str, fa, args: tuple, kwargs: dict, options: dict,
               edges: tuple) -> dict | str:
-  """The formatted text as data (``_primitives.host_specs``): the format
-  string, the arguments' structure with their static leaves, the NumPy
-  print options and the operands' edges; or why it is not data (a str)."""
+  """The formatted text as data (``_primitives.host_specs``), or why it is
+  not data (a str)."""
   if options.get("formatter") is not None or options.get(
       "override_repr") is not None:
     return ("its NumPy print options hold functions (formatter= or "
@@ -332,11 +289,8 @@ def spec_edges(spec: dict) -> tuple:
 
 
 def check_text_spec(what: str, spec) -> None:
-  """Checks a :func:`text_spec` that arrived in a module (exported, or from
-  the persistent cache) as :func:`check_format` checks a traced one: a
-  format string that reaches into an argument (``{0.__class__}``,
-  ``{x[0]}``) or does not fit the arguments' structure is refused, never
-  formatted. Raises ``host_specs.NotData``."""
+  """Checks a :func:`text_spec` from a module (exported, cached) as
+  :func:`check_format` checks a traced one; raises ``host_specs.NotData``."""
   if not isinstance(spec, dict) or not isinstance(spec.get("fmt"), str):
     raise _host_specs.NotData(f"{what}: a text spec without a format string")
   n = _host_specs.check_tree(spec.get("args"), f"{what}: its arguments")
@@ -374,15 +328,13 @@ def text_from_spec(spec: dict, what: str = "jax_effects.print"):
 
 def _emit_line(jit, ordered: bool):
   def emit(*np_operands):
-    # Per-device lines get a "[device D shard S process P] " prefix.
     _output.deliver_line(jit(*np_operands), ordered)
     return ()
   return emit
 
 
 def _print_host(spec: dict) -> _host_callback.HostCallback:
-  """The host side of a ``print`` spec (``{"kind": "print", ...}``), in
-  any process."""
+  """The host side of a ``print`` spec, in any process."""
   text = spec["text"]
   return _host_callback.HostCallback(
       _emit_line(text_from_spec(text), spec["ordered"]), spec["what"],
@@ -403,14 +355,13 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   of the same ``effect`` (default :data:`jax_effects.DEFAULT`, shared with
   ``log`` and ``callback``).
 
-  Arguments are formatted as ``jax.debug.print`` formats them: pytrees whose
-  array leaves are printed as ``jax.Array`` values (0-d arrays as scalars,
-  ``{'a': Array(2, dtype=int32)}`` inside containers), other leaves (str,
-  dtypes, any object) as they are; Python numbers are static, formatted as
-  Python formats them (``print("{}", x.shape)`` prints ``(2, 3)``); the
-  NumPy print options in effect at the call apply. Fields name whole arguments, with conversions and format specs
-  (``{x!r}``, ``{:.3f}``); attribute or index access (``{x.shape}``) is an
-  error. See ``design/formatting.md``.
+  Arguments are formatted as ``jax.debug.print`` formats them (array leaves
+  as ``jax.Array`` values, other leaves as they are, under the NumPy print
+  options at the call), except Python numbers, static and formatted as
+  Python formats them (``print("{}", x.shape)`` prints ``(2, 3)``). Fields
+  name whole arguments, with conversions and format specs (``{x!r}``,
+  ``{:.3f}``); attribute or index access (``{x.shape}``) is an error. See
+  ``design/formatting.md``.
 
   In per-device code (``shard_map``, ``pmap``) every device prints its own
   line, prefixed with where it ran: ``[device D shard S process P] text``

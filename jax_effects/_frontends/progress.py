@@ -1,44 +1,18 @@
 """``jax_effects.progress``: progress bars for compiled loops.
 
-``with progress(total) as bar:`` inside traced code binds three kinds of
-ordered effects on :data:`~jax_effects.DEFAULT` (so they keep program order
-with ``print``, ``log``, ``callback`` and adopted ``jax.debug`` callbacks):
+A bar is three ordered effects of :data:`~jax_effects.DEFAULT`: *open*
+(returns the bar's id, an operand of the others), *advance* and *close*;
+with ``every=k`` the updates are counted on the device in a ``Counter``
+(``_primitives/counter.py``) and a ``lax.cond`` advances once ``k`` are
+pending. The host side is ``_runtime/bars.py``. Behaviour under ``vmap``,
+``shard_map`` and ``grad``: ``design/transformations.md``.
 
-* entering: *open*, a host callback that creates the bar, draws it at
-  ``0/total`` and returns the bar's id (an ``int32`` the other two take as an
-  operand, so one execution's bar is never confused with another's: calls
-  from several threads, a bar opened again in each iteration of an outer
-  loop, one bar per device in ``shard_map``);
-* ``bar.update(n)``: *advance* by the count of updates since the last
-  advance. With ``every=1`` each update is one host call. With ``every=k``
-  the updates are counted on the device, in a ``Counter``
-  (``_primitives/counter.py``: a count the token-threading pass carries
-  through the loops, like an effect chain's carrier), and a ``lax.cond``
-  makes the host call only when ``k`` of them are pending;
-* leaving: *close*, which advances by what is still pending and closes the
-  bar, so it ends at its final count.
-
-The host functions, the drawing (tqdm or a plain renderer,
-``_runtime/plain_bars.py``), the options' check and the open bars are
-``_runtime/bars.py``. An update inside a ``vmap`` the bar was not opened in
-counts once per element of it (``_compat.enclosing_vmaps``).
-
-Part in the token calling convention: that of every effect (the pass adds
-the token and carrier to each host call), plus the counter's chain, which
-has no runtime token.
-
-Where it runs: per device inside ``shard_map``/``pmap`` (each device opens
-its own bar, labelled with ``print``'s device prefix), once otherwise. Under
-``vmap`` the host calls run once for the whole batch
-(``HostCallback.batch_once``): one bar for the batch; with ``per_element``
-(the ``vmap``'s axis name) the open takes the element's ``lax.axis_index``,
-so every effect of the bar is batched per element (``BatchedHost``, and the
-live mask of a batched ``while_loop``). Under ``grad`` they are part of the
-forward computation only (as every effect, see
-``design/transformations.md``).
+Part in the token calling convention: that of every effect, plus the
+counter's chain, which has no runtime token.
 """
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Callable, TextIO
 
@@ -60,11 +34,10 @@ __all__ = ["progress", "Progress"]
 _ID_AVAL = jax.core.ShapedArray((), np.int32)
 
 
-# --- trace side ---------------------------------------------------------------
+# --- trace side --------------------------------------------------------------
 
 def _manual_axes() -> frozenset:
-  """The manual (``shard_map``/``pmap``) mesh axes the code being traced is
-  inside of (empty outside any)."""
+  """The manual mesh axes around the code being traced."""
   return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
@@ -76,8 +49,7 @@ _INT32_MAX = 2**31 - 1
 
 
 class _OutOfRange(TypeError, ValueError):
-  """A numeric argument of ``progress`` out of its range: a ``ValueError``,
-  and a ``TypeError`` as every refused argument of ``progress`` is."""
+  """A numeric argument out of range (a ``TypeError`` as every refusal)."""
 
 
 def _static_int(x) -> bool:
@@ -87,11 +59,7 @@ def _static_int(x) -> bool:
 
 
 class Progress:
-  """A progress bar of a compiled loop (see :func:`progress`).
-
-  ``with progress(total) as bar:`` opens it; ``bar.update(n)`` advances
-  it; leaving the block closes it.
-  """
+  """A progress bar of a compiled loop (see :func:`progress`)."""
 
   def __init__(self, total: int | jax.Array | None, *, desc: str | None,
                every: int, file: TextIO | None, per_element: str | None,
@@ -158,8 +126,6 @@ class Progress:
   def _bind(self, fn: Callable, what: str, operands: list,
             result_avals: tuple = (), counts_elements: bool = False,
             cleanup: bool = False) -> list:
-    # (batch_once: one run for a whole vmap batch, unless a bar per element
-    # was asked for: then the element index makes every effect per element)
     return _effect.bind_effect(
         fn, what, operands, effect=_effects.DEFAULT, ordered=True,
         result_avals=result_avals, reads_placement=True,
@@ -195,12 +161,9 @@ class Progress:
   def update(self, n: int | jax.Array = 1) -> None:
     """Advances the bar by ``n`` (default 1) when the computation gets here,
     in program order; with ``every=k`` the host hears of it once ``k``
-    updates are pending (and at the end).
-
-    Inside a ``vmap`` the bar was not opened in (``jax.lax.map(f, xs,
-    batch_size=k)`` runs ``f`` vmapped over batches of ``k``) the update
-    counts ``n`` per element: the batch of ``k`` advances the bar by
-    ``k * n``."""
+    updates are pending (and at the end). Inside a ``vmap`` the bar was not
+    opened in (as ``jax.lax.map(f, xs, batch_size=k)``'s) it counts ``n``
+    per element."""
     what = f"{self._what}.update"
     if self._state != "open":
       raise RuntimeError(
@@ -220,11 +183,9 @@ class Progress:
         jnp.result_type(n), jnp.integer) or jnp.ndim(n):
       raise TypeError(f"{what}(n): n must be an integer scalar, got {n!r}")
     # Elements of the vmaps around this update that the bar is not in.
-    elements = 1
     new_vmaps = [size for t, size in _compat.enclosing_vmaps()
                  if t not in self._vmaps]
-    for size in new_vmaps:
-      elements *= size
+    elements = math.prod(new_vmaps)
     if not _is_traced(n):
       if not -_INT32_MAX - 1 <= int(n) * elements <= _INT32_MAX:
         raise _OutOfRange(
@@ -265,8 +226,7 @@ class Progress:
       pending = _counters.add_count(self._counter, 0)
     else:
       pending = jnp.zeros((), np.int32)
-    # (a cleanup effect: it closes the bar also after an earlier effect of
-    # the chain failed, as ``with tqdm(...)`` does on an exception)
+    # (a cleanup effect: closes the bar after a failed effect too, as tqdm)
     self._bind(self._spec.close, f"{self._what} closing", [self._id, pending],
                cleanup=True)
 
