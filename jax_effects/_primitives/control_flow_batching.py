@@ -95,18 +95,10 @@ def _closed_fn(closed, mask, leading=()):
                                     [*leading, *args])
 
 
-#: Primitive -> ``rule(params, mask, invals) -> outputs``: it re-expressed
-#: with ``lax`` around masked sub-computations.
-MASK_RULES: dict = {}
-
-
 def _masked_cond(p, mask, invals):
   index, *ops = invals
   return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
                         *ops)
-
-
-MASK_RULES[jex_prims.cond_p] = _masked_cond
 
 
 def _masked_while(p, mask, invals):
@@ -115,9 +107,6 @@ def _masked_while(p, mask, invals):
   body = _closed_fn(p["body_jaxpr"], mask, invals[cn:cn + bn])
   return jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c),
                             list(invals[cn + bn:]))
-
-
-MASK_RULES[jex_prims.while_p] = _masked_while
 
 
 def _masked_scan(p, mask, invals):
@@ -133,7 +122,10 @@ def _masked_scan(p, mask, invals):
   return [*carry, *ys]
 
 
-MASK_RULES[jex_prims.scan_p] = _masked_scan
+#: Primitive -> ``rule(params, mask, invals) -> outputs``: the primitive
+#: re-expressed with ``lax`` around masked sub-computations.
+MASK_RULES = {jex_prims.cond_p: _masked_cond, jex_prims.while_p: _masked_while,
+              jex_prims.scan_p: _masked_scan}
 
 
 def _masked_higher_order(eqn, mask, invals):

@@ -91,8 +91,6 @@ def _behind(run, running, result_avals, skipped, chain):
   return behind
 
 
-# ``_runtime.placement.current()`` reads ``running`` in the innermost host
-# frame; ``index(carrier)`` is the fastest read of a 0-d integer array.
 class FailedBit:
   """The ``FAILED``-bit rule of a threaded effect (``design/errors.md``);
   host functions test the bit themselves (the hot path)."""
@@ -122,6 +120,9 @@ class FailedBit:
     return np.bitwise_or(carrier, _errors.FAILED)
 
 
+# ``_runtime.placement.current()`` reads ``running`` in the innermost host
+# frame (a keyword-only default, never passed); ``index(carrier)`` is the
+# fastest read of a 0-d integer array.
 def _threaded_once(host_callback: _host_callback.HostCallback, placement,
                    avals_out, entry: bool, n_operands: int | None):
   """``host(carrier, *operands)`` of a threaded effect that runs once."""
