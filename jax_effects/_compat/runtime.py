@@ -197,6 +197,7 @@ def jax_runtime_token(effect):
   (of our effects under plain ``jax.jit``)."""
   return _dispatch.runtime_tokens.current_tokens.get(effect)
 
+
 def no_user_mesh():
   """A context without the user's ambient mesh, for our helper computations
   on their operands' devices (else "Received incompatible devices"):
