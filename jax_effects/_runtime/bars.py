@@ -1,29 +1,14 @@
 """Progress bars on the host: drawing them, and the bars that are open.
 
-The host side of ``jax_effects.progress`` (``_frontends/progress.py``): a
-:class:`BarSpec` holds what a ``progress(...)`` call fixed when it was
-traced, and its ``open``/``advance``/``close`` methods are the host
-functions of the bar's three effects. ``open`` creates a bar and returns its
-id (an ``int32`` the device passes back to the other two), so bars of
-different executions, threads, devices or ``vmap`` elements never mix.
-Every drawing is an output action (``output.deliver``: held and sorted in
-the deterministic view like printed lines); per-device bars are labelled
-with their placement's prefix (``placement``).
+The host side of ``jax_effects.progress`` (``design/transformations.md``):
+a :class:`BarSpec`'s methods are the host functions of a bar's three
+effects; ``open`` returns the bar's id (an ``int32`` the device passes
+back), so bars of different executions, threads, devices or ``vmap``
+elements never mix. Drawn (``output.deliver``) by ``tqdm`` when installed,
+otherwise by ``plain_bars.PlainBar``; ``output`` writes around drawn bars.
 
-Drawing: ``tqdm`` when it is installed (``tqdm.auto`` when ``file`` is
-None, which is a notebook widget in Jupyter, else ``tqdm.std``; the bar's
-options are tqdm's), otherwise ``plain_bars.PlainBar``, a standard-library
-renderer on ``sys.stderr`` (or ``file``) that writes what tqdm writes.
-:func:`check_options` refuses, when ``progress`` is called, an option the
-renderer does not know (tqdm would refuse it when the bar opens, inside the
-computation) or a value it cannot draw. While a bar is drawn in place,
-``output``'s lines and records are written around it (``output.write_around``):
-tqdm's bars are cleared and redrawn by ``tqdm.external_write_mode`` (what
-``tqdm.write`` does), plain ones by ``plain_bars.around_write``, so a
-printed line never lands inside a bar's line.
-
-No part of the token calling convention: these functions run inside host
-callbacks, which the convention has already put in order.
+No part of the token calling convention: these run inside host callbacks,
+which the convention has already put in order.
 """
 from __future__ import annotations
 
@@ -43,14 +28,12 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import plain_bars as _plain_bars
-from jax_effects._runtime import token_value as _token_value
 
 __all__ = ["BarSpec", "check_options", "open_bars"]
 
 
 class _TqdmBar:
-  """A bar drawn by tqdm (``tqdm.auto`` to ``sys.stderr``, ``tqdm.std``
-  to ``file``)."""
+  """A bar drawn by tqdm."""
 
   def __init__(self, tqdm_class, total: int | None, desc: str | None,
                file: TextIO | None, options: dict):
@@ -86,15 +69,13 @@ def _tqdm_class(file: TextIO | None):
   return tqdm
 
 
-# --- options -----------------------------------------------------------------------
+# --- options ---------------------------------------------------------------
 
 _tqdm_known: dict[type, frozenset] = {}
 
 
 def _tqdm_options(tqdm_class) -> frozenset:
-  """The keyword arguments ``tqdm_class`` takes (named in its classes'
-  ``__init__``; a notebook bar's ``display`` too) besides ``progress``'s own
-  ``total``, ``desc``, ``file``."""
+  """The keyword arguments ``tqdm_class`` takes but ``progress``'s own."""
   known = _tqdm_known.get(tqdm_class)
   if known is None:
     names = set()
@@ -168,11 +149,8 @@ def _value_problem(name: str, value) -> str | None:
 
 
 def check_options(what: str, file: TextIO | None, options: dict) -> None:
-  """Refuses, naming ``what`` and the option, an option the renderer that
-  will draw the bar does not know (as tqdm refuses it: "Unknown
-  argument(s)", here at the call, and also without tqdm: the
-  standard-library renderer knows tqdm's names) or a value it cannot draw.
-  """
+  """Refuses, at the call (tqdm would refuse it inside the computation), an
+  option the bar's renderer does not know or a value it cannot draw."""
   tqdm_class = _tqdm_class(file)
   known = (_plain_bars.OPTIONS if tqdm_class is None
            else _tqdm_options(tqdm_class))
@@ -195,7 +173,7 @@ def check_options(what: str, file: TextIO | None, options: dict) -> None:
       raise TypeError(f"{what}: option {name}={value!r} {problem}")
 
 
-# --- writes while a bar is drawn ----------------------------------------------------
+# --- writes while a bar is drawn -------------------------------------------
 
 _around_lock = threading.Lock()
 _tqdm_open = 0   # open tqdm bars
@@ -203,9 +181,8 @@ _plain_live = False
 
 
 def _around(stream: TextIO | None, write) -> None:
-  """``output``'s writes while bars are drawn: tqdm bars are cleared and
-  redrawn around them by ``tqdm.external_write_mode`` (what ``tqdm.write``
-  does), plain ones by ``plain_bars.around_write``."""
+  """``output``'s writes while bars are drawn: tqdm's cleared and redrawn
+  by ``tqdm.external_write_mode``, plain ones by ``around_write``."""
   if _tqdm_open:
     from tqdm.std import tqdm
     with tqdm.external_write_mode(
@@ -221,7 +198,6 @@ def _route() -> None:
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """A forked child writes around none of the parent's bars."""
   global _around_lock, _tqdm_open, _plain_live
   _around_lock = threading.Lock()
   _tqdm_open, _plain_live = 0, False
@@ -242,10 +218,8 @@ def _plain_live_changed(live: bool) -> None:
     _route()
 
 
-# Open bars: id -> bar. An id is an int32 the device passes back.
-_bars: dict[int, Any] = {}
-# Open bars by the slot of the thread whose execution opened them
-# (``token_value``): closed when that execution fails (close_for).
+_bars: dict[int, Any] = {}   # open bars by id
+# Open bars' ids by the slot whose execution opened them (close_for).
 _by_slot: dict[int, set] = {}
 _bars_lock = threading.Lock()
 _ids = itertools.count(1)
@@ -265,8 +239,7 @@ def _new_bar(spec: "BarSpec", total: int | None, element: int | None):
 
 
 class BarSpec:
-  """What a ``progress(...)`` call fixed when it was traced; its methods
-  are the host sides of the bar's three effects."""
+  """What a ``progress(...)`` call fixed when it was traced."""
 
   def __init__(self, total: int | None, desc: str | None, file, options,
                per_element: bool):
@@ -285,7 +258,7 @@ class BarSpec:
       element = int(element)
     total = int(operands[0]) if operands else self.total
     bar = _new_bar(self, total, element)
-    slot = _running_slot()
+    slot = _placement.carrier_slot()
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
@@ -303,8 +276,7 @@ class BarSpec:
 
   def close(self, bar_id, n) -> tuple:
     """Closes the bar (a *cleanup* effect: it runs also after an earlier
-    effect of its chain failed, as ``with tqdm(...)`` closes on an
-    exception)."""
+    effect of its chain failed)."""
     bar = _pop(int(bar_id))
     if bar is not None:
       n = int(n)
@@ -324,21 +296,10 @@ def _pop(bar_id: int):
   return bar
 
 
-def _running_slot() -> int:
-  """The slot of the thread that dispatched the running execution (its
-  carrier's, ``token_value``; 0 outside one)."""
-  carrier = _placement.host_local("carrier")
-  if carrier is None:
-    return 0
-  return _token_value.slot_of(int(np.max(carrier)))
-
-
 def close_for(slot: int, chains: tuple = ()) -> None:
-  """Closes the bars that an execution of ``slot`` opened and that are
-  still open: it failed or was interrupted (``executions.failed``), or the
-  slot is freed (``chains`` empty). Bars live on the chain of
-  :data:`~jax_effects.DEFAULT` (``GLOBAL`` in global mode): only a failure
-  on it closes them."""
+  """Closes the bars an execution of ``slot`` opened: it failed on
+  ``chains`` (only ``DEFAULT``'s or ``GLOBAL``'s holds bars), or the slot is
+  freed (``chains`` empty)."""
   if chains and not any(c is _effects.DEFAULT or c is _effects.GLOBAL
                         for c in chains):
     return

@@ -1,27 +1,12 @@
-"""Errors of host callbacks: each reported once, to the thread that dispatched it.
+"""Errors of host callbacks: each reported once, to its dispatching thread.
 
-The contract is ``design/errors.md``; this module owns its state (the
-deferred errors of every thread, and the errors of callbacks that ran inline
-in the thread's call in progress) and is its only writer. A callback error
-never fails an XLA computation (in a multi-device one the other devices
-would wait forever in the next collective; under plain ``jax.jit`` no hook
-of ours could catch XLA's error). Instead the host function
-(``_primitives.host_functions``) *defers* the user's exception here
-(:func:`defer`), under the slot of the thread that dispatched the
-computation (its carrier's, ``token_value``), and returns zeros with the
-carrier's ``FAILED`` bit set, so the later effects of its chain in that
-execution are skipped, as nothing runs after a ``raise`` in Python.
-
-That thread raises what is deferred for it, once: the call itself when the
-callback ran inline in it (:func:`raise_own`), else its next call before it
-dispatches anything (:func:`raise_deferred`), or its barrier. Several errors
-pending at once are one report (:func:`group`); at most
-:data:`MAX_KEPT_ERRORS` are kept per thread between reports, the rest
-counted. A report is raised so that nothing of the library keeps it alive
-once the caller drops it (:func:`raise_pending`, :func:`reraise`): no frame
-it passes through holds it in a local, which would make a reference cycle
-(exception -> traceback -> frame -> exception) that only the garbage
-collector frees.
+The contract is ``design/errors.md``; this module owns its state (every
+thread's deferred errors, and the inline ones of its call in progress) and
+is its only writer. A host function *defers* a callback's error here
+(:func:`defer`) under the dispatching thread's slot; that thread raises it
+once: the call itself (:func:`raise_own`), else its next call
+(:func:`raise_deferred`) or barrier. No frame a report passes through
+keeps it in a local (a cycle only the garbage collector frees).
 
 Its part in the token calling convention: the slot in a carrier names the
 thread an error is filed for; the ``FAILED`` bit (``token_value``) is the
@@ -43,23 +28,16 @@ FAILED = _token_value.FAILED
 MAX_KEPT_ERRORS = 64
 
 _lock = threading.Lock()
-# Deferred errors: slot of the dispatching thread -> its unreported errors,
-# oldest first (at most MAX_KEPT_ERRORS; _dropped counts the others). Slot 0:
-# the dispatching thread is unknown (a callback under plain jax.jit that ran
-# on one of XLA's threads), reported only by an all-threads barrier or at
-# exit. Read without the lock on every dispatch (empty: no deferred error
-# anywhere).
+# Slot of the dispatching thread (0: unknown) -> its unreported errors,
+# oldest first; _dropped counts those past MAX_KEPT_ERRORS. Read without the
+# lock on every dispatch (empty: no deferred error anywhere).
 deferred: dict[int, list[BaseException]] = {}
 _dropped: dict[int, int] = {}
 
 
-
-
 class _Own(threading.local):
-  """The calling thread's slot (set when its token state is made,
-  :func:`set_thread_slot`) and the errors of callbacks that ran inline in
-  its call in progress: that call raises them when it returns
-  (:func:`raise_own`)."""
+  """The calling thread's slot and the errors of callbacks that ran inline
+  in its call in progress (:func:`raise_own`)."""
 
   def __init__(self):
     self.slot = -1
@@ -71,7 +49,6 @@ own = _Own()
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """A forked child reports none of the parent's errors (``fork``)."""
   global _lock
   _lock = threading.Lock()
   deferred.clear()   # (emptied, never replaced: the fast hook holds it)
@@ -88,15 +65,8 @@ def set_thread_slot(slot: int) -> None:
 
 def defer(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
   """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
-
-  ``inline``: the callback may be running on the dispatching thread itself,
-  inside its jax_effects call (the CPU client runs a computation it finds
-  cheap inline when its inputs are ready): then that call raises it when it
-  returns (:func:`raise_own`), as a failing Python call would. Only inside
-  such a call: a computation the thread dispatched otherwise (an exported
-  jax_effects function called outside ``jax_effects.jit``) leaves it for
-  the thread's next call or barrier.
-  """
+  ``inline``: the callback may run inline in the dispatching thread's
+  jax_effects call, which then raises it (:func:`raise_own`)."""
   if inline and own.slot == slot and _dispatching is not None and (
       _dispatching()):
     own.errors.append(exc)
@@ -115,14 +85,13 @@ def _keep(exc: BaseException, slot: int) -> None:
 
 
 def has_deferred(slot: int) -> bool:
+  """Whether ``slot`` has errors not reported yet."""
   return slot in deferred
 
 
 def pop_deferred(slots=None) -> BaseException | None:
   """Removes every deferred error of ``slots`` (all if None); returns the
-  report: the one error itself, or all of them together (:func:`group`).
-  Each error is reported once: a later call finds nothing.
-  """
+  report: the one error, or all of them (:func:`group`); None if none."""
   if not deferred:
     return None
   with _lock:
@@ -140,8 +109,7 @@ def pop_deferred(slots=None) -> BaseException | None:
 
 
 def raise_pending(slots=None) -> None:
-  """Raises the report of ``slots`` (:func:`pop_deferred`), if any, holding
-  no reference to it once it has left (see the module docstring)."""
+  """Raises the report of ``slots`` (:func:`pop_deferred`), if any."""
   report = pop_deferred(slots)
   if report is not None:
     try:
@@ -157,25 +125,19 @@ def count(report: BaseException) -> int:
 
 
 def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
-  """Several callback errors reported together.
-
-  A ``BaseExceptionGroup`` (an ``ExceptionGroup`` when all are ``Exception`` s)
-  on Python >= 3.11; before, the first error, with the others in its
-  ``jax_effects_errors`` attribute (all of them, the first included).
-  ``dropped``: errors beyond :data:`MAX_KEPT_ERRORS` that were only counted.
-  """
+  """Several callback errors reported together: a ``BaseExceptionGroup``
+  on Python >= 3.11, else the first error; either way all of them in its
+  ``jax_effects_errors``. ``dropped``: errors only counted."""
   more = f" (and {dropped} more, not kept)" if dropped else ""
   message = (f"jax_effects: {len(errors)} host callbacks failed{more}; "
              "each is one of the exceptions below")
   try:
     if all(isinstance(e, jax.errors.JaxRuntimeError) for e in errors):
-      # Errors of JAX's own callbacks (adopted): one JaxRuntimeError with
-      # the first one's message, as jax.jit raises for a failed execution,
-      # and a group of them all.
+      # (JAX's own callbacks, adopted: a JaxRuntimeError, as jax.jit's)
       report = JaxRuntimeErrorGroup(  # noqa: F821 - Python >= 3.11
           errors[0].args[0] if errors[0].args else message, errors)
     else:
-      report = BaseExceptionGroup(message, errors)  # noqa: F821 - Python >= 3.11
+      report = BaseExceptionGroup(message, errors)  # noqa: F821 - 3.11
   except NameError:
     report = errors[0]
   report.jax_effects_errors = tuple(errors)
@@ -186,10 +148,8 @@ def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
 if sys.version_info >= (3, 11):
   class JaxRuntimeErrorGroup(ExceptionGroup,  # noqa: F821
                              jax.errors.JaxRuntimeError):
-    """Several errors of JAX's own (adopted) callbacks reported together:
-    an ``ExceptionGroup`` that is also a ``jax.errors.JaxRuntimeError``, so
-    ``except RuntimeError`` catches it as it catches ``jax.jit``'s one
-    error of a failed execution."""
+    """Errors of JAX's own (adopted) callbacks: also a
+    ``jax.errors.JaxRuntimeError``, as ``jax.jit``'s one error is."""
 
 
 def flat_errors(report: BaseException) -> list[BaseException]:
@@ -199,28 +159,19 @@ def flat_errors(report: BaseException) -> list[BaseException]:
 
 
 def reraise(err: BaseException) -> None:
-  """Raises ``err`` holding no reference to it once it has left (see the
-  module docstring)."""
+  """Raises ``err`` holding no reference to it once it has left."""
   try:
     raise err
   finally:
-    del err   # (no cycle through this frame, see the module docstring)
-
-
-def slot_busy(slot: int) -> bool:
-  """Whether ``slot`` has errors not reported yet (``threads`` keeps it)."""
-  return slot in deferred
+    del err   # (no reference cycle through this frame)
 
 
 # --- the thread's side: when a report is raised (``design/errors.md``) ------
 
 def plain_jit_slot() -> int:
   """The dispatching thread's slot as seen by a callback under plain
-  ``jax.jit`` (no carrier): the calling thread's when it is one Python
-  started (the CPU client ran the computation inline, on the thread that
-  dispatched it), 0 (unknown) on one of XLA's threads (a foreign thread,
-  which ``threading`` sees as a dummy): nothing there says who dispatched
-  (``design/errors.md``)."""
+  ``jax.jit`` (no carrier): the calling thread's (the computation ran
+  inline), 0 (unknown) on one of XLA's threads (``design/errors.md``)."""
   if isinstance(threading.current_thread(), threading._DummyThread):
     return 0
   if own.slot < 0 and _thread_slot is not None:
@@ -228,12 +179,9 @@ def plain_jit_slot() -> int:
   return own.slot if own.slot > 0 else 0
 
 
-#: Makes the calling thread's token state (``threads.thread_state``, which
-#: registers itself here): a plain ``jax.jit`` callback running inline on a
-#: thread new to jax_effects files its error under that thread's slot.
+# Registered by ``threads`` (no import cycle): makes the calling thread's
+# state, and whether that thread is inside one of its jax_effects calls.
 _thread_slot = None
-#: Whether the calling thread is inside one of its jax_effects calls
-#: (``token_store.TokenStore.dispatching``, registered here).
 _dispatching = None
 
 
@@ -244,12 +192,8 @@ def set_thread_state_maker(make, dispatching) -> None:
 
 
 def raise_deferred(state) -> None:
-  """Raises the errors deferred by computations ``state``'s thread
-  dispatched (its next call, before it dispatches anything).
-
-  Waits first for the thread's dispatched computations (only when an error is
-  pending), so the errors of a failed execution are all reported together.
-  """
+  """Raises the errors deferred for ``state``'s thread (its next call),
+  once its computations have ended: a failed execution's all together."""
   if state.slot not in deferred:
     return
   state.settle()
@@ -257,25 +201,19 @@ def raise_deferred(state) -> None:
 
 
 def dispatch_failed(err: BaseException) -> None:
-  """Raises ``err``, raised by the dispatch in progress on this thread.
-
-  Errors of callbacks that ran inline before it (in :data:`own`) are
-  deferred to the thread's next call or barrier, which raise them before
-  dispatching anything: left for :func:`raise_own`, the next call would
-  raise them after running (its result discarded for an earlier call's
-  error).
-  """
+  """Raises ``err``, raised by the dispatch in progress on this thread;
+  the errors of callbacks that ran inline before it go to the thread's
+  next call or barrier (which raise them before dispatching)."""
   try:
     move_own_errors()
     reraise(err)
   finally:
-    del err   # (no reference cycle through this frame: reraise)
+    del err   # (no reference cycle through this frame)
 
 
 def enter_call() -> list:
-  """A call made inside this thread's call in progress (from one of its
-  host callbacks): its own inline errors are its own; returns the outer
-  call's, for :func:`leave_call`."""
+  """A call made from a host callback of this thread's call in progress:
+  sets the outer call's inline errors aside, for :func:`leave_call`."""
   saved, own.errors = own.errors, []
   return saved
 
@@ -285,8 +223,8 @@ def leave_call(saved: list) -> None:
 
 
 def move_own_errors() -> None:
-  """Moves the errors of callbacks that ran inline in the call in progress
-  to the thread's deferred errors: reported by whoever reports next."""
+  """Moves the inline errors of the call in progress to the thread's
+  deferred errors."""
   errors, own.errors = own.errors, []
   if errors:
     with _lock:
@@ -295,9 +233,8 @@ def move_own_errors() -> None:
 
 
 def raise_own(state, token) -> None:
-  """Raises the errors of the call that just returned (callbacks that ran
-  inline), with every other error of the thread pending once that call's
-  computation has completed: one report."""
+  """Raises the inline errors of the call that just returned, with the
+  thread's others pending once its computation ended: one report."""
   errors, own.errors = own.errors, []
   state.settle()
   rest = pop_deferred((state.slot,))
@@ -307,4 +244,4 @@ def raise_own(state, token) -> None:
   try:
     raise report
   finally:
-    del report   # (no reference cycle through this frame: raise_pending)
+    del report   # (no reference cycle through this frame)

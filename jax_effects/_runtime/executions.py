@@ -1,29 +1,12 @@
 """When an execution fails: learnt from its own token, and what it held freed.
 
-An execution fails as a whole in XLA (a ``jax.pure_callback`` raising, a
-device's part failing, a failed input): that is its call's failure, raised
-by the call or carried by its results as under ``jax.jit``
-(``design/errors.md``). What the runtime kept on the host for it must go
-with it, or it would wait or mix forever: the jobs waiting for pieces a
-failed device never sent, the pieces the other devices did send
-(``host_jobs``), its open progress bars (``bars``). :func:`failed` frees
-them; it is called with the failed execution's slot and chains by whoever
-learns of the failure from the execution's own token or dispatch, never on
-a clock:
-
-* its dispatch, when it raised (``_dispatch.call_path``);
-* the thread's next dispatch on one of its chains, which waits for the
-  chain's last computation before handing its token on
-  (``threads.ThreadTokens.tokens_for``), and the thread's barrier
-  (``threads.ThreadTokens.settle``);
-* the watcher (:func:`watch`), a daemon thread that follows computations
-  in flight device by device: an execution whose successor on a chain was
-  dispatched before it ended (the successor's effects wait for it on the
-  host: ``host_jobs``, gated lanes), and a computation over several
-  devices whose first device may wait inside the computation for a job
-  (an effect with results behind a summarized print), which can only end
-  once that job does, so its failure elsewhere must be learnt while it
-  runs.
+What the host kept for an execution that failed as a whole
+(``host_jobs``' jobs and pieces, ``bars``' open bars) is freed by
+:func:`failed`, called by whoever learns of the failure from its own token
+or dispatch, never on a clock: its dispatch, the thread's next dispatch or
+barrier, or the watcher (:func:`watch`), a daemon thread that follows
+computations whose first device may wait inside them for a job.
+``design/errors.md``, "Executions that fail as a whole".
 
 Its part in the token calling convention: an execution is named by its
 slot and, per chain, its sequence number (``token_value``).
@@ -40,11 +23,10 @@ from jax_effects._runtime import host_jobs as _host_jobs
 
 
 def failed(slot: int, chains: dict, ended: bool = True) -> None:
-  """The execution of ``slot`` on ``chains`` (chain -> its sequence
-  number there) failed: free what the host kept for it (idempotent:
-  several may learn of one failure). ``ended``: it has ended on every
-  device (else its later effects, still to come, are skipped until
-  ``host_jobs.retire``)."""
+  """The execution of ``slot`` on ``chains`` (chain -> sequence number)
+  failed: free what the host kept for it (idempotent). ``ended``: on every
+  device (else its later effects are skipped until ``host_jobs.retire``).
+  """
   if not chains:
     return
   _host_jobs.cancel(slot, chains, ended)
@@ -52,13 +34,12 @@ def failed(slot: int, chains: dict, ended: bool = True) -> None:
 
 
 def slot_freed(slot: int) -> None:
-  """``slot`` is freed (``threads``: its thread ended, its computations
-  completed, its errors reported): drop what is still kept under it."""
+  """``slot`` is freed (``thread_slots``): drop what is kept under it."""
   _host_jobs.forget(slot)
   _bars.close_for(slot)
 
 
-# --- the watcher -----------------------------------------------------------------
+# --- the watcher -----------------------------------------------------------
 
 _lock = threading.Condition()
 _watched: list = []   # [_Watch]
@@ -81,11 +62,8 @@ class _Watch:
 
 def watch(token, on_end, early: bool = False) -> None:
   """Calls ``on_end(failed, running)`` once the computation that returns
-  ``token`` has ended (on every device: done, or failed; ``running``
-  False), from the watcher thread (or a barrier's :func:`settle`); with
-  ``early``, as soon as one device's part has failed (its first device may
-  be waiting inside the computation for what the failure cancels;
-  ``running`` says whether some part still runs)."""
+  ``token`` has ended on every device, from the watcher thread (or
+  :func:`settle`); with ``early``, as soon as one device's part failed."""
   global _thread
   if isinstance(token, jax.Array):
     shards = [s.data for s in token.addressable_shards]
@@ -108,9 +86,8 @@ def watch(token, on_end, early: bool = False) -> None:
 
 
 def _state(item: _Watch):
-  """``(failed, running)``: whether a device's part failed, and whether
-  some part still runs; None while it runs with no failure, or with one
-  that the item does not ask for early."""
+  """``(failed, running)`` of ``item``'s devices; None while it runs (and
+  did not fail, or fails but not ``early``)."""
   running = False
   failed = False
   for shard in item.shards:
@@ -127,10 +104,8 @@ def _state(item: _Watch):
 
 
 def _look(items) -> bool:
-  """Calls ``on_end`` of each of ``items`` whose computation has ended (or
-  failed, if asked early), once: an item is taken out of the watched list
-  by whoever looks first (the watcher, or a barrier: :func:`settle`).
-  Returns whether any was."""
+  """Calls ``on_end`` of each of ``items`` that has ended, once (whoever
+  takes it out of the watched list first); whether any had."""
   any_done = False
   for item in items:
     state = _state(item)
@@ -169,13 +144,9 @@ def _run() -> None:
 
 
 def stop() -> None:
-  """Ends the watcher thread and waits until it has (interpreter exit,
-  once everything dispatched has ended: ``exit``). A daemon thread inside
-  a jaxlib call that releases the GIL (``block_until_ready``) when the
-  interpreter finalizes is ended by CPython from within jaxlib's C++, which
-  aborts the process ("FATAL: exception not rethrown"); so none may be left
-  there. What is still watched stays for a barrier's :func:`settle`; a
-  later :func:`watch` starts a new thread."""
+  """Ends the watcher thread and joins it (interpreter exit): a daemon
+  thread inside jaxlib when the interpreter finalizes aborts the process
+  ("FATAL: exception not rethrown"). A later :func:`watch` starts one."""
   global _thread, _stopping
   with _lock:
     thread = _thread
@@ -193,28 +164,22 @@ def stop() -> None:
 
 
 def settle() -> None:
-  """Acts now on every watched computation that has ended (a barrier, once
-  the computations it waited for have: what they kept is freed before it
-  returns, not at the watcher's next look)."""
+  """Acts now on every watched computation that has ended (a barrier:
+  what they kept is freed before it returns)."""
   with _lock:
     items = list(_watched)
   _look(items)
 
 
 def watch_failure(slot: int, chains: dict, token) -> None:
-  """Follows a computation over several devices on ``chains`` (chain ->
-  sequence number) of ``slot``, where a call site assembles operands on
-  the host: :func:`failed` as soon as one device's part has failed;
-  once every device's part has ended without failing, what the host kept
-  to skip the later effects of a job that failed goes
-  (``host_jobs.retire``)."""
+  """Follows a computation over several devices of ``slot`` on ``chains``
+  where a call site assembles operands on the host: :func:`failed` as soon
+  as one device's part failed, ``host_jobs.retire`` once all ended."""
   def on_end(failed_: bool, running: bool) -> None:
     if failed_:
-      # Its later effects, still to come, are skipped (its lanes stay, as
-      # tombstones). Never "ended" here: XLA may mark every device's
-      # results failed while a device still runs its part (seen on JAX
-      # 0.8-0.10 under load); a barrier, the chain's next execution or the
-      # slot's end retires them (host_jobs).
+      # Never "ended" here: XLA may mark every device's results failed
+      # while a device still runs its part (seen on JAX 0.8-0.10 under
+      # load); its lanes stay as tombstones (host_jobs).
       failed(slot, chains, ended=False)
     else:   # (ended: a job of it that failed no longer needs its lane)
       _host_jobs.retire(slot, chains)
@@ -223,8 +188,7 @@ def watch_failure(slot: int, chains: dict, token) -> None:
 
 
 def watched() -> int:
-  """Computations followed now that have not ended (for tests: one that
-  ended leaves the watcher at its next look)."""
+  """Computations followed now that have not ended (for tests)."""
   with _lock:
     items = list(_watched)
   return sum(1 for item in items if _state(item) is None)
@@ -232,8 +196,6 @@ def watched() -> int:
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """A forked child follows none of the parent's computations, and has no
-  watcher thread (it starts one when it needs one)."""
   global _lock, _thread, _stopping
   _lock = threading.Condition()
   _watched.clear()

@@ -1,23 +1,10 @@
 """Interpreter exit: every thread's effects are waited for, errors reported.
 
-At exit (``atexit``) the library waits for the effects of every thread,
-exited ones included (``barrier.effects_barrier(all_threads=True)``); the
-errors not reported yet are printed to stderr with their traceback, after a
-line that counts them, and the exit status becomes 1, as for an uncaught
-exception (``design/errors.md``).
-
-``atexit`` runs handlers in the reverse order of registration, so handlers
-registered before jax_effects was imported run after this one, and nothing
-of Python runs after them while XLA's threads can still run callbacks. A
-computation such a late handler dispatches therefore reports its errors
-itself: once this handler has run (``token_store.after_exit_handler``), every
-``jax_effects`` dispatch takes the general call path, which, once the
-computation is launched, waits for everything dispatched and reports like
-this handler (:func:`report_late`): printed, exit status 1.
-
-Once everything is awaited, the watcher thread is ended and joined
-(``executions.stop``), here and after each late dispatch: a daemon thread
-inside jaxlib when the interpreter finalizes aborts the process.
+At exit (``atexit``) every thread's effects are waited for; the errors not
+reported yet are printed to stderr and the exit status becomes 1, as for an
+uncaught exception. A dispatch from an exit handler that runs after this
+one reports its own (:func:`report_late`). The watcher thread is then
+ended (``executions.stop``). ``design/errors.md``, "Interpreter exit".
 """
 from __future__ import annotations
 
@@ -39,8 +26,7 @@ _MAX_REPORTS = 16
 
 def _unreported() -> list[BaseException]:
   """Waits for every thread's effects; returns every report of callback
-  errors not raised yet (an XLA failure is its call's: not reported here,
-  as ``jax.jit`` exits 0 after one, ``design/errors.md``)."""
+  errors not raised yet."""
   reports = []
   while len(reports) < _MAX_REPORTS:
     try:
@@ -52,9 +38,9 @@ def _unreported() -> list[BaseException]:
 
 
 def _report_and_exit(reports: list[BaseException]) -> None:
-  """Prints ``reports`` to stderr, as uncaught exceptions, after a line that
-  counts the failures; ends the process with status 1 (``os._exit``: at exit
-  nothing else can change the status), stdout and stderr flushed."""
+  """Prints ``reports`` to stderr after a line that counts the failures;
+  ends the process with status 1 (``os._exit``: nothing else can, at exit).
+  """
   try:
     sys.stdout.flush()
   except Exception:  # noqa: BLE001 - a broken stdout
@@ -75,11 +61,8 @@ def _report_and_exit(reports: list[BaseException]) -> None:
 
 @atexit.register
 def _wait_at_exit() -> None:
-  """Interpreter exit: waits for every thread's effects; the errors not
-  reported yet are printed to stderr and the exit status becomes 1, as for
-  an uncaught exception. Later dispatches report their own
-  (:func:`report_late`). In a child forked after JAX's backend started
-  nothing of the parent's is waited for or reported (``fork``)."""
+  """The exit handler (module docstring); nothing in a child forked after
+  JAX's backend started."""
   if _fork.forked_after_backend:
     return
   reports = _unreported()
@@ -91,12 +74,9 @@ def _wait_at_exit() -> None:
 
 
 def report_late(state: _threads.ThreadTokens) -> None:
-  """After this module's exit handler, called by every dispatch once its
-  computation is launched: waits for everything dispatched and, if a
-  callback failed (this call's included), reports like the exit handler and
-  ends the process with status 1. No later point exists where the errors
-  could be raised, and an exception escaping an exit handler would leave
-  the status 0."""
+  """After the exit handler, called by every dispatch once its computation
+  is launched: waits for everything and, if a callback failed, reports like
+  the exit handler (no later point exists to raise the errors)."""
   del state
   _errors.move_own_errors()
   reports = _unreported()

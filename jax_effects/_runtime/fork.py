@@ -1,26 +1,12 @@
-"""``os.fork()``: a child process starts with none of the parent's runtime state.
+"""``os.fork()``: a child starts with none of the parent's runtime state.
 
-Everything jax_effects keeps at run time is per process: the deferred errors
-(``errors``), every thread's token state and the exited threads' pending
-tokens (``threads``), held output and the locks of the sinks (``output``),
-the launch lock (``launch_lock``), and JAX's own runtime tokens of the
-forking thread. A forked child holds copies of all of it, but none of the
-computations they stand for: the parent runs them, the parent's callbacks
-fill the parent's registry, and the parent reports its own errors. So right
-after a fork, in the child (``os.register_at_fork(after_in_child=...)``),
-each module that holds such state resets it (registered with
-:func:`reset_in_child`): no error, token, thread state or held line of the
-parent is seen, waited for or reported there, and no lock is left held by
-a thread that does not exist in the child.
-
-JAX itself does not survive a fork once its backend has started: XLA's
-runtime threads exist only in the parent, so a computation in the child
-hangs (JAX warns at the fork). In such a child (:data:`forked_after_backend`)
-every jax_effects call that would dispatch or wait for a computation, or
-run an eager effect, raises :func:`refused` instead; a barrier has nothing
-to wait for and returns, and interpreter exit reports nothing of the
-parent's. A child forked before the parent's first computation starts its
-own backend and uses jax_effects normally. The contract: ``design/errors.md``.
+Everything jax_effects keeps at run time is per process, and a forked
+child holds none of the computations it stands for: right after a fork, in
+the child, each module that holds such state resets it (registered with
+:func:`reset_in_child`). In a child forked after JAX's backend started
+(:data:`forked_after_backend`), where a computation would hang, every call
+that would dispatch or wait for one raises :func:`refused`. The contract:
+``design/errors.md``, "Fork".
 
 Part in the token calling convention: none; it empties the runtime state
 the convention keeps, in the child.

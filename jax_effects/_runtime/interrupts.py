@@ -1,37 +1,14 @@
 """SIGINT (Ctrl-C) during a call: ``KeyboardInterrupt`` from the call, soon.
 
-Python runs a signal handler in the main thread between two bytecodes. A
-call that runs a compiled loop with host callbacks on the CPU client sits
-in XLA, which calls the callbacks inline: a ``KeyboardInterrupt`` raised by
-Python's handler in a callback would reach XLA as that callback's failure
-(``ValueError``/``JaxRuntimeError`` "CpuCallback error ...
-KeyboardInterrupt", so a user's ``except KeyboardInterrupt`` never runs),
-and one landing as the call returns, before its token is stored, would lose
-the token. jax_effects' handler (:func:`_on_sigint`, installed where
-Python's default one is; a user's own handler is left alone) decides by the
-innermost of jax_effects' marked frames (``frames``) while the main thread
-is inside a call (``TokenStore.dispatching``):
-
-* in a host function of the call's computation (``frames.HOST``): the
-  thread's slot is marked interrupted (:data:`slots`) and
-  ``KeyboardInterrupt`` raised there; host functions raise it into XLA
-  instead of deferring it (``_primitives.host_functions.FailedBit``), and
-  every later host function of that slot's computations raises at once, on
-  any device, so the computation ends at its next callback;
-* in the call path between the launch and the storing of the returned token
-  (``frames.DISPATCH``, the frame itself): marked, nothing raised there;
-  the token is stored first;
-* in the entry of the C callback XLA calls (``frames.ENTRY``, the frame
-  itself, e.g. at its first bytecode, before its ``try``): marked, nothing
-  raised there (ctypes would drop it and take the callback as done, its
-  work not done); the host functions it calls raise it;
-* anywhere else (tracing, compiling, a callback of JAX's own running
-  inline): marked, and raised at once, as Python's default handler does.
-
-The call then raises ``KeyboardInterrupt`` (:func:`take`), whether its
-computation ended early (XLA's error is dropped: the interrupt is what the
-user did) or completed (its token stored). The computation's progress bars
-close (``executions.failed``). Outside a call the default handler raises.
+Python's own handler would raise into XLA as a callback's failure, or lose
+the token of a call that is returning. While the main thread is inside a
+call, :func:`_on_sigint` marks its slot interrupted (:data:`slots`: every
+later host function of that slot's computations raises) and raises by the
+innermost marked frame (``frames``): at once, but not in the call path's
+frame that stores the token (``frames.DISPATCH``) or in the entry of the C
+callback (``frames.ENTRY``: ctypes would drop it and take the callback as
+done); the call then raises it (:func:`take`). ``design/errors.md``,
+"KeyboardInterrupt".
 """
 from __future__ import annotations
 
@@ -42,9 +19,8 @@ from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import thread_slots as _thread_slots
 
-#: Slots whose call in progress was interrupted: their computations' host
-#: functions end them (read without a lock by every host function: empty in
-#: the common case).
+#: Slots whose call in progress was interrupted (read without a lock by
+#: every host function: empty in the common case).
 slots: set[int] = set()
 
 
@@ -72,8 +48,8 @@ def take(state) -> bool:
 
 
 def _install_sigint_handler() -> None:
-  """Installs :func:`_on_sigint` (from the main thread, once) where Python's
-  default SIGINT handler is installed; a user's own handler is left alone."""
+  """Installs :func:`_on_sigint` (from the main thread) where Python's
+  default SIGINT handler is installed."""
   if threading.current_thread() is not threading.main_thread():
     return
   try:
@@ -89,8 +65,7 @@ def entry_frame(function) -> None:
 
 
 def dispatching_frame(function) -> None:
-  """Marks a function of the call path whose frame runs from the launch to
-  the storing of the returned token (``frames.DISPATCH``)."""
+  """Marks a function of the call path (``frames.DISPATCH``)."""
   _frames.mark(function.__code__, _frames.DISPATCH)
 
 

@@ -1,18 +1,12 @@
 """IPython and Jupyter: a cell's effects appear under that cell.
 
 With asynchronous dispatch a cell can end before its computations reach
-their ``print``s, and their lines would appear under the next cell (or
-nowhere, once the kernel's output of the cell is closed). When jax_effects
-runs under IPython (``IPython`` imported and an interactive shell active:
-jax_effects does not import or depend on it) it registers a
-``post_run_cell`` callback with the shell that waits for the effects the
-cell's thread dispatched (``barrier.wait_for_thread_until``), at most
-:data:`CELL_WAIT_S` seconds of computation; past that it warns (a
-``RuntimeWarning`` naming the wait) and the cell ends, its late lines
-appearing where the kernel puts them. Errors of the cell's callbacks are
-not raised here: they stay for the thread's next call or barrier
-(``design/errors.md``). Registered once per shell, at import and at a
-thread's first use of jax_effects (a shell started after the import).
+their ``print``s, whose lines would appear under the next cell. Under
+IPython (imported and a shell active; never imported here) a
+``post_run_cell`` callback waits for the effects the cell's thread
+dispatched, at most :data:`CELL_WAIT_S` seconds, then warns. Errors stay
+for the thread's next call or barrier. Registered once per shell, at
+import and at a thread's first use of jax_effects.
 """
 from __future__ import annotations
 

@@ -1,30 +1,15 @@
 """The standard-library progress bar: tqdm's meter, drawn without tqdm.
 
-``jax_effects.progress`` draws with tqdm when it is installed
-(``_runtime/bars.py``); otherwise :class:`PlainBar` draws the same text.
-:func:`format_meter` is tqdm's ``tqdm.format_meter`` (tqdm 4.x) written
-again, field for field, for the options this renderer draws (:data:`DRAWN`):
-``desc: 40%|####      | 4/10 [00:01<00:01,  3.96it/s, loss=0.1]``, or a
-``bar_format`` of tqdm's fields. The bar's characters are ``" #"`` unless
-``ascii`` says otherwise (``True``: tqdm's ``" 123456789#"``, ``False``:
-tqdm's Unicode blocks, a str: those characters). The other tqdm options
-(:data:`OPTIONS`) are accepted and change nothing here (the rate is the
-average since the bar opened, what tqdm's ``smoothing=0`` shows; bars are
-stacked in the order they draw, whatever their ``position``).
-
-Drawing follows tqdm: the bar is drawn when it opens (unless ``delay``), on
-an update when at least ``miniters`` updates and ``mininterval`` seconds
-have passed since the last drawing, and when it closes (``leave``: the final
-count stays; ``leave=False`` erases the line; ``leave=None`` leaves it if no
-other bar was open when it opened); ``disable=True`` draws nothing,
-``disable=None`` nothing unless the stream is a terminal. On a terminal the
-line is redrawn in place (``\\r``) and ends with a newline when the bar
-closes; elsewhere (a file, a CI log) every drawing is a line of its own.
-
-A bar's line on a terminal is *live* until it ends: a line printed there
-meanwhile (``print``, ``log``) would be written into it, so
-:func:`around_write` clears the live lines on that terminal, writes, and
-redraws them, as ``tqdm.write`` does.
+Without tqdm (``_runtime/bars.py``) :class:`PlainBar` draws what tqdm
+draws: :func:`format_meter` is tqdm 4.x's ``tqdm.format_meter`` written
+again, field for field, for the options drawn here (:data:`DRAWN`); the
+other tqdm options (:data:`OPTIONS`) are accepted and change nothing (the
+rate is the average since the bar opened, as ``smoothing=0``; bars stack in
+the order they draw). Drawing follows tqdm (``delay``, ``miniters``,
+``mininterval``, ``leave``, ``disable``): in place (``\\r``) on a terminal,
+a line per drawing elsewhere. A bar's line on a terminal is *live* until it
+ends; :func:`around_write` writes around the live lines, as
+``tqdm.write`` does.
 
 No part of the token calling convention: these run inside host callbacks
 (``BarSpec``'s), which the convention has already put in order.
@@ -42,7 +27,7 @@ from typing import Any, Callable, TextIO
 from jax_effects._runtime import fork as _fork
 
 __all__ = ["OPTIONS", "DRAWN", "PlainBar", "format_meter", "format_postfix",
-           "around_write", "live_bars", "lock"]
+           "around_write", "lock"]
 
 #: tqdm's keyword arguments (tqdm 4.x) besides ``total``, ``desc`` and
 #: ``file`` (``progress``'s own): the options a bar takes, whichever renderer
@@ -231,7 +216,7 @@ def format_meter(n: float, total: float | None, elapsed: float, *,
   return text[:ncols] if ncols else text
 
 
-# --- drawing -------------------------------------------------------------------------
+# --- drawing ---------------------------------------------------------------
 
 #: Serializes drawing and the writes around live lines (reentrant: a log
 #: handler run inside :func:`around_write` may print).
@@ -243,17 +228,10 @@ _open = 0   # plain bars open (for leave=None)
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """A forked child draws none of the parent's lines (and holds no lock a
-  parent's thread held)."""
   global lock, _open
   lock = threading.RLock()
   _live.clear()
   _open = 0
-
-
-def live_bars() -> list["PlainBar"]:
-  """The bars whose line is live (drawn in place, not ended) on a terminal."""
-  return list(_live.values())
 
 
 def _same_terminal(a, b) -> bool:
@@ -264,9 +242,8 @@ def _same_terminal(a, b) -> bool:
 
 
 def around_write(stream: TextIO | None, write: Callable[[], Any]) -> None:
-  """Runs ``write()`` (which writes to ``stream``; None: stdout or stderr)
-  with the live bar lines on that terminal cleared before and redrawn
-  after, so the text never lands inside a bar's line."""
+  """Runs ``write()`` (to ``stream``; None: stdout or stderr) with the live
+  bar lines on that terminal cleared before and redrawn after."""
   with lock:
     cleared = [b for b in _live.values() if _same_terminal(b.stream, stream)]
     for b in cleared:
@@ -279,12 +256,8 @@ def around_write(stream: TextIO | None, write: Callable[[], Any]) -> None:
 
 
 class PlainBar:
-  """A bar drawn with the standard library (see the module docstring).
-
-  ``on_live(bool)`` is called (under :data:`lock`) when the first line goes
-  live and when the last live line ends, so writes are routed through
-  :func:`around_write` only while a line is live.
-  """
+  """A bar drawn with the standard library. ``on_live(bool)`` is called
+  (under :data:`lock`) when the first line goes live and the last ends."""
 
   def __init__(self, total: int | None, desc: str | None,
                file: TextIO | None, options: dict,

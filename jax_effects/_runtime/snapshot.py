@@ -31,10 +31,9 @@ def runtime_tokens() -> RuntimeTokens:
   latest output token returned by a computation that ran on it.
 
   While ``ordering("global")`` is active on this thread, ``.effects`` has
-  exactly one entry, ``GLOBAL`` (the one stream of that mode; the initial
-  token if no global-mode call has run yet): calls in that mode use no
-  per-effect stream. In ``"per_effect"`` mode it lists every stream this
-  thread has used (``GLOBAL`` too, after a global block).
+  exactly one entry, ``GLOBAL`` (the initial token if no global-mode call
+  has run yet). In ``"per_effect"`` mode it lists every stream this thread
+  has used (``GLOBAL`` too, after a global block).
   """
   state = _threads.thread_state()
   if _effects.get_ordering() == "global":
@@ -46,5 +45,3 @@ def runtime_tokens() -> RuntimeTokens:
     effects = dict(state.runtime)
   return RuntimeTokens(types.MappingProxyType(effects),
                        types.MappingProxyType(state.devices()))
-
-

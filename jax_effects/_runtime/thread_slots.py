@@ -1,18 +1,13 @@
 """Thread slots and lifetime: which threads hold token state, and their slots.
 
-A thread's *slot* is its number in every token it dispatches
-(``token_value``: a runtime token and a carrier hold the slot and the
-execution's sequence number), taken from a bounded pool (:func:`take_slot`)
-when its state is made (``threads.thread_state``). A thread's state
-(``threads.ThreadTokens``) is referenced strongly only by its thread's
-``threading.local``, so it goes away with its thread: :func:`_thread_exited`
-then keeps only that thread's pending tokens under its slot (an
-all-threads barrier and interpreter exit wait for them, :func:`orphans`),
-and the slot is freed once they have completed and its errors have been
-reported (:func:`sweep`). The next owner of a freed slot starts its chains
-past every sequence number the ended thread used (:func:`base_of`), so an
-execution's identity is never an earlier thread's, whose devices may still
-run (``host_jobs``).
+A thread's *slot* (its number in every token it dispatches,
+``token_value``) is taken from a bounded pool (:func:`take_slot`) when its
+state is made. The state goes with its thread (only its
+``threading.local`` holds it strongly); :func:`_thread_exited` keeps the
+thread's pending tokens (:func:`orphans`), and the slot is freed once they
+have completed and its errors have been reported (:func:`sweep`). A freed
+slot's next owner starts its chains past every sequence number the ended
+thread used (:func:`base_of`): ``design/errors.md``, "Thread exit".
 
 Part in the token calling convention: the slot half of every runtime token
 and carrier.
@@ -37,7 +32,7 @@ _all_lock = threading.RLock()
 _all_states: "weakref.WeakSet" = weakref.WeakSet()
 
 #: Called (no arguments) when a thread's state is created, before its first
-#: dispatch (``interrupts`` installs its SIGINT handler from the main thread's).
+#: dispatch (``interrupts`` installs its SIGINT handler from the main's).
 on_new_thread: list[Callable[[], None]] = []
 _next_slot = 1
 _free_slots: list[int] = []
@@ -46,9 +41,8 @@ _free_slots: list[int] = []
 _generation = 0
 # Slots of ended threads -> their tokens that were pending when they ended.
 _ended: dict[int, list] = {}
-# Slots of ended threads, and freed slots -> the sequence number their next
-# owner's chains start from (``TokenStore.base``: :func:`base_of`): past
-# every one the ended thread used, on any chain.
+# Slots of ended threads, and freed slots -> where their next owner's
+# chains start (:func:`base_of`).
 _ended_base: dict[int, int] = {}
 _slot_base: dict[int, int] = {}
 
@@ -132,8 +126,7 @@ def _thread_exited(slot: int, output: dict, runtime: dict,
 
 def sweep() -> None:
   """Frees the slots of ended threads whose computations have completed and
-  whose errors have been reported (an ordinary context: a thread's first
-  use, a barrier)."""
+  whose errors have been reported (from an ordinary context)."""
   if not _ended:
     return
   with _all_lock:
@@ -143,7 +136,7 @@ def sweep() -> None:
 def _sweep_locked(force: bool) -> None:
   for slot, tokens in list(_ended.items()):
     tokens[:] = [t for t in tokens if not _token_store.is_done(t)]
-    if tokens or _errors.slot_busy(slot):
+    if tokens or _errors.has_deferred(slot):
       continue   # (pending computations, unreported errors: kept)
     del _ended[slot]
     _slot_base[slot] = _ended_base.pop(slot, 0)
@@ -153,10 +146,7 @@ def _sweep_locked(force: bool) -> None:
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """A forked child holds no thread state, token or pending computation of
-  the parent's (``fork``; ``threads`` drops the forking thread's own): the
-  other threads do not exist there, and JAX's own runtime tokens of the
-  forking thread stand for the parent's computations too."""
+  """Nothing of the parent's, JAX's own runtime tokens included."""
   global _all_lock, _all_states, _next_slot, _generation
   _generation += 1
   for state in list(_all_states):

@@ -1,31 +1,16 @@
 """The token store: the tokens a thread's chains hold, and how a call's
 returned token is stored.
 
-Between computations, the order is carried by **runtime tokens**
-(``token_value``: an ``int32`` holding the dispatching thread's slot and the
-execution's sequence number) that every token-threaded executable takes as
-inputs, one per ordered chain it uses, and returns as outputs; an executable
-starts only when its inputs are ready, so passing the token the previous
-computation returned makes the next one wait for it. A thread's
-:class:`TokenStore` holds, per chain, its latest runtime token (``runtime``)
-and sequence number (``seqs``: the host's copy of what the device computes),
-and the output tokens per device set (:class:`OutputTokens`, for the
-barrier). It changes only through the methods of the thread's state (one
-object: ``threads.ThreadTokens`` is a :class:`TokenStore`), but for
-``dispatching``, which the fast hook sets and clears itself: a call's
-returned token is stored here, by :meth:`TokenStore.update`
-(:meth:`TokenStore.store` for the fast hook's one chain); what a dispatch
-reads, and changes as it reads (a fresh token, a failed chain, the mode),
-is ``ThreadTokens``'.
-
-* A runtime token is kept *uncommitted*: ``jax.jit``'s C++ dispatch copies it
-  to the devices of the next computation when (and only when) they differ.
-  A token returned per device (a ``shard_map`` program) stays on its devices
-  (``device_tokens``).
-* **Calls made inside a call**: a call dispatched from a host callback of the
-  thread's own call in flight stores its token first; the outer call then
-  *joins* it (:meth:`TokenStore.update`) instead of overwriting it, so the
-  next dispatch follows both.
+A thread's :class:`TokenStore` holds, per chain, its latest runtime token
+(``runtime``: uncommitted, or kept on its devices, ``device_tokens``) and
+sequence number (``seqs``: the host's copy of the device's), and the output
+tokens per device set (:class:`OutputTokens`, for the barrier). It changes
+only through the methods of the thread's state (one object:
+``threads.ThreadTokens``, which reads for a dispatch), but for
+``dispatching``, which the fast hook sets and clears: a call's returned
+token is stored by :meth:`TokenStore.update` (:meth:`TokenStore.store` for
+the fast hook's one chain), and joins one a call made inside it stored
+(``design/errors.md``, "Calls made inside a call").
 
 Part in the token calling convention: the runtime tokens passed to and
 returned by every computation; the contract: ``design/tokens.md``.
@@ -80,9 +65,8 @@ _DEVICES_MODES: dict = {}
 
 def devices_mode(mode: str | None) -> str | None:
   """``TokenStore.fast_mode`` while the thread holds a token kept on
-  devices in ``mode``: the hooks of such tokens run
-  (``call_path.fast_dispatch`` of such a token), the others take the general
-  path (one object per mode: compared by identity)."""
+  devices in ``mode``: only the fast hooks of such tokens run (one object
+  per mode: compared by identity)."""
   if mode is None:
     return None
   found = _DEVICES_MODES.get(mode)
@@ -93,8 +77,7 @@ def devices_mode(mode: str | None) -> str | None:
 
 class OutputTokens:
   """A thread's output tokens, for the barrier: the latest on each device
-  set (:attr:`output`), and the fast hook's last one, filed there only when
-  a dispatch on other devices follows (:meth:`file`)."""
+  set, and the fast hook's last one, filed by the next :meth:`file`."""
   __slots__ = ("output", "last_sharding", "last_token")
 
   def __init__(self):
@@ -107,9 +90,7 @@ class OutputTokens:
     self.last_token: jax.Array | None = None
 
   def devices(self) -> dict[Any, jax.Array]:
-    """Device -> the latest output token covering that device (only this
-    process's devices: another process's shards, and effects, are its own).
-    """
+    """Device -> the latest output token covering it (this process's)."""
     out = {}
     items = list(self.output.items())
     if self.last_token is not None:
@@ -127,22 +108,17 @@ class OutputTokens:
     """Files ``token`` as the latest output token of its device set."""
     output = self.output
     sharding = token.sharding
-    if self.last_token is not None:
-      self._file_last()
+    last = self.last_token
+    if last is not None:
+      self.last_token = None
+      output.pop(self.last_sharding, None)
+      output[self.last_sharding] = last
     if self.last_sharding is sharding:  # already the most recent entry
       output[sharding] = token
     else:  # move to the end (recency)
       output.pop(sharding, None)
       output[sharding] = token
       self.last_sharding = sharding
-
-  def _file_last(self) -> None:
-    token = self.last_token
-    if token is not None:
-      self.last_token = None
-      output = self.output
-      output.pop(self.last_sharding, None)
-      output[self.last_sharding] = token
 
   def drop_outputs(self, ids) -> None:
     """Forgets the output tokens whose ``id`` is in ``ids`` (failed)."""
@@ -159,10 +135,7 @@ class OutputTokens:
 
 
 class TokenStore(OutputTokens):
-  """What a thread's chains hold: a call's returned token is stored by
-  :meth:`update` (:meth:`store`: the fast hook's one chain); its other
-  changes are methods here or of ``threads.ThreadTokens`` (the same
-  object), but for :attr:`dispatching`, set by the fast hook itself."""
+  """What a thread's chains hold (module docstring)."""
   __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined",
                "device_tokens", "fast_mode", "dispatching", "mode", "slot",
                "base")
@@ -203,32 +176,25 @@ class TokenStore(OutputTokens):
 
   def execution_seqs(self, keys) -> dict:
     """Chain -> the sequence number of the next execution of ``keys`` (read
-    before its dispatch: a call made inside it moves them)."""
+    before its dispatch)."""
     return {k: (self.last_seq(k) + 1) & _token_value.SEQ_MASK
             for k in keys if k is not _effects.UNORDERED}
 
   def execution(self, keys) -> tuple:
-    """``(seqs, seq)`` of the next execution of ``keys``: its identity
-    (:meth:`execution_seqs`) and the sequence number of the token it returns,
-    the maximum of its chains' carriers (``token_value``), as the device
-    computes it."""
+    """``(seqs, seq)`` of the next execution of ``keys``: its identity and
+    its returned token's sequence number (its carriers' maximum)."""
     seqs = self.execution_seqs(keys)
     return seqs, max(seqs.values(), default=None)
 
   def update(self, keys, token: jax.Array, read: tuple = (),
              at_risk: bool = False, seq: int | None = None) -> None:
     """Records ``token``, returned by one executable given the tokens of
-    ``keys`` (``read``: what ``tokens_for`` returned with them) as the
-    execution ``seq`` (by default read now), for ``keys`` and its devices.
-    ``at_risk``: the computation runs one of JAX's own callbacks. A call
-    made meanwhile from one of its host callbacks that stored a token of a
-    chain: the later of the two (by sequence number) is kept, the other
-    joined (:meth:`join`). Raises nothing."""
+    ``keys`` (``read``: ``tokens_for``'s) as the execution ``seq`` (by
+    default read now). ``at_risk``: it runs one of JAX's own callbacks.
+    Raises nothing."""
     self.file(token)
     if keys:
       if _device_tokens.kept_on_devices(token):
-        # Kept as it is (each device continues its own chain); combined
-        # only for a computation elsewhere or in the deterministic view.
         if _output.holding():
           runtime = _device_tokens.combine(token)
         else:
@@ -256,13 +222,10 @@ class TokenStore(OutputTokens):
 
   def store(self, key, token: jax.Array, sharding, passed, seq: int,
             kept: bool = False, finish=None) -> None:
-    """:meth:`update` for the fast hook's one chain ``key`` (``kept``: its
-    token is kept on devices): ``token`` (of ``sharding``) returned given
-    ``passed`` as the execution ``seq``. Written out, no sharding hashed,
-    when the token is on the last dispatch's device set and of the kind
-    passed, and no call made inside this one stored a token of ``key``;
-    else :meth:`update`. ``finish``: ``launch_lock.finish`` where the
-    program runs user code, or None."""
+    """:meth:`update` for the fast hook's one chain ``key``, written out (no
+    sharding hashed) when nothing changed since ``passed`` was read.
+    ``kept``: the token is kept on devices; ``finish``: ``launch_lock``'s,
+    where the program runs user code."""
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
         or self.device_tokens is not kept
@@ -284,13 +247,9 @@ class TokenStore(OutputTokens):
     self.seqs[key] = seq
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
-    """Whether what a call made inside this one left for ``key`` meanwhile
-    stays (see :meth:`update`): when it took a later sequence number than
-    this call's (``seq``), this call's token (``runtime``) is joined and the
-    host's copy stays the later one, with its token, or with none if that
-    call failed as a whole (the chain starts afresh after both: never with
-    a number either execution had). Else a token it stored is joined and
-    this call's is stored."""
+    """Whether what a call made inside this one left for ``key`` stays: the
+    later of the two by sequence number is kept (no token if that call
+    failed: the chain starts afresh past both), the other joined."""
     current = self.runtime.get(key)
     if current is passed:
       return False
@@ -306,41 +265,33 @@ class TokenStore(OutputTokens):
     if self.joined or self.at_risk or after_exit_handler:
       self.fast_mode = None
     else:
-      # Only if the thread's mode is still this dispatch's: a set_ordering
-      # by another thread meanwhile cleared fast_mode (clear_fast), which
-      # must not be undone (read after the store: set_ordering sets the
-      # mode before clearing).
+      # A set_ordering by another thread meanwhile cleared fast_mode, which
+      # must not be undone (read after the store: it sets the mode first).
       mode = self.mode
       self.fast_mode = devices_mode(mode) if self.device_tokens else mode
       if _effects.get_ordering() != mode:
         self.fast_mode = None
 
   def join(self, token) -> None:
-    """A call made inside this thread's call in progress stored ``token``
-    meanwhile (see :meth:`update`): the next dispatch waits for it."""
+    """A call made inside this thread's call in progress stored ``token``:
+    the next dispatch waits for it."""
     self.joined.append(token)
     self.fast_mode = None
 
   def store_interrupted(self, keys, token, read=(),
                         at_risk: bool = False,
                         seq: int | None = None) -> None:
-    """Stores a dispatched computation's token when an interrupt
-    (``KeyboardInterrupt`` from SIGINT, or another ``BaseException``) landed
-    between the dispatch and :meth:`update`: the computation runs anyway, so
-    the thread's next dispatch and its barrier must still follow it. Storing
-    the same token twice is harmless; if storing fails, the token is waited for.
-    """
+    """:meth:`update` after an interrupt landed between the dispatch and
+    it (the computation runs anyway); if storing fails, waits for it."""
     try:
       self.update(keys, token, read, at_risk, seq)
     except BaseException:  # noqa: BLE001 - a second interrupt: wait instead
       wait_quietly((token,))
 
   def chains_failed(self, keys) -> None:
-    """The computation holding ``keys``' tokens failed (an XLA failure,
-    learnt from its token or raised by its dispatch): those chains start
-    afresh, and what the execution held on the host is freed
-    (``executions.failed``; over several devices, one may still run its
-    part: what skips its later effects stays, see ``executions``)."""
+    """The computation holding ``keys``' tokens failed as a whole: those
+    chains start afresh, what it held on the host is freed
+    (``executions.failed``)."""
     ended = True
     for key in keys:
       token = self.runtime.pop(key, None)

@@ -13,20 +13,10 @@ bit 30      ``FAILED``: an earlier effect of this chain in this
 ==========  ==========================================================
 
 (slot, sequence number) is the *identity* of one execution on one chain,
-unique in the process (a thread that takes a freed slot starts its chains
-past every sequence number the slot's earlier owner used:
-``token_store.TokenStore.base``, since that thread's failed executions may
-still run on a device), the same on every device of that execution: each
-computation advances the
-sequence number of every runtime token it takes as the chain enters it
-(:func:`advance`, on every device alike, which also clears a ``FAILED``
-bit left by the execution that returned the token). So a host function
-knows from its carrier which thread dispatched it and which execution of
-that thread's chain it belongs to (``_primitives/host_assembly`` matches the
-pieces of one summarized print by it; ``_runtime/host_jobs`` and
-``_runtime/bars`` keep what an execution holds under it), and a failure is
-filed for the right thread (``errors``). Nothing here is state: the layout,
-and the functions that read and advance it.
+unique in the process (``thread_slots.base_of``) and the same on every
+device (each computation :func:`advance` s a token as the chain enters it),
+so a host function knows from its carrier who dispatched it and which
+execution it belongs to. Nothing here is state.
 """
 from __future__ import annotations
 
