@@ -117,6 +117,13 @@ from jax._src.interpreters import mlir as _mlir  # noqa: E402
 RULES_SEE_EVERY_TOKEN = JAX_VERSION >= (0, 10)
 
 
+def jax_callback_is_ordered(params) -> bool:
+  """Whether an ``io_callback_p`` or ``debug_callback_p`` equation with
+  ``params`` is ordered (their params: ``ordered``; ``effect``)."""
+  return (params.get("ordered") is True
+          or isinstance(params.get("effect"), OrderedDebugEffect))
+
+
 def wrap_jax_callback_lowerings(wrap) -> None:
   """Registers ``wrap(rule)`` for each lowering rule (every platform's) of
   ``io_callback_p`` and ``debug_callback_p``, once."""

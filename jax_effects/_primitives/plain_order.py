@@ -76,10 +76,7 @@ def in_program_order(rule):
   (the module docstring) where the region holds ``PLAIN_JIT_ORDER``."""
 
   def rule_in_program_order(ctx, *args, **params):
-    ordered = (params.get("ordered") is True     # io_callback_p
-               or isinstance(params.get("effect"),   # debug_callback_p
-                             _compat.OrderedDebugEffect))
-    if not (ordered and _joins(ctx)):
+    if not (_compat.jax_callback_is_ordered(params) and _joins(ctx)):
       return rule(ctx, *args, **params)
     tokens = ctx.tokens_in
     joined = join(ctx, _effects.PLAIN_JIT_ORDER)
@@ -87,14 +84,12 @@ def in_program_order(rule):
         tokens_in=mlir.TokenSet({e: joined for e in tokens.effects()}),
         tokens_out=None)
     results = rule(inner, *args, **params)
-    if inner.tokens_out is not None:   # (an ordered call: its new token)
-      for e in tokens.effects():
-        token = inner.tokens_out.get(e)
-        if token != joined:
-          set_joined(ctx, e, token)
-          break
-      else:
-        ctx.set_tokens_out(inner.tokens_out)
+    # (the one chain whose token the rule replaced is its own)
+    own, token = next(
+        ((e, t) for e in tokens.effects()
+         if (t := inner.tokens_out.get(e)) != joined),
+        (_effects.PLAIN_JIT_ORDER, joined))
+    set_joined(ctx, own, token)
     return results
 
   rule_in_program_order.jax_effects_wraps = rule

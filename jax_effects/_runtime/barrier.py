@@ -48,9 +48,9 @@ def _wait_later_dispatches(waited: list) -> None:
 
 
 def _wait(all_threads: bool, states: list, own=None) -> None:
-  """Waits for ``states``' dispatched effects (and exited threads' and
-  JAX's own with ``all_threads``); ``own`` (this thread's state) is
-  settled: a failed computation's chains start afresh."""
+  """Waits for ``states``' dispatched effects (and exited threads' with
+  ``all_threads``), then for JAX's own runtime tokens; ``own`` (this
+  thread's state) is settled: a failed computation's chains start afresh."""
   orphans = _thread_slots.orphans() if all_threads else []
   waited = []
   for state in states:
