@@ -237,12 +237,16 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
     try:                    # handled by interrupts)
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
-        if site.serialize is not True or not _launch_lock.serialize_launch(site):
-          out, token = (jitted(passed, *args, **kwargs) if kwargs
-                        else jitted(passed, *args))
-        else:
+        # (a Python thread runs a host callback here only in eager code,
+        #  where the lock is safe, or inline in a launch: in ours it is
+        #  dispatching; design/errors.md, "Several threads launching")
+        if site.serialize is True and (state.python_thread
+                                       or _launch_lock.serialize_launch(site)):
           with _launch_lock.launch_lock:
             out, token = jitted(passed, *args, **kwargs)
+        else:
+          out, token = (jitted(passed, *args, **kwargs) if kwargs
+                        else jitted(passed, *args))
       except NeedsTokens:   # the trace found another chain: nothing ran
         token = None
       except ValueError as err:
@@ -253,10 +257,13 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
         _failed(state, {key: seq}, err)
       if token is not None:
         try:
+          # (first: the bookkeeping below then runs once its callbacks are
+          # done, not beside them for the GIL)
+          ended = site.finish is not None and site.finish(token)
           returned = token.sharding
           if returned is not site.sharding:
             _launch_lock.launched(site, returned)
-          state.store(key, token, returned, passed, seq, kept, site.finish)
+          state.store(key, token, returned, passed, seq, kept, ended)
           if kept and len(returned.device_set) > 1 and sites_lowered():
             _executions.watch_failure(state.slot, {key: seq}, token)
         except BaseException:

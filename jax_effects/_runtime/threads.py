@@ -33,12 +33,14 @@ from jax_effects._runtime import token_value as _token_value
 
 class ThreadTokens(_token_store.TokenStore):
   """The token state of one Python thread (module docstring)."""
-  __slots__ = ("initial", "thread", "__weakref__")
+  __slots__ = ("initial", "thread", "python_thread", "__weakref__")
 
   def __init__(self, thread: threading.Thread, slot: int):
     super().__init__(slot, _thread_slots.base_of(slot))
     self.initial: Any = None
     self.thread = weakref.ref(thread)
+    #: Started by Python, not one of XLA's (where host callbacks run).
+    self.python_thread = not isinstance(thread, threading._DummyThread)
 
   def pending(self) -> list[jax.Array]:
     return [*self.outputs(), *self.runtime.values(), *self.joined]

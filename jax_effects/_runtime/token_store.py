@@ -221,29 +221,27 @@ class TokenStore(OutputTokens):
     self._refresh_fast()
 
   def store(self, key, token: jax.Array, sharding, passed, seq: int,
-            kept: bool = False, finish=None) -> None:
+            kept: bool = False, ended: bool = False) -> None:
     """:meth:`update` for the fast hook's one chain ``key``, written out (no
     sharding hashed) when nothing changed since ``passed`` was read.
-    ``kept``: the token is kept on devices; ``finish``: ``launch_lock``'s,
-    where the program runs user code."""
+    ``kept``: the token is kept on devices; ``ended``: its computation was
+    waited for and ended without failing (``launch_lock.finish``)."""
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
         or self.device_tokens is not kept
         or (kept and (sharding is not passed.sharding or _output.holding()))):
       self.update((key,), token, (passed,), seq=seq)
-      if finish is not None:
-        finish(token)
       return
     self.last_token = token
     if kept:
       runtime[key] = token
-      if finish is not None:
-        finish(token)
+      if ended:
+        self.verified = token   # (see verified: waited for)
     else:
       stored = runtime[key] = (_compat.uncommitted(token)
                                if _compat.committed(token) else token)
-      if token.is_ready() or (finish is not None and finish(token)):
-        self.verified = stored   # (see verified; finish: waited for)
+      if ended or token.is_ready():
+        self.verified = stored   # (see verified; ended: waited for)
     self.seqs[key] = seq
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
