@@ -258,8 +258,13 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       if token is not None:
         try:
           # (first: the bookkeeping below then runs once its callbacks are
-          # done, not beside them for the GIL)
-          ended = site.finish is not None and site.finish(token)
+          # done, not beside them for the GIL; a scalar token ready now:
+          # a failure was raised by the call, as TokenStore.verified says)
+          finish = site.finish
+          if kept:
+            ended = finish is not None and finish(token)
+          else:
+            ended = token.is_ready() or (finish is not None and finish(token))
           returned = token.sharding
           if returned is not site.sharding:
             _launch_lock.launched(site, returned)

@@ -224,8 +224,9 @@ class TokenStore(OutputTokens):
             kept: bool = False, ended: bool = False) -> None:
     """:meth:`update` for the fast hook's one chain ``key``, written out (no
     sharding hashed) when nothing changed since ``passed`` was read.
-    ``kept``: the token is kept on devices; ``ended``: its computation was
-    waited for and ended without failing (``launch_lock.finish``)."""
+    ``kept``: the token is kept on devices; ``ended``: it may be handed on
+    unchecked (:attr:`verified`: ready when the call returned, or waited
+    for by ``launch_lock.finish`` and ended without failing)."""
     runtime = self.runtime
     if (sharding is not self.last_sharding or runtime.get(key) is not passed
         or self.device_tokens is not kept
@@ -236,12 +237,12 @@ class TokenStore(OutputTokens):
     if kept:
       runtime[key] = token
       if ended:
-        self.verified = token   # (see verified: waited for)
+        self.verified = token   # (see verified)
     else:
       stored = runtime[key] = (_compat.uncommitted(token)
                                if _compat.committed(token) else token)
-      if ended or token.is_ready():
-        self.verified = stored   # (see verified; ended: waited for)
+      if ended:
+        self.verified = stored   # (see verified)
     self.seqs[key] = seq
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:

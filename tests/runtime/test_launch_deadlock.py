@@ -126,3 +126,72 @@ def test_first_calls_whose_callbacks_wait_for_each_other_do_not_stall():
   proc = run_script(FIRST_CALLS, timeout=120)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert proc.stdout.split() == ["OK"], proc.stdout
+
+
+IN_CALLBACK = textwrap.dedent("""
+    import sys, threading
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_effects as je
+    from jax_effects._runtime import launch_lock
+
+    mesh = jax.make_mesh((8,), ("x",))
+    z = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+    inner_ran, hosts = [], []
+
+    def inner_body(s):
+      je.callback(inner_ran.append, None, s.sum())
+      return s + 1
+
+    # Over the 8 devices: its launches take the lock, except in a callback.
+    inner = je.jit(jax.shard_map(inner_body, mesh=mesh, in_specs=P("x"),
+                                 out_specs=P("x")))
+
+    def host(v):
+      hosts.append(threading.current_thread().name)
+      inner(z)
+
+    @je.jit
+    def outer(v):
+      je.callback(host, None, v.sum())
+      return v + 1
+
+    slow = jax.jit(lambda a: (a @ a) @ a)
+    a = jnp.ones((600, 600)) / 600
+    # outer's input is still computed when it is launched: XLA runs it, and
+    # host, on one of its threads; 30 calls warm up each such thread's hook.
+    for _ in range(30):
+      outer(slow(a)[0, :4])
+    je.effects_barrier(all_threads=True)
+    # Another thread holds the lock until outer's calls have ended.
+    release, held, in_time = threading.Event(), threading.Event(), []
+    def holder():
+      with launch_lock.launch_lock:
+        held.set()
+        in_time.append(release.wait(float(sys.argv[1])))
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait()
+    for _ in range(10):
+      out = outer(slow(a)[0, :4])
+    jax.block_until_ready(out)
+    release.set()
+    t.join()
+    je.effects_barrier(all_threads=True)
+    on_xla = sum(not name.startswith(("MainThread", "Thread-")) for name in hosts)
+    print("in time" if in_time[0] else "the lock was waited for", len(hosts),
+          len(inner_ran), on_xla > 0)
+""")
+
+
+def test_a_callback_on_an_xla_thread_never_waits_for_the_launch_lock():
+  """A host callback's own call over several devices takes no launch lock
+  (its holder may be waiting for the callback's computation), also through
+  the fast hook of one of XLA's threads (``ThreadTokens.python_thread``)."""
+  limit_s = 20
+  proc = run_script(IN_CALLBACK, str(limit_s), timeout=limit_s + 120)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  # 40 outer calls, each launching inner once over 8 devices.
+  assert proc.stdout.split() == ["in", "time", "40", "320", "True"], proc.stdout
