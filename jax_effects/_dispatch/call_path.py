@@ -87,10 +87,11 @@ class NeedsTokens(Exception):
     self.keys = keys
 
 
-def _launch(site: _launch_lock.LaunchSite, call, tokens, args, kwargs):
+def _launch(site: _launch_lock.LaunchSite, outside_callback: bool, call,
+            tokens, args, kwargs):
   """``call(*tokens, *args, **kwargs)``, under the launch lock where
-  ``site`` needs it."""
-  if _launch_lock.serialize_launch(site):
+  ``site`` needs it (``launch_lock.serialize_launch``)."""
+  if _launch_lock.serialize_launch(site, outside_callback):
     with _launch_lock.launch_lock:
       return call(*tokens, *args, **kwargs)
   return call(*tokens, *args, **kwargs)
@@ -119,12 +120,14 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   # Read before the launch: a call made inside it moves the thread's copies.
   seqs, seq = state.execution(keys)
   outer = _errors.enter_call() if nested else None
+  outside_callback = state.python_thread and not nested   # (launch_lock)
   try:
     state.begin_dispatch()
     try:
       elsewhere = False
       try:
-        out, token = _launch(site, call, tokens, args, kwargs)
+        out, token = _launch(site, outside_callback, call, tokens, args,
+                             kwargs)
       except ValueError as err:
         if not _placed_elsewhere(err, tokens):
           _failed(state, seqs, err)
@@ -135,7 +138,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
         tokens, read = state.tokens_for(keys, None, nested)
         seqs, seq = state.execution(keys)
         try:
-          out, token = _launch(site, call, tokens, args, kwargs)
+          out, token = _launch(site, outside_callback, call, tokens,
+                               args, kwargs)
         except BaseException as err:  # noqa: BLE001 - an execution error or not
           _failed(state, seqs, err)
       try:
@@ -237,11 +241,9 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
     try:                    # handled by interrupts)
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
-        # (a Python thread runs a host callback here only in eager code,
-        #  where the lock is safe, or inline in a launch: in ours it is
-        #  dispatching; design/errors.md, "Several threads launching")
-        if site.serialize is True and (state.python_thread
-                                       or _launch_lock.serialize_launch(site)):
+        # (dispatching was 0: not inside a call of its own)
+        if site.serialize is True and _launch_lock.serialize_launch(
+            site, state.python_thread):
           with _launch_lock.launch_lock:
             out, token = jitted(passed, *args, **kwargs)
         else:

@@ -54,9 +54,14 @@ def launched(site: LaunchSite, sharding) -> None:
                       and next(iter(devices)).platform == "cpu")
 
 
-def serialize_launch(site: LaunchSite) -> bool:
-  """Whether ``site``'s next launch takes ``launch_lock``."""
-  return site.serialize is True and _placement.current() is None
+def serialize_launch(site: LaunchSite, outside_callback: bool = False
+                     ) -> bool:
+  """Whether ``site``'s next launch takes ``launch_lock``: not from inside
+  a host callback, which ``outside_callback`` (a thread Python started, not
+  inside a call of its own: ``design/errors.md``) rules out without
+  looking at the stack."""
+  return site.serialize is True and (outside_callback
+                                     or _placement.current() is None)
 
 
 #: How long (seconds) a call waits for its computation that runs the user's
