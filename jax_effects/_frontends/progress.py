@@ -204,7 +204,8 @@ class Progress:
     pending = _counters.add_count(counter, n, elements=bool(new_vmaps))
 
     def flush(pending):
-      self._bind(self._spec.advance, what, [bar_id, pending])
+      self._bind(self._spec.advance_counted, what,
+                 [jnp.stack([bar_id, pending])])
       _counters.set_count(counter, 0)
 
     if _is_traced(pending):

@@ -274,6 +274,13 @@ class BarSpec:
       _output.deliver(lambda: bar.advance(n), True)
     return ()
 
+  def advance_counted(self, id_and_count) -> tuple:
+    """:meth:`advance` with the bar's id and the count in one ``int32[2]``
+    operand: a counted flush (``every=k``) is then a host call of the
+    common form (the carrier and one operand), which the handler runs
+    itself (``host_sites.inline_form``)."""
+    return self.advance(*id_and_count.tolist())
+
   def close(self, bar_id, n) -> tuple:
     """Closes the bar (a *cleanup* effect: it runs also after an earlier
     effect of its chain failed)."""
