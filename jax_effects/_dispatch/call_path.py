@@ -155,7 +155,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     finally:
       state.end_dispatch()
     if site.finish is not None and not nested:   # (runs the user's code:
-      site.finish(token)                         #  launch_lock.finish)
+      site.finish(token, outside_callback)       #  launch_lock.finish)
     if _interrupts.slots and _interrupts.take(state):
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
@@ -264,9 +264,10 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           # a failure was raised by the call, as TokenStore.verified says)
           finish = site.finish
           if kept:
-            ended = finish is not None and finish(token)
+            ended = finish is not None and finish(token, state.python_thread)
           else:
-            ended = token.is_ready() or (finish is not None and finish(token))
+            ended = token.is_ready() or (
+                finish is not None and finish(token, state.python_thread))
           returned = token.sharding
           if returned is not site.sharding:
             _launch_lock.launched(site, returned)

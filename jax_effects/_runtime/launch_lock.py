@@ -69,15 +69,16 @@ def serialize_launch(site: LaunchSite, outside_callback: bool = False
 FINISH_WAIT_S = 1.0
 
 
-def finish(token) -> bool:
+def finish(token, outside_callback: bool = False) -> bool:
   """Waits until the computation that returned ``token`` has ended, at most
   :data:`FINISH_WAIT_S`: True if it ended without failing; False if it
-  failed, still runs, or this is a host callback (which never waits)."""
+  failed, still runs, or this is a host callback (which never waits;
+  ``outside_callback`` rules it out as in :func:`serialize_launch`)."""
   try:
     if token.is_ready():
       token.block_until_ready()
       return True
-    if _placement.current() is not None:
+    if not outside_callback and _placement.current() is not None:
       return False
     start = time.monotonic()
     deadline = start + FINISH_WAIT_S

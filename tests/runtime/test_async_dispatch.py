@@ -18,6 +18,7 @@ import pytest
 
 import jax_effects as je
 from helpers import Boom
+from jax_effects._runtime import launch_lock
 
 #: Bound of every wait (seconds): a wait that ends by timing out fails.
 WAIT_S = 20
@@ -104,3 +105,41 @@ def test_an_async_callback_error_is_raised_by_the_barrier_once():
     je.effects_barrier()
   je.effects_barrier()
   assert ran == [0, 1]
+
+
+def test_a_call_inside_a_callback_does_not_wait_for_its_computation(
+    monkeypatch):
+  """A call made by a host callback returns without waiting for its own
+  computation, even one that runs user code (``launch_lock.finish``): here
+  that code waits for the callback, so waiting for it would hold both until
+  ``FINISH_WAIT_S`` (made 600 s; the inner callback gives up after
+  ``WAIT_S``, which fails the test)."""
+  monkeypatch.setattr(launch_lock, "FINISH_WAIT_S", 600.0)
+  release = threading.Event()
+  got = []
+
+  def inner_callback(v):
+    got.append(release.wait(WAIT_S))
+
+  @je.jit
+  def inner(x):
+    je.callback(inner_callback, None, x[0, 0])
+    return x @ x
+
+  def outer_callback(v):
+    inner(X)   # (on one of XLA's threads: the computation is not cheap)
+    release.set()
+
+  @je.jit
+  def outer(x):
+    je.callback(outer_callback, None, x[0, 0])
+    return x @ x
+
+  release.set()
+  inner(X)   # (compiles)
+  je.effects_barrier()
+  release.clear()
+  outer(X)
+  je.effects_barrier(all_threads=True)   # (inner's: an XLA thread's call)
+  assert release.is_set()
+  assert got == [True, True]   # the inner callback's wait did not time out
