@@ -220,8 +220,8 @@ class Core:
       if self.traces.user_code and threaded.launch.finish is None:
         # (learnt by this call's trace: it runs user code, launch_lock)
         _launch_lock.wait_for_user_code(threaded.launch)
-        if state.dispatching == 0:
-          _launch_lock.finish(token)
+        if state.dispatching == 0:   # (not inside a call of its own)
+          _launch_lock.finish(token, state.python_thread)
       if self.traces.may_fail and not may_fail:
         # (learnt by this call's trace: it may fail as a whole, no hook)
         state.mark_at_risk(keys)
