@@ -25,6 +25,16 @@ WAIT_S = 20
 X = jnp.ones((128, 128)) / 128   # x @ x: millions of flops (not "cheap")
 
 
+def _not_cheap(callback):
+  """A function calling ``callback`` on ``x[0, 0]`` and returning ``x @ x``:
+  dispatched asynchronously, its callback on one of XLA's threads."""
+  @je.jit
+  def f(x):
+    je.callback(callback, None, x[0, 0])
+    return x @ x
+  return f
+
+
 def test_a_call_returns_while_its_callback_is_still_blocked():
   started, release = threading.Event(), threading.Event()
   waited = []
@@ -33,11 +43,7 @@ def test_a_call_returns_while_its_callback_is_still_blocked():
     started.set()
     waited.append(release.wait(WAIT_S))   # False: it timed out
 
-  @je.jit
-  def f(x):
-    je.callback(blocked, None, x[0, 0])
-    return x @ x
-
+  f = _not_cheap(blocked)
   release.set()
   f(X)   # (compiles)
   je.effects_barrier()
@@ -121,20 +127,13 @@ def test_a_call_inside_a_callback_does_not_wait_for_its_computation(
   def inner_callback(v):
     got.append(release.wait(WAIT_S))
 
-  @je.jit
-  def inner(x):
-    je.callback(inner_callback, None, x[0, 0])
-    return x @ x
+  inner = _not_cheap(inner_callback)
 
   def outer_callback(v):
-    inner(X)   # (on one of XLA's threads: the computation is not cheap)
+    inner(X)   # (on one of XLA's threads)
     release.set()
 
-  @je.jit
-  def outer(x):
-    je.callback(outer_callback, None, x[0, 0])
-    return x @ x
-
+  outer = _not_cheap(outer_callback)
   release.set()
   inner(X)   # (compiles)
   je.effects_barrier()
