@@ -643,7 +643,8 @@ def bench_progress(rounds: int, steps: int, every: int = 100
                    ) -> tuple[dict, dict]:
   """A ``steps``-step ``scan`` multiplying two 64x64 matrices per step: plain;
   with a ``jax_effects.progress`` bar updated every step (``every``: one
-  host call per that many updates); jax-tqdm's ``scan_tqdm(steps,
+  host call per that many updates); floor (iii), the loop with a bare host
+  callback in a ``cond`` every ``every`` steps (no bar); jax-tqdm's ``scan_tqdm(steps,
   print_rate=every)`` under ``jax.jit`` when jax_tqdm is installed (it is
   not a dependency). Bars draw to ``os.devnull``."""
   import jax
@@ -671,8 +672,31 @@ def bench_progress(rounds: int, steps: int, every: int = 100
         return step(c, x)
       return jax.lax.scan(body, c, None, length=steps)[0]
 
+  # Floor (iii): the same loop under jax.jit with a bare host callback
+  # (floor_p, nothing of ours) in a cond every ``every`` steps: what XLA's
+  # counter, conditional and host call cost before any work of a bar.
+  floor = floor_primitive()
+
+  @jax.jit
+  def floor_loop(c, token):
+    def body(carry, _):
+      c, pending, token = carry
+      pending = pending + 1
+      pending, token = jax.lax.cond(
+          pending >= every, lambda p, t: (p * 0, floor.bind(t, p)),
+          lambda p, t: (p, t), pending, token)
+      return (step(c, None)[0], pending, token), None
+    c, _, token = jax.lax.scan(body, (c, jnp.int32(0), token), None,
+                               length=steps)[0]
+    return c, token   # (the token returned: XLA keeps every host call)
+
+  token = jnp.zeros((), jnp.int32)
+  compiled = floor_loop.lower(c0, token).compile().as_text()
+  if "conditional" not in compiled or "custom-call" not in compiled:
+    raise RuntimeError("bench (k): XLA removed floor (iii)'s host call")
   candidates = {"k_plain": (lambda: plain(c0), 1),
-                "k_ours_progress": (lambda: ours(c0), 1)}
+                "k_ours_progress": (lambda: ours(c0), 1),
+                "k_floor_iii": (lambda: floor_loop(c0, token), 1)}
   try:
     from jax_tqdm import scan_tqdm
   except ImportError:
@@ -689,7 +713,9 @@ def bench_progress(rounds: int, steps: int, every: int = 100
   results: dict[str, Any] = {k: _summary_ms(v) for k, v in samples.items()}
   results["k_setup"] = {"steps": steps, "every": every,
                         "jax_tqdm": scan_tqdm is not None}
-  ratios = {"k_ours/plain": _ratio(samples, "k_ours_progress", "k_plain")}
+  ratios = {"k_ours/plain": _ratio(samples, "k_ours_progress", "k_plain"),
+            "k_iii/plain": _ratio(samples, "k_floor_iii", "k_plain"),
+            "k_ours/iii": _ratio(samples, "k_ours_progress", "k_floor_iii")}
   if scan_tqdm is not None:
     ratios["k_jax_tqdm/plain"] = _ratio(samples, "k_jax_tqdm", "k_plain")
   return results, ratios
@@ -869,6 +895,9 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
                               "{memory_base:,} ordered calls"),
     "k_ours/plain": ("<=", 1.05, "{progress_steps:,}-step scan of 64x64 "
                                  "matmuls, with a bar (every=100) / without"),
+    "k_iii/plain": ("=", None, "floor (iii): the same loop, a bare host "
+                               "callback in a cond every 100 steps / without"),
+    "k_ours/iii": ("=", None, "the same loop, with a bar / floor (iii)"),
     "k_jax_tqdm/plain": ("=", None, "the same with jax-tqdm's scan_tqdm "
                                     "(print_rate=100) / without"),
     "l_print/ours": ("<=", 1.2, "adopted jax.debug.print / jax_effects.print, in a loop"),
