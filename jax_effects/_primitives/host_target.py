@@ -25,6 +25,7 @@ from jax_effects._primitives import host_keys as _keys
 from jax_effects._primitives import host_sites as _host_sites
 from jax_effects._primitives import host_specs as _specs
 from jax_effects._runtime import interrupts as _interrupts
+from jax_effects._runtime import placement as _placement
 
 #: The custom-call target name (CPU).
 TARGET = "jax_effects_host"
@@ -111,8 +112,7 @@ _pinned = threading.local()
 def _pin() -> None:
   """Keeps an XLA thread's Python thread state (else ctypes makes one per
   call): one more ``PyGILState_Ensure``, never released."""
-  thread = threading._active.get(threading.get_ident())
-  if thread is None or isinstance(thread, threading._DummyThread):
+  if not _placement.python_thread():
     import ctypes
     ctypes.pythonapi.PyGILState_Ensure()
   _pinned.done = True

@@ -20,6 +20,7 @@ import threading
 import jax
 
 from jax_effects._runtime import fork as _fork
+from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import token_value as _token_value
 
 FAILED = _token_value.FAILED
@@ -172,7 +173,7 @@ def plain_jit_slot() -> int:
   """The dispatching thread's slot as seen by a callback under plain
   ``jax.jit`` (no carrier): the calling thread's (the computation ran
   inline), 0 (unknown) on one of XLA's threads (``design/errors.md``)."""
-  if isinstance(threading.current_thread(), threading._DummyThread):
+  if not _placement.python_thread():
     return 0
   if own.slot < 0 and _thread_slot is not None:
     _thread_slot()   # (the thread's state is made: it sets own.slot)

@@ -105,6 +105,17 @@ def current() -> Placement | None:
   return None if found is None else found[0]
 
 
+def python_thread(thread: threading.Thread | None = None) -> bool:
+  """Whether ``thread`` (default: the calling thread, looked up without
+  making a ``threading._DummyThread`` for it) was started by Python, not by
+  XLA, whose threads run the host callbacks of compiled code. A Python
+  thread runs one only inline in a launch of its own, or eagerly
+  (``design/errors.md``, "Several threads launching ...")."""
+  if thread is None:
+    thread = threading._active.get(threading.get_ident())
+  return thread is not None and not isinstance(thread, threading._DummyThread)
+
+
 def threaded() -> bool:
   """Whether the running host callback (one that sets ``site``) went
   through the token-threading pass."""

@@ -26,6 +26,7 @@ from jax_effects._core import effects as _effects
 from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
+from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import thread_slots as _thread_slots
 from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
@@ -40,7 +41,7 @@ class ThreadTokens(_token_store.TokenStore):
     self.initial: Any = None
     self.thread = weakref.ref(thread)
     #: Started by Python, not one of XLA's (where host callbacks run).
-    self.python_thread = not isinstance(thread, threading._DummyThread)
+    self.python_thread = _placement.python_thread(thread)
 
   def pending(self) -> list[jax.Array]:
     return [*self.outputs(), *self.runtime.values(), *self.joined]
