@@ -496,7 +496,11 @@ def wait_until(condition, what: str, timeout: float = 30.0) -> None:
 SCENARIO_BOUND_S = 60
 
 _SCENARIO_MAIN = """
-import faulthandler, importlib.util, json, sys
+import faulthandler, importlib.util, json, signal, sys
+# Python's own SIGINT handler, as in a terminal, whatever the parent left (a
+# background job, as under nohup or `cmd &`, inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 bound, path, name, args, out = (float(sys.argv[1]), sys.argv[2], sys.argv[3],
                                 json.loads(sys.argv[4]), sys.argv[5])
 faulthandler.dump_traceback_later(bound, exit=True)   # a hang: stacks, exit 1
