@@ -644,9 +644,9 @@ def bench_progress(rounds: int, steps: int, every: int = 100
   """A ``steps``-step ``scan`` multiplying two 64x64 matrices per step: plain;
   with a ``jax_effects.progress`` bar updated every step (``every``: one
   host call per that many updates); floor (iii), the loop with a bare host
-  callback in a ``cond`` every ``every`` steps (no bar); jax-tqdm's ``scan_tqdm(steps,
-  print_rate=every)`` under ``jax.jit`` when jax_tqdm is installed (it is
-  not a dependency). Bars draw to ``os.devnull``."""
+  callback in a ``cond`` every ``every`` steps (no bar); jax-tqdm's
+  ``scan_tqdm(steps, print_rate=every)`` under ``jax.jit`` when jax_tqdm is
+  installed (it is not a dependency). Bars draw to ``os.devnull``."""
   import jax
   import jax.numpy as jnp
 
@@ -691,12 +691,13 @@ def bench_progress(rounds: int, steps: int, every: int = 100
     return c, token   # (the token returned: XLA keeps every host call)
 
   token = jnp.zeros((), jnp.int32)
-  compiled = floor_loop.lower(c0, token).compile().as_text()
-  if "conditional" not in compiled or "custom-call" not in compiled:
+  floor_compiled = floor_loop.lower(c0, token).compile()   # (checked, called)
+  hlo = floor_compiled.as_text()
+  if "conditional" not in hlo or "custom-call" not in hlo:
     raise RuntimeError("bench (k): XLA removed floor (iii)'s host call")
   candidates = {"k_plain": (lambda: plain(c0), 1),
                 "k_ours_progress": (lambda: ours(c0), 1),
-                "k_floor_iii": (lambda: floor_loop(c0, token), 1)}
+                "k_floor_iii": (lambda: floor_compiled(c0, token), 1)}
   try:
     from jax_tqdm import scan_tqdm
   except ImportError:
