@@ -497,8 +497,9 @@ SCENARIO_BOUND_S = 60
 
 _SCENARIO_MAIN = """
 import faulthandler, importlib.util, json, signal, sys
-# Python's own SIGINT handler, as in a terminal, whatever the parent left (a
-# background job, as under nohup or `cmd &`, inherits SIGINT ignored)
+# Python's own SIGINT handler and SIGINT unblocked, as in a terminal,
+# whatever the parent left (a background job, as under nohup or `cmd &`,
+# inherits SIGINT ignored; a blocked SIGINT is inherited too)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 bound, path, name, args, out = (float(sys.argv[1]), sys.argv[2], sys.argv[3],
