@@ -164,3 +164,24 @@ def require_devices_during_lowering(primitive) -> None:
   (JAX's registry for it), so a host callback knows which device runs it
   (JAX 0.8-0.12)."""
   _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def wrap_lowering(primitive, wrap) -> None:
+  """Registers ``wrap(rule)`` for each of ``primitive``'s lowering rules
+  (every platform's), once, as cacheable as the rule it wraps (a program
+  the wrapper leaves alone lowers to the same module);
+  ``wrap(rule).jax_effects_wraps`` is ``rule``. ``mlir._lowerings`` and
+  ``_platform_specific_lowerings`` hold ``LoweringRuleEntry(rule,
+  inline)``, ``_uncacheable_primitives`` the uncacheable ones, on JAX
+  0.8-0.12."""
+  registries = [(None, _mlir._lowerings)] + list(
+      _mlir._platform_specific_lowerings.items())
+  for platform, rules in registries:
+    entry = rules.get(primitive)
+    if entry is None or hasattr(entry.rule, "jax_effects_wraps"):
+      continue
+    wrapped = wrap(entry.rule)
+    wrapped.jax_effects_wraps = entry.rule
+    _mlir.register_lowering(
+        primitive, wrapped, platform=platform, inline=entry.inline,
+        cacheable=primitive not in _mlir._uncacheable_primitives)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 
 import jax
 
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src.array import ArrayImpl as _ArrayImpl
+from jax.errors import JaxRuntimeError as _JaxRuntimeError
 from jax_effects._compat.callbacks import disable_jit_flag
 from jax_effects._compat.versions import JAX_VERSION
 
@@ -27,9 +29,12 @@ backends_are_initialized = backend_started = (
 
 
 def clear_jax_runtime_tokens() -> None:
-  """Forgets the tokens JAX keeps for ``jax.effects_barrier``, which would
-  raise a reported callback error again at every later barrier."""
+  """Forgets the tokens JAX keeps for ``jax.effects_barrier`` (this
+  thread's; every thread's we keep), which would raise a reported callback
+  error again at every later barrier."""
   _dispatch.runtime_tokens.clear()
+  with _every_thread_lock:
+    _every_thread.clear()
 
 
 def cpu_collectives_on_host(host: str) -> None:
@@ -150,28 +155,97 @@ def enclosing_vmaps() -> tuple[tuple[int, int], ...]:
   return tuple(found)
 
 
-def on_jax_effects_barrier(before) -> None:
-  """Makes ``jax.effects_barrier()`` call ``before()`` first, then JAX's
-  own wait: ``dispatch.runtime_tokens.block_until_ready`` is wrapped, which
-  every route to it goes through (JAX 0.8-0.12)."""
-  tokens = _dispatch.runtime_tokens
-  if getattr(tokens.block_until_ready, "_jax_effects_hook", False):
+_RuntimeTokenSet = type(_dispatch.runtime_tokens)
+#: (thread ident, effect or device) -> the latest runtime token JAX keeps for
+#: that thread's ``jax.effects_barrier`` (each thread's ``RuntimeTokenSet`` is
+#: a ``threading.local``): what a barrier on any thread waits for.
+_every_thread: dict = {}
+_every_thread_lock = threading.Lock()
+
+
+def hook_jax_runtime_tokens(before_barrier, ours, before_input,
+                            after_result) -> None:
+  """Hooks JAX's runtime tokens (``dispatch.RuntimeTokenSet``, whose
+  methods every route to them takes, JAX 0.8-0.12), at its class, so on
+  every thread:
+
+  * ``jax.effects_barrier()`` calls ``before_barrier()`` first;
+  * every thread's latest tokens are kept for :func:`jax_runtime_tokens`;
+  * the token an executable takes for an ordered effect ``eff`` with
+    ``ours(eff)`` calls ``before_input()`` first, and is the last one
+    itself where it lives on the same devices (JAX's ``device_put`` of it
+    costs more than the call it orders): waited for, as JAX waits, and
+    passed on, unless it failed (then JAX's own path raises and resets);
+    the token such an executable returns is given to ``after_result``
+    (as a ``jax.Array``).
+  """
+  cls = _RuntimeTokenSet
+  if getattr(cls.block_until_ready, "_jax_effects_hook", False):
     return
-  own = type(tokens).block_until_ready
+  own_barrier, own_input = cls.block_until_ready, cls.get_token_input
+  own_result, own_output = cls.set_token_result, cls.set_output_runtime_token
 
-  def block_until_ready():
-    before()
-    own(tokens)
+  def block_until_ready(self):
+    before_barrier()
+    own_barrier(self)
+
+  def get_token_input(self, eff, devices):
+    if not ours(eff):
+      return own_input(self, eff, devices)
+    before_input()
+    token = self.current_tokens.get(eff)
+    buf = getattr(token, "_buf", None)
+    if (buf is not None and tuple(devices) ==
+        tuple(buf.sharding._device_assignment)):
+      try:
+        token.block_until_ready()
+        return token
+      except _JaxRuntimeError:
+        pass
+    return own_input(self, eff, devices)
+
+  def set_token_result(self, eff, token):
+    own_result(self, eff, token)
+    if ours(eff):
+      after_result(getattr(token, "_buf", token))
+    with _every_thread_lock:
+      _every_thread[(threading.get_ident(), eff)] = token
+
+  def set_output_runtime_token(self, device, token):
+    own_output(self, device, token)
+    with _every_thread_lock:
+      _every_thread[(threading.get_ident(), device)] = token
+
   block_until_ready._jax_effects_hook = True
-  tokens.block_until_ready = block_until_ready
+  cls.block_until_ready = block_until_ready
+  cls.get_token_input = get_token_input
+  cls.set_token_result = set_token_result
+  cls.set_output_runtime_token = set_output_runtime_token
 
 
-def jax_runtime_tokens() -> list:
-  """Every token JAX keeps for ``jax.effects_barrier`` on this thread
-  (ordered effects', executables' output tokens), to wait for quietly."""
-  tokens = _dispatch.runtime_tokens
-  return [*tokens.current_tokens.values(),
-          *tokens.output_runtime_tokens.values()]
+def jax_runtime_tokens(all_threads: bool = False) -> list:
+  """The tokens JAX keeps for ``jax.effects_barrier`` (ordered effects',
+  executables' output tokens), this thread's or every thread's, to wait
+  for quietly; a token of a thread that ended is forgotten once ready."""
+  if not all_threads:
+    tokens = _dispatch.runtime_tokens
+    return [*tokens.current_tokens.values(),
+            *tokens.output_runtime_tokens.values()]
+  alive = {t.ident for t in threading.enumerate()}
+  with _every_thread_lock:
+    tokens = list(_every_thread.items())
+    for key, token in tokens:
+      if key[0] not in alive and _is_ready(token):
+        del _every_thread[key]
+  return [token for _, token in tokens]
+
+
+def _is_ready(token) -> bool:
+  buf = getattr(token, "_buf", token)
+  try:
+    return buf.is_ready()
+  except Exception:  # noqa: BLE001 - a failed token is ended too
+    return True
 
 
 def eager_transformation() -> bool:

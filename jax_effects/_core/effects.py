@@ -240,11 +240,15 @@ def marker(effect: Effect, ordered: bool) -> TraceEffect:
 
 
 def jax_effects_of(effect: Effect, ordered: bool,
-                   in_while_cond: bool = False) -> set:
-  """The JAX effects of an effect equation: its marker (+ PLAIN_JIT_ORDER,
-  but not directly in a ``cond_fun``: JAX's lowering of a ``while`` with
-  ordered effects there ignores a vmap-batched predicate)."""
-  if ordered and not in_while_cond:
+                   user_code: bool = False) -> set:
+  """The JAX effects of an effect equation: its marker, and
+  PLAIN_JIT_ORDER if ordered or if it runs the user's own code (under
+  plain ``jax.jit`` its launch then waits for the thread's previous one,
+  as ``jax_effects.jit`` waits: ``design/errors.md``, "No unbounded
+  wait"). A ``while`` holding ours is lowered by ``_pass.plain_jit``,
+  never by JAX's rule, which ignores a vmap-batched predicate where a
+  ``cond_fun`` has ordered effects."""
+  if ordered or user_code:
     return {marker(effect, ordered), PLAIN_JIT_ORDER}
   return {marker(effect, ordered)}
 

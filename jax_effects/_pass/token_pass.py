@@ -372,6 +372,27 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   return outs, _final_token(finals)
 
 
+def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
+                  carrier, mode: str):
+  """Threads a region lowered under plain ``jax.jit`` (``plain_jit``), every
+  chain entering with ``carrier``; returns ``(outs, token)`` as
+  :func:`thread_program` does."""
+  shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
+  keys = _effects.chain_keys(closed.effects, mode)
+  chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},
+                  entered=True)
+  saved = _context.kind, _context.masks, _context.shard_map_chains
+  _context.kind, _context.masks = "top", ()
+  _context.shard_map_chains = shard_map_chains
+  try:
+    outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+  finally:
+    _context.kind, _context.masks, _context.shard_map_chains = saved
+  finals = [jnp.max(c) if jnp.shape(c) else c
+            for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)]
+  return outs, _final_token(finals)
+
+
 def _final_token(finals: list):
   """The token returned: of the chains' final carriers, the latest
   identity, with ``FAILED`` if any has it. Compared without ``FAILED``, or

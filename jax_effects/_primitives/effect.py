@@ -43,7 +43,7 @@ effect_p.multiple_results = True
 def _effect_abstract_eval(*avals, host_callback, effect, ordered):
   del avals
   return host_callback.result_avals, _effects.jax_effects_of(
-      effect, ordered, host_callback.traced_in_while_cond)
+      effect, ordered, host_callback.user_code)
 
 
 effect_p.def_effectful_abstract_eval(_effect_abstract_eval)
@@ -93,7 +93,7 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(
-      effect, ordered, host_callback.traced_in_while_cond)
+      effect, ordered, host_callback.user_code)
   # (in program order with JAX's own ordered callbacks: plain_order)
   token = _plain_order.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
@@ -250,7 +250,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   host_callback = _host_callback.HostCallback(
       fn, description, tuple(result_avals),
       traced_in_branch=staging in ("cond", "switch"),
-      traced_in_while_cond=staging == "while_cond", eager=eager,
+      eager=eager,
       reads_placement=reads_placement, batch_once=batch_once,
       edges=tuple(edges), counts_elements=counts_elements,
       cleanup=cleanup, spec=spec, user_code=user_code)

@@ -9,7 +9,10 @@ exports::
       exported_exit(token)                  # JAX's ordered EXPORTED_ORDER
 
 every runtime-token argument of ``g`` replaced by one carrier, ``c``, tied
-to the module's ``!stablehlo.token`` by host calls (:func:`_join`).
+to the module's ``!stablehlo.token`` by host calls (:func:`_join`). The
+same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
+ours lowered under plain ``jax.jit`` (``_pass.plain_jit``): there they join
+every ordered chain of the region, as ``plain_order`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
 joined to the chain's carrier (``_pass.exported_rule``). See
 ``design/host_target.md``, "Exported modules". CPU only.
@@ -29,8 +32,10 @@ from jax_effects._core import effects as _effects
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
+from jax_effects._primitives import plain_order as _plain_order
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
+from jax_effects._runtime import output as _output
 from jax_effects._runtime import token_value as _token_value
 
 EXPORTED_ORDER = _effects.EXPORTED_ORDER
@@ -44,7 +49,16 @@ def _one(value):
   return value
 
 
-def _set_token(ctx, token) -> None:
+def _token_in(ctx, order):
+  if order is EXPORTED_ORDER:
+    return ctx.tokens_in.get(order)
+  return _plain_order.join(ctx, order)
+
+
+def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
+  if order is not EXPORTED_ORDER:
+    _plain_order.set_joined(ctx, order, token)
+    return
   ctx.set_tokens_out(ctx.tokens_in.update_tokens(
       mlir.TokenSet({EXPORTED_ORDER: token})))
 
@@ -61,66 +75,87 @@ def _join_host(spec: dict) -> _host_callback.HostCallback:
     return _host_callback.HostCallback(
         entry_slot, "the entry of an exported jax_effects function",
         (_CARRIER,), spec=spec)
+  def joined(*carrier):
+    # (after every device's effects: per-device lines held by
+    # deterministic() come out now, before anything after the join)
+    _output.release_in_callback()
+    return ()
   return _host_callback.HostCallback(
-      lambda *carrier: (), "a token joined to a jax_effects carrier",
-      spec=spec)
+      joined, "a token joined to a jax_effects carrier", spec=spec)
 
 
 for _kind in ("exported_entry", "exported_join"):
   _host_specs.register_kind(_kind, _join_host)
 
 
-def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0):
+def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
+          order=EXPORTED_ORDER):
   """A host call from a token (and a carrier) to a token (and a carrier):
   a dependency XLA keeps between the two."""
   where, _, _ = _placement.at_lowering(ctx, [], [])
   side = _host_call.HostSide(_join_host({"kind": kind}), where,
                              passthrough=passthrough, threaded=False)
+  operands = [_one(v) for v in operands]
+  if order is not EXPORTED_ORDER:   # (a plain jax.jit region: ordered as
+    # JAX's own callbacks, once, on the first of several devices)
+    avals = [_CARRIER][:n_out - 1]
+    results, token = _host_call.emit_ordered(
+        ctx, side, operands[0], operands[1:], [_CARRIER][:len(operands) - 1],
+        avals, _compat.callback_op_sharding(
+            ctx.module_context.axis_context, None, avals))
+    return [token, *results]
   sub = dataclasses.replace(ctx, avals_in=[_TOKEN, _CARRIER][:len(operands)],
                             avals_out=[_TOKEN, _CARRIER][:n_out])
-  return _host_call.emit(sub, side, [_one(v) for v in operands], None)
+  return _host_call.emit(sub, side, operands, None)
 
 
 exported_entry_p = Primitive("jax_effects_exported_entry")
 exported_entry_p.def_effectful_abstract_eval(
-    lambda: (_CARRIER, {EXPORTED_ORDER}))
+    lambda *, order=EXPORTED_ORDER: (_CARRIER, {order}))
 
 
-def _entry_lowering(ctx):
-  token, carrier = _join(ctx, "exported_entry",
-                         [ctx.tokens_in.get(EXPORTED_ORDER)], 2)
-  _set_token(ctx, token)
+def _entry_lowering(ctx, *, order=EXPORTED_ORDER):
+  token, carrier = _join(ctx, "exported_entry", [_token_in(ctx, order)], 2,
+                         order=order)
+  _set_token(ctx, token, order)
   return [carrier]
 
 
-mlir.register_lowering(exported_entry_p, _entry_lowering)
+mlir.register_lowering(exported_entry_p, _entry_lowering, cacheable=False)
 
 exported_exit_p = Primitive("jax_effects_exported_exit")
 exported_exit_p.multiple_results = True
 exported_exit_p.def_effectful_abstract_eval(
-    lambda carrier: ([], {EXPORTED_ORDER}))
+    lambda carrier, *, order=EXPORTED_ORDER: ([], {order}))
 
 
-def _exit_lowering(ctx, carrier):
-  (token,) = _join(ctx, "exported_join",
-                   [ctx.tokens_in.get(EXPORTED_ORDER), carrier], 1)
-  _set_token(ctx, token)
+def _exit_lowering(ctx, carrier, *, order=EXPORTED_ORDER):
+  (token,) = _join(ctx, "exported_join", [_token_in(ctx, order), carrier], 1,
+                   order=order)
+  _set_token(ctx, token, order)
   return []
 
 
-mlir.register_lowering(exported_exit_p, _exit_lowering)
+mlir.register_lowering(exported_exit_p, _exit_lowering, cacheable=False)
 
 
-def entry():
-  """The carrier every chain of an exported function starts from."""
-  return exported_entry_p.bind()
+def entry(order=EXPORTED_ORDER):
+  """The carrier every chain of an exported function (of a region ordered
+  by ``order``) starts from."""
+  if order is EXPORTED_ORDER:
+    return exported_entry_p.bind()
+  return exported_entry_p.bind(order=order)
 
 
-def exit(token) -> None:  # noqa: A001 - the convention's name
-  """Ends an exported function after every effect behind ``token``."""
+def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's name
+  """Ends an exported function (a region ordered by ``order``) after every
+  effect behind ``token``."""
   if jnp.ndim(token):
     token = jnp.max(token)
-  exported_exit_p.bind(token)
+  if order is EXPORTED_ORDER:
+    exported_exit_p.bind(token)
+  else:
+    exported_exit_p.bind(token, order=order)
 
 
 exported_call_p = Primitive("jax_effects_exported_call")

@@ -33,7 +33,6 @@ class HostCallback:
   description: str
   result_avals: tuple = ()
   traced_in_branch: bool = False
-  traced_in_while_cond: bool = False
   eager: Callable[..., None] | None = None
   reads_placement: bool = False
   batch_once: bool = False

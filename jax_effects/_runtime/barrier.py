@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from jax_effects import _compat
+from jax_effects._core import effects as _effects
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import host_jobs as _host_jobs
@@ -65,7 +66,7 @@ def _wait(all_threads: bool, states: list, own=None) -> None:
   if all_threads:
     _wait_later_dispatches(waited + orphans)
   _wait_host_jobs(all_threads, states)
-  for token in _compat.jax_runtime_tokens():
+  for token in _compat.jax_runtime_tokens(all_threads):
     # (raising nothing: a plain jax.jit call's failure stays for
     # jax.effects_barrier, as JAX keeps it)
     _token_store.settled(token)
@@ -172,4 +173,23 @@ def effects_barrier(all_threads: bool = False) -> None:
       report = None   # (no reference cycle through this frame)
 
 
-_compat.on_jax_effects_barrier(jax_barrier_hook)
+def _before_plain_jit_launch() -> None:
+  """What a launch under plain ``jax.jit`` with ordered effects of ours
+  does first (on the launching thread, before JAX takes its token): waits
+  for the thread's ``jax_effects.jit`` calls still running, which it must
+  not overtake (not inside a host callback: that would wait for the
+  computation running it)."""
+  if getattr(_threads.local, "state", None) is not None and (
+      _placement.current() is None):
+    wait_for_thread()
+
+
+def _after_plain_jit_launch(token) -> None:
+  """The thread's next dispatch of ours waits for what a plain ``jax.jit``
+  call launched (``token``: JAX's of ``PLAIN_JIT_ORDER``)."""
+  _threads.thread_state().join_plain(token)
+
+
+_compat.hook_jax_runtime_tokens(
+    jax_barrier_hook, lambda eff: eff is _effects.PLAIN_JIT_ORDER,
+    _before_plain_jit_launch, _after_plain_jit_launch)

@@ -209,9 +209,10 @@ def _run(thunk: Callable[[], None]) -> None:
 
 
 def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
-  if _hold_depth and _placement.threaded():
+  if _hold_depth:
     p = _placement.current()
-    if ordered and p is not None and p.per_device:
+    if (ordered and p is not None and p.per_device
+        and _placement.threaded()):
       key = (p.device_id if p.device_id is not None else -1, p.shard_index)
       with _hold_lock:
         if _hold_depth:

@@ -136,7 +136,7 @@ class OutputTokens:
 
 class TokenStore(OutputTokens):
   """What a thread's chains hold (module docstring)."""
-  __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined",
+  __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined", "plain",
                "device_tokens", "fast_mode", "dispatching", "mode", "slot",
                "base")
 
@@ -154,6 +154,7 @@ class TokenStore(OutputTokens):
     self.verified: Any = None
     # tokens of calls made inside this thread's call in flight (join)
     self.joined: list = []
+    self.plain = None
     # True while some runtime token is kept on its devices (device_tokens)
     self.device_tokens = False
     # The mode in which the fast hooks may run (devices_mode(mode) while a
@@ -277,6 +278,16 @@ class TokenStore(OutputTokens):
     self.joined.append(token)
     self.fast_mode = None
 
+  def join_plain(self, token) -> None:
+    """A plain ``jax.jit`` call of this thread launched ordered effects of
+    ours (``token``: JAX's runtime token of ``PLAIN_JIT_ORDER``): the next
+    dispatch waits for it. Only the latest is kept (each waited for the
+    one before it)."""
+    previous, self.plain = self.plain, token
+    if previous is not None:
+      self.joined = [t for t in self.joined if t is not previous]
+    self.join(token)
+
   def store_interrupted(self, keys, token, read=(),
                         at_risk: bool = False,
                         seq: int | None = None) -> None:
@@ -306,5 +317,6 @@ class TokenStore(OutputTokens):
     self.seqs.clear()
     self.at_risk.clear()
     self.joined.clear()
+    self.plain = None
     self.fast_mode = None
     self.device_tokens = False
