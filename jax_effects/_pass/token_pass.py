@@ -99,6 +99,9 @@ class _Context(threading.local):
     self.masks: tuple = ()
     # Chain keys with per-device effects in the program (None: every key).
     self.shard_map_chains: set | None = None
+    # Counters stay on the host (a region under plain jax.jit, whose
+    # counts the program around it keeps there: counter's fallback).
+    self.host_counters = False
 
 
 _context = _Context()
@@ -237,6 +240,8 @@ def _counter_rule(eqn, invals, chains: Chains, mode: str):
   """``counter_p``: the count is the counter chain's carrier; a set keeps
   the type of the count it replaces (varying inside ``shard_map``)."""
   del mode
+  if _context.host_counters:
+    return _jaxpr_eval.rebind(eqn, invals)
   counter, op = eqn.params["counter"], eqn.params["op"]
   (x,) = invals
   count = chains.carrier(counter)
@@ -376,18 +381,20 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   carrier, mode: str):
   """Threads a region lowered under plain ``jax.jit`` (``plain_jit``), every
   chain entering with ``carrier``; returns ``(outs, token)`` as
-  :func:`thread_program` does."""
+  :func:`thread_program` does. Its counters stay on the host, where the
+  program around the region keeps them (``counter``'s fallback)."""
   shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
   keys = _effects.chain_keys(closed.effects, mode)
   chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},
                   entered=True)
-  saved = _context.kind, _context.masks, _context.shard_map_chains
-  _context.kind, _context.masks = "top", ()
-  _context.shard_map_chains = shard_map_chains
+  c = _context
+  saved = c.kind, c.masks, c.shard_map_chains, c.host_counters
+  c.kind, c.masks, c.shard_map_chains = "top", (), shard_map_chains
+  c.host_counters = True
   try:
     outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
-    _context.kind, _context.masks, _context.shard_map_chains = saved
+    c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
   finals = [jnp.max(c) if jnp.shape(c) else c
             for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)]
   return outs, _final_token(finals)

@@ -20,6 +20,7 @@ joined to the chain's carrier (``_pass.exported_rule``). See
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
@@ -66,12 +67,19 @@ def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
 _TOKEN = _compat.abstract_token
 
 
+_entries = itertools.count(1)
+
+
 def _join_host(spec: dict) -> _host_callback.HostCallback:
   """The host side of a join: data (a kind of ``host_specs``)."""
   kind = spec["kind"]
   if kind == "exported_entry":
     def entry_slot():
-      return (np.int32(_errors.plain_jit_slot()),)
+      # (an identity of its own per execution: its pieces and lanes,
+      # host_jobs, never meet another execution's)
+      seq = next(_entries) & _token_value.SEQ_MASK
+      return (np.int32(_errors.plain_jit_slot()
+                       | (seq << _token_value.SEQ_SHIFT)),)
     return _host_callback.HostCallback(
         entry_slot, "the entry of an exported jax_effects function",
         (_CARRIER,), spec=spec)

@@ -51,7 +51,10 @@ Measurements (per call unless noted):
     after each dispatch: how much of it the device work hides;
 (o) the first call in a fresh process from a warm persistent compilation
     cache, a ~2,000-equation function with three prints against the
-    print-free one (``bench_cache``).
+    print-free one (``bench_cache``);
+(p) under plain ``jax.jit``: a step with a ``jax_effects.print`` against
+    the same with ``jax.debug.print(ordered=True)``, and a print-free step
+    with and without ``import jax_effects`` (``bench_plain``).
 ``--quick`` scales the sizes down (its report says which were measured).
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -75,6 +78,7 @@ import time
 from typing import Any, Callable
 
 from jax_effects._tools import bench_big
+from jax_effects._tools import bench_plain
 from jax_effects._tools import bench_cache
 
 N_DEVICES = 8
@@ -916,6 +920,7 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
                                        "jax.jit"),
     "n_overlap_ours_print": ("=", None, "the same, jax_effects.print"),
     **bench_big.TARGETS,
+    **bench_plain.TARGETS,
     **bench_cache.TARGETS,
 }
 
@@ -1010,7 +1015,7 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjklmno",
+  parser.add_argument("--only", default="abcdefghjklmnop",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -1052,6 +1057,9 @@ def main(argv=None) -> int:
                                       max(4, calls // 20)),
           _ratio, _summary)),
       ("o", lambda: _warm_cache(max(3, rounds // 6), 200 if quick else 700)),
+      ("p", lambda: bench_plain.bench_plain(
+          interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
+          max(10, calls // 4), 2 if quick else 6)),
   ]
   for letters, run in steps:
     if not only & set(letters):

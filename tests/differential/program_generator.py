@@ -19,8 +19,11 @@ unordered effects without touching these.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import random
+import sys
 from typing import Callable, Sequence
 
 import jax
@@ -31,6 +34,9 @@ from jax import lax
 import jax_effects as je
 
 MOD = 1009  # states stay small: int32 arithmetic never overflows
+
+#: The end of the tag of an ``ordered=False`` effect (nothing orders it).
+UNORDERED_MARK = "~"
 
 
 @dataclasses.dataclass
@@ -72,29 +78,70 @@ class Kind:
   cls: type
   weight: float
   compound: bool  # contains blocks (only drawn below the depth limit)
+  default: bool = True   # drawn by a Generator given no ``kinds``
+  not_inside: frozenset = frozenset()  # never drawn inside these kinds
 
 
 KINDS: dict[str, Kind] = {}
 
 
 def register_kind(name: str, cls: type, weight: float = 1.0,
-                  compound: bool = False) -> None:
+                  compound: bool = False, default: bool = True,
+                  not_inside: Sequence[str] = ()) -> None:
+  """Registers a node kind. ``default=False``: drawn only by a Generator
+  that names it in ``kinds`` (the kinds of :mod:`test_entries`, which
+  the plain-Python oracle of the other tests does not model).
+  ``not_inside``: kinds (of :meth:`Generator.within`) inside which it is
+  never drawn."""
   cls.kind = name
-  KINDS[name] = Kind(cls, weight, compound)
+  KINDS[name] = Kind(cls, weight, compound, default, frozenset(not_inside))
 
 
 class Generator:
-  """Draws random programs from ``kinds`` using ``effects`` (Effect names)."""
+  """Draws random programs from ``kinds`` using ``effects`` (Effect names).
+
+  The options below change nothing (not even the random draws) at their
+  defaults, so the programs of a seed stay those the other tests know:
+
+  * ``p_unordered``: the probability that a print, log or callback is
+    ``ordered=False`` (its tag ends with ``UNORDERED_MARK``);
+  * ``rich``: a ``while``'s ``cond_fun`` may hold prints and logs too;
+  * ``devices``: the number of devices of every ``shard_map`` node (one
+    per program: a computation has one device assignment).
+  """
 
   def __init__(self, seed: int, *, kinds: Sequence[str] | None = None,
                effects: Sequence[str] = ("default", "gen-a", "gen-b"),
-               max_depth: int = 3, max_block: int = 4):
+               max_depth: int = 3, max_block: int = 4,
+               p_unordered: float = 0.0, rich: bool = False,
+               devices: int = 1):
     self.rng = random.Random(seed)
-    self.kinds = list(kinds) if kinds is not None else list(KINDS)
+    self.kinds = (list(kinds) if kinds is not None
+                  else [k for k in KINDS if KINDS[k].default])
     self.effects = list(effects)
     self.max_depth = max_depth
     self.max_block = max_block
+    self.p_unordered = p_unordered
+    self.rich = rich
+    self.devices = devices
+    self.inside: list = []   # the kinds of the enclosing ``within`` nodes
     self._tags = 0
+
+  @contextlib.contextmanager
+  def within(self, kind: str):
+    """Draws the nodes of the block inside as inside ``kind``."""
+    self.inside.append(kind)
+    try:
+      yield
+    finally:
+      self.inside.pop()
+
+  def ordered(self) -> bool:
+    """Whether the next effect is ordered (no draw at ``p_unordered=0``)."""
+    return not (self.p_unordered and self.rng.random() < self.p_unordered)
+
+  def effect_tag(self, prefix: str, ordered: bool) -> str:
+    return self.tag(prefix) + ("" if ordered else UNORDERED_MARK)
 
   def tag(self, prefix: str) -> str:
     self._tags += 1
@@ -105,7 +152,8 @@ class Generator:
 
   def node(self, depth: int) -> Node:
     names = [k for k in self.kinds
-             if depth < self.max_depth or not KINDS[k].compound]
+             if (depth < self.max_depth or not KINDS[k].compound)
+             and not KINDS[k].not_inside.intersection(self.inside)]
     weights = [KINDS[k].weight for k in names]
     name = self.rng.choices(names, weights)[0]
     return KINDS[name].cls.generate(self, depth)
@@ -171,16 +219,19 @@ class Print(Node):
   """jax_effects.print of the state on an effect (events via line listener)."""
   effect: str
   tag: str
+  ordered: bool = True
 
   @classmethod
   def generate(cls, gen, depth):
-    return cls(gen.effect(), gen.tag("p"))
+    ordered = gen.ordered()
+    return cls(gen.effect(), gen.effect_tag("p", ordered), ordered)
 
   def build(self, ctx):
     effect = _effect_object(self.effect)
 
     def run(x):
-      je.print("{}|{}|{}", self.effect, self.tag, x, effect=effect)
+      je.print("{}|{}|{}", self.effect, self.tag, x, effect=effect,
+               ordered=self.ordered)
       return x
     return run
 
@@ -207,11 +258,13 @@ class Callback(Node):
   effect: str
   tag: str
   k: int | None  # None: no result
+  ordered: bool = True
 
   @classmethod
   def generate(cls, gen, depth):
     k = gen.rng.choice([None, gen.rng.randint(0, 50)])
-    return cls(gen.effect(), gen.tag("c"), k)
+    ordered = gen.ordered()
+    return cls(gen.effect(), gen.effect_tag("c", ordered), k, ordered)
 
   def build(self, ctx):
     effect = _effect_object(self.effect)
@@ -219,7 +272,7 @@ class Callback(Node):
 
     if self.k is None:
       def run(x):
-        je.callback(record, None, x, effect=effect)
+        je.callback(record, None, x, effect=effect, ordered=self.ordered)
         return x
       return run
 
@@ -229,7 +282,7 @@ class Callback(Node):
 
     def run_with_result(x):
       return je.callback(host, jax.ShapeDtypeStruct((), jnp.int32), x,
-                         effect=effect)
+                         effect=effect, ordered=self.ordered)
     return run_with_result
 
   def python(self, x, events):
@@ -294,23 +347,36 @@ class Switch(Node):
 @dataclasses.dataclass
 class While(Node):
   """while_loop over (i, x): runs ``x % trips + 1`` times (at least once),
-  optional effect in cond_fun (recording i), body block on x."""
+  optional effect in cond_fun (recording i), body block on x. With the
+  generator's ``rich``, ``cond_nodes``: more effects in cond_fun (prints,
+  logs, callbacks without result) of i, after that one."""
   trips: int
   cond_effect: str | None
   cond_tag: str
   body: Block
+  cond_nodes: list = dataclasses.field(default_factory=list)
 
   @classmethod
   def generate(cls, gen, depth):
     cond_effect = gen.rng.choice([None, gen.effect()])
-    return cls(gen.rng.randint(1, 3), cond_effect, gen.tag("w"),
+    node = cls(gen.rng.randint(1, 3), cond_effect, gen.tag("w"),
                gen.block(depth + 1))
+    if gen.rich:
+      leaves = [KINDS[k].cls for k in ("print", "log", "callback")
+                if k in KINDS and k in gen.kinds]
+      for _ in range(gen.rng.randint(0, 2)):
+        leaf = gen.rng.choice(leaves).generate(gen, depth + 1)
+        if isinstance(leaf, Callback):
+          leaf.k = None   # (a result in cond_fun would go nowhere)
+        node.cond_nodes.append(leaf)
+    return node
 
   def build(self, ctx):
     body = self.body.build(ctx)
     record = (ctx.record(self.cond_effect, self.cond_tag)
               if self.cond_effect else None)
     effect = _effect_object(self.cond_effect) if self.cond_effect else None
+    cond_fns = [n.build(ctx) for n in self.cond_nodes]
 
     def run(x):
       n = x % self.trips + 1
@@ -318,6 +384,8 @@ class While(Node):
       def cond(c):
         if record is not None:
           je.callback(record, None, c[0], effect=effect)
+        for fn in cond_fns:
+          fn(c[0])
         return c[0] < n
 
       def step(c):
@@ -332,6 +400,8 @@ class While(Node):
     while True:
       if self.cond_effect:
         events.append((self.cond_effect, self.cond_tag, i))
+      for node in self.cond_nodes:
+        node.python(i, events)
       if not i < n:
         return x
       i, x = i + 1, self.body.python(x, events)
@@ -340,6 +410,8 @@ class While(Node):
     pad = " " * indent
     ce = f" cond-callback[{self.cond_effect}] {self.cond_tag} i" \
         if self.cond_effect else ""
+    ce += "".join(f"; cond-{n.describe().strip()} (of i)"
+                  for n in self.cond_nodes)
     return (f"{pad}while i < x % {self.trips} + 1:{ce}\n"
             f"{self.body.describe(indent + 2)}")
 
@@ -446,6 +518,223 @@ class Call(Node):
             + self.body.describe(indent + 2))
 
 
+# --- kinds for the differential test across entries (test_entries) --------
+# Not drawn by default: the plain-Python oracle of the other tests does not
+# model vmap's order (site-major) or the free order of devices. Their lines
+# go to stdout (:class:`StdoutContext`, :func:`log_to_stdout`).
+
+#: The logger of :class:`Log` nodes.
+LOGGER = "program_generator"
+
+
+def device_prefix(device_id, shard_index, process_index) -> str:
+  """``"[device D shard S process P] "`` in per-device code (the prefix of
+  ``jax_effects.print``'s per-device lines), else ``""``."""
+  if shard_index is None:
+    return ""
+  return f"[device {device_id} shard {shard_index} process {process_index}] "
+
+
+class StdoutContext(Context):
+  """A :class:`Context` whose callbacks print their event as a
+  :class:`Print` node prints it (``effect|tag|value``, with the device
+  prefix in per-device code) to ``sys.stdout``."""
+
+  def __init__(self):
+    super().__init__([])
+
+  def record(self, effect_name: str, tag: str):
+    def host(v):
+      where = je.placement()
+      prefix = ("" if where is None else
+                device_prefix(where.device_id, where.shard_index,
+                              where.process_index))
+      sys.stdout.write(f"{prefix}{effect_name}|{tag}|{int(v)}\n")
+    return host
+
+
+class _LineFormatter(logging.Formatter):
+  def format(self, record):
+    return (device_prefix(getattr(record, "device_id", None),
+                          getattr(record, "shard_index", None),
+                          getattr(record, "process_index", 0))
+            + record.getMessage() + "|" + record.levelname)
+
+
+def log_to_stdout() -> logging.Handler:
+  """Routes :data:`LOGGER`'s records (level INFO and up) to ``sys.stdout``
+  as ``[prefix]effect|tag|value|LEVEL``; returns the handler."""
+  handler = logging.StreamHandler(sys.stdout)
+  handler.setFormatter(_LineFormatter())
+  logger = logging.getLogger(LOGGER)
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+  return handler
+
+
+@dataclasses.dataclass
+class Log(Node):
+  """jax_effects.log of the state on an effect (DEBUG records are below
+  :data:`LOGGER`'s level: never emitted)."""
+  effect: str
+  tag: str
+  level: int
+  ordered: bool = True
+
+  @classmethod
+  def generate(cls, gen, depth):
+    level = gen.rng.choice([logging.DEBUG, logging.INFO, logging.WARNING])
+    ordered = gen.ordered()
+    return cls(gen.effect(), gen.effect_tag("l", ordered), level, ordered)
+
+  def build(self, ctx):
+    effect = _effect_object(self.effect)
+
+    def run(x):
+      je.log("{}|{}|{}", self.effect, self.tag, x, level=self.level,
+             logger=LOGGER, effect=effect, ordered=self.ordered)
+      return x
+    return run
+
+  def python(self, x, events):
+    if self.level >= logging.INFO:
+      events.append((self.effect, self.tag, x))
+    return x
+
+  def describe(self, indent=0):
+    level = logging.getLevelName(self.level)
+    return " " * indent + f"log[{self.effect}, {level}] {self.tag} x"
+
+
+@dataclasses.dataclass
+class Vmap(Node):
+  """``jax.vmap`` of a block over ``size`` copies of the state
+  (``x + 3 j``), summed back: every effect inside runs once per element
+  (site-major: a site for every element, then the next site); a
+  ``while`` inside has a trip count that differs per element, a ``cond``
+  a predicate per element. Nested vmaps have different sizes."""
+  size: int
+  body: Block
+
+  @classmethod
+  def generate(cls, gen, depth):
+    size = 2 + gen.inside.count("vmap")
+    with gen.within("vmap"):
+      return cls(size, gen.block(depth + 1))
+
+  def build(self, ctx):
+    body = jax.vmap(self.body.build(ctx))
+
+    def run(x):
+      xs = (x + 3 * jnp.arange(self.size, dtype=jnp.int32)) % MOD
+      return jnp.sum(body(xs)) % MOD
+    return run
+
+  def python(self, x, events):
+    raise NotImplementedError(
+        "vmap orders effects site-major: compared between entries only "
+        "(test_entries)")
+
+  def describe(self, indent=0):
+    return (" " * indent + f"vmap over x + 3 * arange({self.size}) "
+            f"(summed):\n" + self.body.describe(indent + 2))
+
+
+@dataclasses.dataclass
+class Grad(Node):
+  """``jax.grad`` of ``y -> y * y`` (``y`` the state as a float) with the
+  block run on ``int(y)`` inside (its state an auxiliary output): prints of
+  the primal values ``2 y`` (tag ``..a``) before and ``y + block`` (``..b``)
+  after the block; the state becomes ``block + grad``."""
+  effect: str
+  tag: str
+  body: Block
+
+  @classmethod
+  def generate(cls, gen, depth):
+    effect, tag = gen.effect(), gen.tag("g")
+    with gen.within("grad"):
+      return cls(effect, tag, gen.block(depth + 1))
+
+  def build(self, ctx):
+    body = self.body.build(ctx)
+    effect = _effect_object(self.effect)
+
+    def loss(y):
+      je.print("{}|{}|{}", self.effect, self.tag + "a", y * 2.0,
+               effect=effect)
+      xi = body(y.astype(jnp.int32))
+      je.print("{}|{}|{}", self.effect, self.tag + "b",
+               y + xi.astype(jnp.float32), effect=effect)
+      return y * y, xi
+
+    def run(x):
+      g, xi = jax.grad(loss, has_aux=True)(x.astype(jnp.float32))
+      return (xi + g.astype(jnp.int32)) % MOD
+    return run
+
+  def python(self, x, events):
+    events.append((self.effect, self.tag + "a", 2.0 * x))
+    xi = self.body.python(x, events)
+    events.append((self.effect, self.tag + "b", float(x + xi)))
+    return (xi + 2 * x) % MOD
+
+  def describe(self, indent=0):
+    pad = " " * indent
+    return (f"{pad}grad of y*y, y = float(x) [print[{self.effect}] "
+            f"{self.tag}a 2y; x = body(int(y)); print {self.tag}b y + x]; "
+            f"x = x + grad:\n{self.body.describe(indent + 2)}")
+
+
+@dataclasses.dataclass
+class ShardMap(Node):
+  """``jax.shard_map`` over the generator's ``devices`` (a one-axis mesh of
+  the first ones): device ``d`` runs the block on ``x + d``; the state
+  becomes the sum, then an optional print after (one line, which must come
+  after every device's lines)."""
+  devices: int
+  body: Block
+  after: Node | None
+
+  @classmethod
+  def generate(cls, gen, depth):
+    with gen.within("shard_map"):
+      body = gen.block(depth + 1)
+    after = (Print.generate(gen, depth) if gen.rng.random() < 0.7
+             else None)
+    return cls(gen.devices, body, after)
+
+  def build(self, ctx):
+    from jax.sharding import Mesh, PartitionSpec
+    body = self.body.build(ctx)
+    after = self.after.build(ctx) if self.after is not None else None
+    mesh = Mesh(np.array(jax.devices()[:self.devices]), ("i",))
+    spmd = jax.shard_map(lambda v: body(v[0])[None], mesh=mesh,
+                         in_specs=PartitionSpec("i"),
+                         out_specs=PartitionSpec("i"), check_vma=False)
+
+    def run(x):
+      xs = (x + jnp.arange(self.devices, dtype=jnp.int32)) % MOD
+      y = jnp.sum(spmd(xs)) % MOD
+      return y if after is None else after(y)
+    return run
+
+  def python(self, x, events):
+    # device-major (the order across devices is free; per device it is
+    # program order)
+    y = sum(self.body.python((x + d) % MOD, events)
+            for d in range(self.devices)) % MOD
+    return y if self.after is None else self.after.python(y, events)
+
+  def describe(self, indent=0):
+    pad = " " * indent
+    after = ("" if self.after is None
+             else "\n" + self.after.describe(indent) + "  (after)")
+    return (f"{pad}shard_map over {self.devices} devices, device d on "
+            f"x + d (summed):\n{self.body.describe(indent + 2)}{after}")
+
+
 register_kind("arith", Arith, weight=1.0)
 register_kind("print", Print, weight=1.5)
 register_kind("callback", Callback, weight=1.5)
@@ -455,6 +744,11 @@ register_kind("while", While, weight=0.8, compound=True)
 register_kind("scan", Scan, weight=0.6, compound=True)
 register_kind("fori", Fori, weight=0.6, compound=True)
 register_kind("call", Call, weight=0.6, compound=True)
+register_kind("log", Log, weight=1.0, default=False)
+register_kind("vmap", Vmap, weight=0.5, compound=True, default=False)
+register_kind("grad", Grad, weight=0.4, compound=True, default=False)
+register_kind("shard_map", ShardMap, weight=0.7, compound=True,
+              default=False, not_inside=("shard_map", "vmap", "grad"))
 
 
 # --- running ------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""``bench`` row (p): effects of ours under a jit the user did not write
+(issue 46; ``design/errors.md``, "Plain ``jax.jit``").
+
+* ``p_ours_plain``: a step with one ``jax_effects.print`` per call, under
+  plain ``jax.jit`` (JAX's Python dispatch path, with JAX's token of
+  ``PLAIN_JIT_ORDER``);
+* ``p_jax_print``: the same step with ``jax.debug.print(...,
+  ordered=True)`` under ``jax.jit``;
+* ``p_import``: a plain ``jax.jit`` step with no effect of ours, timed in
+  fresh processes with and without ``import jax_effects`` (alternated,
+  the median of the pairs' ratios): importing must cost it nothing.
+
+Targets: JAX's / ours >= 5; with / without the import <= 1.02.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+TARGETS = {
+    "p_jax/ours": (">=", 5.0, "plain jax.jit step with one print: "
+                   "jax.debug.print(ordered=True) / jax_effects.print"),
+    "p_import": ("<=", 1.02, "plain jax.jit step without effects: with / "
+                 "without import jax_effects (fresh processes)"),
+}
+
+_CHILD = """
+import json, sys, time
+if sys.argv[1] == "1":
+    import jax_effects
+import jax, jax.numpy as jnp
+calls, rounds = int(sys.argv[2]), int(sys.argv[3])
+f = jax.jit(lambda v: v * 2.0 + 1.0)
+x = jnp.arange(8, dtype=jnp.float32)
+f(x).block_until_ready()
+times = []
+for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(calls):
+        y = f(x)
+    y.block_until_ready()
+    times.append((time.perf_counter() - t) / calls)
+print(json.dumps(times))
+"""
+
+
+def _child(with_import: bool, calls: int, rounds: int) -> float:
+  out = subprocess.run(
+      [sys.executable, "-c", _CHILD, "1" if with_import else "0",
+       str(calls), str(rounds)], capture_output=True, text=True, check=True)
+  return statistics.median(json.loads(out.stdout.splitlines()[-1]))
+
+
+def bench_plain(interleave, quiet_output, ratio, summary, rounds: int,
+                calls: int, pairs: int) -> tuple[dict, dict]:
+  import jax
+  import jax.numpy as jnp
+
+  import jax_effects
+  from jax_effects import _jax_api
+
+  x = jnp.arange(8, dtype=jnp.float32)
+
+  def ours(v):
+    jax_effects.print("v {}", v[0])
+    return v * 2.0 + 1.0
+
+  def theirs(v):
+    jax.debug.print("v {}", v[0], ordered=True)
+    return v * 2.0 + 1.0
+
+  fo, ft = _jax_api.jit(ours), _jax_api.jit(theirs)   # (JAX's own jit)
+  with quiet_output():
+    samples = interleave({"p_ours_plain": (lambda: fo(x), calls),
+                          "p_jax_print": (lambda: ft(x), calls)}, rounds)
+  results = {k: summary(v) for k, v in samples.items()}
+  imports = []
+  for _ in range(pairs):
+    without = _child(False, calls * 10, 7)
+    imports.append(_child(True, calls * 10, 7) / without)
+  results["p_import_pairs"] = imports
+  return results, {"p_jax/ours": ratio(samples, "p_jax_print", "p_ours_plain"),
+                   "p_import": statistics.median(imports)}
