@@ -270,20 +270,27 @@ _ADOPTED = "(adopted by jax_effects.jit)"
 _HostCallback = _host_callback.HostCallback
 
 
-def _print_host_callback(params: dict, avals: tuple) -> _HostCallback:
+def _print_host_callback(params: dict, avals: tuple,
+                         source_info=None) -> _HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
+  # (an f-string of a traced value: warned as jax_effects.print warns, at
+  # the user's line)
+  _printing.warn_tracer_text_at(what, params["fmt"],
+                                _compat.user_line(source_info))
   edges = print_edges(params, avals)
   return _HostCallback(debug_print(params, edges),
                        f"{what}({params['fmt']!r}) {_ADOPTED}",
                        reads_placement=True, edges=edges)
 
 
-def _debug_callback_host_callback(params: dict, avals) -> _HostCallback:
+def _debug_callback_host_callback(params: dict, avals,
+                                  source_info=None) -> _HostCallback:
   return _HostCallback(debug_callback(params),
                        f"jax.debug.callback {_ADOPTED}", user_code=True)
 
 
-def _io_callback_host_callback(params: dict, avals) -> _HostCallback:
+def _io_callback_host_callback(params: dict, avals,
+                               source_info=None) -> _HostCallback:
   result_avals = tuple(params["result_avals"])
   return _HostCallback(io_callback(params, result_avals),
                        f"jax.experimental.io_callback {_ADOPTED}",
