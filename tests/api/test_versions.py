@@ -232,10 +232,16 @@ def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(how):
       exec(textwrap.dedent({_RESHAPE[how]!r}))
       try:
         import jax_effects
+        print("imported")
       except ImportError as err:
         print("ImportError", err)
   """)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  if not _compat.RULES_SEE_EVERY_TOKEN:
+    # (JAX 0.8/0.9: JAX's callback rules are not wrapped, so these
+    # internals are not used)
+    assert proc.stdout.splitlines()[-1:] == ["imported"], proc.stdout
+    return
   (line,) = [l for l in proc.stdout.splitlines()
              if l.startswith("ImportError")]
   assert line.startswith("ImportError jax_effects "), line
