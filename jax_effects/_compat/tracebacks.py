@@ -49,3 +49,20 @@ def api_boundary(fun):
 def exclude_from_tracebacks(path: str) -> None:
   """Leaves the frames of files under ``path`` out of filtered tracebacks."""
   _traceback_util.register_exclusion(path)
+
+
+# The user's line that bound an equation, from its ``source_info``: JAX's
+# ``source_info_util.user_frame`` (its own files and the registered paths
+# left out), the same on JAX 0.8-0.12; no public form (``jax.extend``'s
+# ``summarize`` gives only its text).
+from jax._src import source_info_util as _source_info_util  # noqa: E402
+
+
+def user_line(source_info) -> tuple[str, int] | None:
+  """``(file name, line)`` of the user's code that bound the equation whose
+  ``source_info`` this is, or None where unknown."""
+  frame = _source_info_util.user_frame(getattr(source_info, "traceback",
+                                               None))
+  if frame is None:
+    return None
+  return frame.file_name, frame.start_line

@@ -36,12 +36,14 @@ def _own_version() -> str:
 
 def unsupported_jax(err: BaseException) -> ImportError:
   """The error ``import jax_effects`` raises when a JAX internal every
-  feature needs is missing (``design/versions.md``)."""
+  feature needs is missing, or there with another shape
+  (``design/versions.md``)."""
   return ImportError(
       f"jax_effects {_own_version()} cannot run with the installed JAX "
       f"{jax.__version__} (jaxlib {jaxlib.__version__}): a JAX internal it "
-      f"needs is missing ({type(err).__name__}: {err}). jax_effects is "
-      f"tested with JAX {', '.join(TESTED)}. Fix: install a tested JAX "
+      f"needs is missing or has changed ({type(err).__name__}: {err}). "
+      f"jax_effects is tested with JAX {', '.join(TESTED)}. Fix: install a "
+      f"tested JAX "
       f"(e.g. pip install 'jax=={TESTED[-1]}' 'jaxlib=={TESTED[-1]}'), or a "
       f"jax_effects release that supports JAX {jax.__version__}.")
 

@@ -268,26 +268,43 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
 
 _ADOPTED = "(adopted by jax_effects.jit)"
 _HostCallback = _host_callback.HostCallback
+#: What export suggests in place of an adopted callback (README, "Cache,
+#: export and asynchronous dispatch").
+_NAMED_CALLBACK = ("a named jax_effects.callback (jax_effects.callback("
+                   "jax_effects.register_callback('my_callback', fn), ...), "
+                   "with fn registered under that name in the process that "
+                   "calls the exported function too)")
 
 
-def _print_host_callback(params: dict, avals: tuple) -> _HostCallback:
+def _print_host_callback(params: dict, avals: tuple,
+                         source_info=None) -> _HostCallback:
   what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
+  # (an f-string of a traced value: warned as jax_effects.print warns, at
+  # the user's line)
+  _printing.warn_tracer_text_at(what, params["fmt"],
+                                _compat.user_line(source_info))
   edges = print_edges(params, avals)
+  ours = "jax_effects.log" if what == "jax.debug.log" else "jax_effects.print"
   return _HostCallback(debug_print(params, edges),
                        f"{what}({params['fmt']!r}) {_ADOPTED}",
-                       reads_placement=True, edges=edges)
+                       reads_placement=True, edges=edges,
+                       instead=f"{ours}({params['fmt']!r}, ...) (the same "
+                               f"format string and arguments)")
 
 
-def _debug_callback_host_callback(params: dict, avals) -> _HostCallback:
+def _debug_callback_host_callback(params: dict, avals,
+                                  source_info=None) -> _HostCallback:
   return _HostCallback(debug_callback(params),
-                       f"jax.debug.callback {_ADOPTED}", user_code=True)
+                       f"jax.debug.callback {_ADOPTED}", user_code=True,
+                       instead=_NAMED_CALLBACK)
 
 
-def _io_callback_host_callback(params: dict, avals) -> _HostCallback:
+def _io_callback_host_callback(params: dict, avals,
+                               source_info=None) -> _HostCallback:
   result_avals = tuple(params["result_avals"])
   return _HostCallback(io_callback(params, result_avals),
                        f"jax.experimental.io_callback {_ADOPTED}",
-                       result_avals, user_code=True)
+                       result_avals, user_code=True, instead=_NAMED_CALLBACK)
 
 
 _adopted.register_host_side(_compat.debug_print_p, _print_host_callback)

@@ -8,6 +8,7 @@ every effect (one ``effect_p``; the pass adds the token and carrier).
 """
 from __future__ import annotations
 
+import os
 import re
 import string
 import warnings
@@ -111,21 +112,49 @@ _PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(?:\d+|\*)?(?:\.\d+)?"
 _TRACER_TEXT = re.compile(r"\b\w*Tracer\([^)]*\)|Traced<")
 
 
+def _tracer_text(what: str, fmt: str) -> str | None:
+  """The warning where ``fmt`` holds the text of a traced value, or None."""
+  if "Trace" not in fmt:
+    return None
+  found = _TRACER_TEXT.search(fmt)
+  if found is None:
+    return None
+  return (f"{what}: the format string holds {found.group(0)!r}, the text of "
+          f"a traced value (an f-string or str() of it, made when the "
+          f"function was traced), so every run prints that text, not the "
+          f"value. Pass the value as an argument: {what.split('(', 1)[0]}"
+          f"(\"loss={{}}\", loss)")
+
+
 def warn_tracer_text(what: str, fmt: str, stacklevel: int) -> None:
   """Warns (once per call site) where the format string holds the text of a
   traced value (``f"loss={loss}"`` under ``jit``)."""
-  if "Trace" not in fmt:
+  message = _tracer_text(what, fmt)
+  if message is not None:
+    warnings.warn(message, TracedTextWarning, stacklevel=stacklevel + 1)
+
+
+# file name -> the registry of warn_tracer_text_at's warnings from its lines
+# (``warnings``' ``__warningregistry__`` of a module: once per line under
+# the default filter).
+_registries: dict[str, dict] = {}
+
+
+def warn_tracer_text_at(what: str, fmt: str, where) -> None:
+  """:func:`warn_tracer_text` for a call traced earlier (an adopted
+  ``jax.debug.print``, seen by the pass): at ``where``, ``(file name,
+  line)`` of the call, or here where None."""
+  message = _tracer_text(what, fmt)
+  if message is None:
     return
-  found = _TRACER_TEXT.search(fmt)
-  if found is None:
+  if where is None:
+    warnings.warn(message, TracedTextWarning, stacklevel=2)
     return
-  warnings.warn(
-      f"{what}: the format string holds {found.group(0)!r}, the text of a "
-      f"traced value (an f-string or str() of it, made when the function "
-      f"was traced), so every run prints that text, not the value. Pass "
-      f"the value as an argument: {what.split('(', 1)[0]}"
-      f"(\"loss={{}}\", loss)",
-      TracedTextWarning, stacklevel=stacklevel + 1)
+  filename, lineno = where
+  module = os.path.splitext(os.path.basename(filename))[0] or "<unknown>"
+  warnings.warn_explicit(message, TracedTextWarning, filename, lineno,
+                         module=module,
+                         registry=_registries.setdefault(filename, {}))
 
 
 class TracedTextWarning(UserWarning):

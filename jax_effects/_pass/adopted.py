@@ -32,15 +32,16 @@ for _effect_type in (_compat.OrderedDebugEffect, _compat.DebugEffect,
   _effects.register_chain_kind(_effect_type, default_chain)
 
 
-# primitive -> ``host_side(params, avals) -> HostCallback``, registered by
-# ``_frontends.adopted_host``.
+# primitive -> ``host_side(params, avals, source_info) -> HostCallback``,
+# registered by ``_frontends.adopted_host``.
 _host_sides: dict = {}
 
 
 def register_host_side(primitive, host_side) -> None:
-  """Registers ``host_side(params, avals)``, the
+  """Registers ``host_side(params, avals, source_info)``, the
   :class:`~jax_effects._primitives.host_callback.HostCallback` that runs an
-  adopted ``primitive`` equation (``avals``: its operands')."""
+  adopted ``primitive`` equation (``avals``: its operands'; ``source_info``:
+  the equation's, which names the user's line)."""
   _host_sides[primitive] = host_side
 
 
@@ -51,7 +52,8 @@ def adopt(eqn):
   host_side = _host_sides.get(eqn.primitive)
   if host_side is None or params.get("partitioned"):
     return None
-  return host_side(params, tuple(v.aval for v in eqn.invars))
+  return host_side(params, tuple(v.aval for v in eqn.invars),
+                   eqn.source_info)
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

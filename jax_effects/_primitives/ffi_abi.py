@@ -174,7 +174,10 @@ def _compiled_entry():
   try:
     from jax_effects._primitives import _trampoline
   except ImportError:
-    return None
+    # (a checkout's source tree, imported in its folder after
+    # ``pip install .``: the installed copy's, built from the same source)
+    from jax_effects._tools import compiled
+    return compiled.installed_copy("jax_effects._primitives._trampoline")
   return _trampoline
 
 

@@ -28,6 +28,8 @@ class HostCallback:
   per last operand. ``cleanup``: runs also after an earlier failure of its
   chain. ``user_code``: ``fn`` may dispatch or block (``design/errors.md``).
   ``spec``: the host side as data (``host_specs``), or why not, or None.
+  ``instead``: the call of jax_effects that exports, which ``jax.export``'s
+  refusal of this one suggests (an adopted JAX callback's), or None.
   """
   fn: Callable[..., Sequence[Any]]
   description: str
@@ -49,6 +51,7 @@ class HostCallback:
     if self.origin is None:
       object.__setattr__(self, "origin", self)
   spec: dict | str | None = None
+  instead: str | None = None
 
   def __repr__(self):
     return f"<host callback {self.description}>"

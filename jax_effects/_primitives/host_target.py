@@ -215,6 +215,20 @@ def _cold(frame: int, key: bytes) -> _host_sites.Site:
   return site
 
 
+def _not_exportable(host_callback, why) -> _keys.NotExportable:
+  """The refusal to export ``host_callback``: its fix suggests first the
+  call of jax_effects that exports in its place, where it has one (an
+  adopted ``jax.debug.print``: ``jax_effects.print``)."""
+  err = _keys.NotExportable(host_callback.description, why)
+  if host_callback.instead:
+    text = str(err)
+    head, fix, rest = text.partition("Fix: ")
+    use = f"use {host_callback.instead} instead, which exports"
+    err.args = (f"{head}{fix}{use}; or {rest}" if fix
+                else f"{text} Fix: {use}.",)
+  return err
+
+
 def _site_for(side, avals_in, avals_out,
               for_export: bool) -> _host_sites.Site:
   """The site of ``side`` (bound to its key, made if new)."""
@@ -225,7 +239,7 @@ def _site_for(side, avals_in, avals_out,
   description = side.host_callback.description
   # (a spec of symbolic shapes is never lowered for execution)
   if spec is None or (for_export and why is not None):
-    raise _keys.NotExportable(description, why)
+    raise _not_exportable(side.host_callback, why)
   text = _specs.dumps(spec)
   with _lock:
     held = _holders.setdefault(side.host_callback.origin, {})

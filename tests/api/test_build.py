@@ -44,3 +44,38 @@ def test_the_build_is_the_one_this_line_expects():
     assert all(built.values()), built
     if os.environ.get("JAX_EFFECTS_FFI_ENTRY") != "ctypes":
       assert ffi_abi.ENTRY == "compiled"
+
+
+def _factor_lines(value: str, env: str) -> list[str]:
+  """The values of a tox factor-conditional setting (``a,b: value`` lines)
+  that apply to ``env`` (its factors split at ``-``)."""
+  factors = set(env.split("-"))
+  out = []
+  for line in value.strip().splitlines():
+    condition, sep, rest = line.partition(":")
+    if not sep:
+      out.append(line.strip())
+    elif any(f.strip() in factors for f in condition.split(",")):
+      out.append(rest.strip())
+  return out
+
+
+def test_a_named_wheel_build_env_builds_for_its_line_s_python():
+  # tox names each line's build env after its Python (.pkg-cpython311); one
+  # named in wheel_build_env takes tox's own Python unless it sets
+  # base_python, so a tox run from a Python 3.13 venv built jax09-nocompiler's
+  # wheel for 3.13 (issue 49).
+  import configparser
+  tox = configparser.ConfigParser(interpolation=None)
+  tox.read(ROOT / "tox.ini")
+  base = tox["testenv"]
+  envs = [e.strip() for e in tox["tox"]["envlist"].split(",")]
+  named = {e: _factor_lines(base["wheel_build_env"], e) for e in envs}
+  checked = 0
+  for env, packages in named.items():
+    for package in packages:
+      (python,) = _factor_lines(base["base_python"], env)
+      section = tox[f"testenv:{package}"]
+      assert section.get("base_python", "").strip() == python, (env, package)
+      checked += 1
+  assert checked, named

@@ -280,3 +280,78 @@ def test_docs_do_not_say_export_of_effects_is_refused():
   reference = " ".join((root / "docs/reference.md").read_text().split())
   assert ("exports a function with effects: its `print`s, `log`s and named "
           "`callback`s run in the importing process") in reference
+
+
+def test_export_of_a_progress_bar_is_refused_naming_it_and_the_docs_say_so():
+  # (a bar's host side draws on this process's terminal: not rebuilt)
+  @je.jit
+  def f(xs):
+    with je.progress(xs.shape[0], desc="train") as bar:
+      def step(c, x):
+        bar.update()
+        return c + x, None
+      c, _ = jax.lax.scan(step, 0.0, xs)
+    return c
+
+  with pytest.raises(ValueError) as info:
+    export(f, jax.ShapeDtypeStruct((4,), jnp.float32))
+  msg = str(info.value)
+  assert msg.startswith(
+      "jax.export cannot export jax_effects.progress(desc='train'):"), msg
+  assert "run it around the exported call" in msg
+  # README and the reference list it among what export refuses (issue 49).
+  import pathlib
+  root = pathlib.Path(__file__).parents[2]
+  readme = " ".join((root / "README.md").read_text().split())
+  assert ("A `progress` bar (or a jax-tqdm bar, an adopted "
+          "`jax.debug.callback`) is refused at export too") in readme
+  reference = " ".join((root / "docs/reference.md").read_text().split())
+  assert ("an unnamed `callback`, a `progress` bar, a "
+          "`jax.debug.print`/`callback` or an `io_callback` in it is refused "
+          "at export") in reference
+  assert ("`jax.export` of a function holding a bar is refused, naming "
+          "it") in reference
+
+
+@pytest.mark.parametrize("kind", ["print", "log", "callback", "io_callback"])
+def test_export_of_an_adopted_jax_callback_suggests_jax_effects_own(kind):
+  # jax.debug.print inside jax_effects.jit is adopted; its host side is
+  # JAX's Python function, so export refuses it, suggesting the call of
+  # jax_effects that exports in its place.
+  if kind == "log" and not hasattr(jax.debug, "log"):
+    pytest.skip("this JAX has no jax.debug.log")
+  bind = {
+      "print": lambda x: jax.debug.print("x = {}", x),
+      "log": lambda x: jax.debug.log("x = {}", x),
+      "callback": lambda x: jax.debug.callback(lambda v: None, x),
+      "io_callback": lambda x: __import__(
+          "jax.experimental", fromlist=["io_callback"]).io_callback(
+              lambda v: None, None, x),
+  }[kind]
+
+  @je.jit
+  def f(x):
+    bind(x)
+    return x
+
+  with pytest.raises(ValueError) as info:
+    export(f, jax.ShapeDtypeStruct((), jnp.float32))
+  msg = str(info.value)
+  assert "(adopted by jax_effects.jit)" in msg
+  fix = msg.split("Fix: ", 1)[1]
+  if kind in ("print", "log"):
+    assert fix.startswith(f"use jax_effects.{kind}('x = {{}}', ...) (the same "
+                          "format string and arguments) instead, which "
+                          "exports; or export the function without it"), msg
+    ours = getattr(je, kind)
+
+    @je.jit
+    def g(x):
+      ours("x = {}", x)
+      return x
+
+    assert export(g, jax.ShapeDtypeStruct((), jnp.float32)).ordered_effects
+  else:
+    assert fix.startswith("use a named jax_effects.callback "
+                          "(jax_effects.callback(jax_effects.register_callback("
+                          "'my_callback', fn), ...)"), msg

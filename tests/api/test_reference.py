@@ -92,3 +92,26 @@ def test_every_public_member_has_an_entry(owner):
 @pytest.mark.parametrize("heading", sorted(entries()))
 def test_documented_signature_is_the_package_s(heading):
   assert entries()[heading] == expected(heading)
+
+
+def test_readme_and_reference_explain_several_processes():
+  # (issue 49: neither said what a jax.distributed program prints where;
+  # tests/tools/test_multiprocess.py checks what they say: a once-effect in
+  # process 0 only, per-device effects in each process for its devices)
+  readme = " ".join((REFERENCE.parents[1] / "README.md").read_text().split())
+  section = readme.split("### Several processes (`jax.distributed`)", 1)
+  assert len(section) == 2, "README: no section on several processes"
+  text = section[1].split("###", 1)[0]
+  for said in ("jax.distributed.initialize()",
+               "so each process runs it for its own devices",
+               "only process 0 prints it",
+               "`jfx.effects_barrier()` waits for this process's effects only",
+               "sync_global_devices",
+               "python -m jax_effects demo --processes 2"):
+    assert said in text, said
+  reference = " ".join(REFERENCE.read_text().split())
+  section = reference.split("## Several processes (`jax.distributed`)", 1)
+  assert len(section) == 2, "reference: no section on several processes"
+  text = section[1].split("## `", 1)[0]
+  assert "only process 0 runs it" in text
+  assert "in each process for its local devices" in text

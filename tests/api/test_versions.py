@@ -204,6 +204,53 @@ def test_import_without_an_internal_it_needs_names_jax_and_the_fix(how):
   assert "AttributeError: module" not in last.split("(", 1)[0]
 
 
+# A JAX whose internals are there but have another shape: jax_effects
+# re-registers JAX's ordered callbacks' lowering rules at import
+# (``_compat.wrap_jax_callback_lowerings``), outside the guarded imports.
+_RESHAPE = {
+    # register_lowering without `inline` (the other rules' callers pass none)
+    "register_lowering without inline": """
+        register = mlir.register_lowering
+        def register_lowering(prim, rule, platform=None, cacheable=True):
+          return register(prim, rule, platform=platform, cacheable=cacheable)
+        mlir.register_lowering = register_lowering
+    """,
+    # a registry entry that is a bare function (no .rule, no .inline)
+    "lowering entry without rule": """
+        from jax._src.callback import io_callback_p
+        mlir._lowerings[io_callback_p] = mlir._lowerings[io_callback_p].rule
+    """,
+}
+
+
+@pytest.mark.parametrize("how", sorted(_RESHAPE))
+def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(how):
+  proc = run_script(f"""
+      import textwrap
+      import jax
+      from jax._src.interpreters import mlir
+      exec(textwrap.dedent({_RESHAPE[how]!r}))
+      try:
+        import jax_effects
+        print("imported")
+      except ImportError as err:
+        print("ImportError", err)
+  """)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  if not _compat.RULES_SEE_EVERY_TOKEN:
+    # (JAX 0.8/0.9: JAX's callback rules are not wrapped, so these
+    # internals are not used)
+    assert proc.stdout.splitlines()[-1:] == ["imported"], proc.stdout
+    return
+  (line,) = [l for l in proc.stdout.splitlines()
+             if l.startswith("ImportError")]
+  assert line.startswith("ImportError jax_effects "), line
+  assert f"the installed JAX {jax.__version__} " in line
+  assert "missing or has changed" in line
+  assert ", ".join(_compat.TESTED) in line
+  assert "Fix: install a tested JAX" in line
+
+
 def test_tested_lines_are_tox_s_lines():
   # versions.TESTED names the JAX of every line tox.ini pins, and the
   # installed JAX is one of them (but under `tox -e jaxnext`).

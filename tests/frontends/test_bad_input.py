@@ -238,6 +238,51 @@ def test_traced_value_text_in_the_format_warns_once_per_site(
     fn("TracerSpark(x) is a word")
 
 
+@pytest.mark.parametrize("call", ["print", "log"])
+def test_adopted_jax_debug_traced_value_text_warns_as_ours(call):
+  # jax.debug.print/log inside jax_effects.jit is adopted (README, "Existing
+  # jax.debug / io_callback code"): its f-string of a tracer warns as
+  # jax_effects.print's does, at the user's line.
+  fn = getattr(jax.debug, call, None)
+  if fn is None:
+    pytest.skip(f"this JAX has no jax.debug.{call}")
+
+  def step(loss):
+    fn(f"loss={loss}")            # the text of a tracer, fixed at trace time
+    return loss
+
+  with pytest.warns(UserWarning) as got:
+    je.jit(step)(jnp.float32(1))
+    je.effects_barrier()
+  mine = [w for w in got if "traced value" in str(w.message)]
+  assert len(mine) == 1, [str(w.message) for w in got]
+  msg = str(mine[0].message)
+  assert msg.startswith(f"jax.debug.{call}: the format string holds '")
+  assert "Tracer(" in msg and f'jax.debug.{call}("loss={{}}", loss)' in msg
+  assert type(mine[0].message).__name__ == "TracedTextWarning"
+  assert mine[0].filename == __file__   # the call site, not ours
+  assert mine[0].lineno == step.__code__.co_firstlineno + 1
+  # Python's default filter shows it once per site.
+  from helpers import run_script
+  proc = run_script(f"""
+      import jax, jax.numpy as jnp, jax_effects as je
+      def step(loss):
+        jax.debug.{call}(f"loss={{loss}}")
+        return loss
+      for x in (1.0, 2.0, 3.0):
+        je.jit(step)(jnp.float32(x))
+      je.effects_barrier()
+      """, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
+  # A value as an argument is no warning.
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    je.jit(lambda v: (fn("loss={}", v), v)[1])(jnp.float32(1))
+    je.effects_barrier()
+
+
 def test_format_error_under_vmap_and_grad_is_raised_at_trace_time():
   def f(x):
     je.print("{} {}", x)

@@ -302,6 +302,13 @@ def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call(
 # --- 5. a site in use is never unbound by jax.clear_caches() --------------------------
 
 def test_clear_caches_beside_running_calls_never_unbinds_their_sites():
+  # Bounded by work, not by time (issue 49: a clearer looping until the
+  # workers were done starved them on a loaded 2-core machine, and the
+  # joins' timeouts cut the run short): T workers make N calls each, and
+  # the clearer clears once per STEP calls made, while the workers run on,
+  # so every clear lands beside calls in flight and the run does the same
+  # work however slow the machine is. On the code before issue 37 (sites
+  # not kept across a clear) this raises UnboundHostFunction.
   lines = _run("""
 import gc, threading
 seen = []
@@ -309,11 +316,15 @@ def f(x):
   je.callback(lambda v: seen.append(1), None, x)   # (a local site)
   return x + 1
 g = je.jit(f)
-N, T = 150, 3
+N, T, STEP = 150, 3, 5
+CLEARS = N * T // STEP - 1       # (the last one before the last call)
 errors = []
-stop = threading.Event()
+made = [0]
+progress = threading.Condition()
 def clearer():
-  while not stop.is_set():
+  for k in range(1, CLEARS + 1):
+    with progress:
+      progress.wait_for(lambda: made[0] >= k * STEP)
     jax.clear_caches(); gc.collect()
 def worker():
   for i in range(N):
@@ -321,15 +332,18 @@ def worker():
       g(jnp.float32(i))
     except Exception as e:
       errors.append(f"{type(e).__name__}: {e}")
+    with progress:
+      made[0] += 1
+      progress.notify_all()
   try:
     je.effects_barrier()
   except Exception as e:
     errors.append(f"{type(e).__name__}: {e}")
 c = threading.Thread(target=clearer); c.start()
 ws = [threading.Thread(target=worker) for _ in range(T)]
-[w.start() for w in ws]; [w.join(timeout=200) for w in ws]
-stop.set(); c.join()
+[w.start() for w in ws]; [w.join() for w in ws]
+c.join()
 je.effects_barrier()
 print(len(seen), N * T, errors[:3])
-""", timeout=280)
+""", timeout=600)
   assert lines == ["450 450 []"]

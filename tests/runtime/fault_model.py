@@ -23,8 +23,9 @@ fault injected through a public API:
   computations and waits for them (JAX issue 25861; ``design/errors.md``,
   "No unbounded wait"): nothing observable changes, nothing may hang.
 * ``clear-caches`` (only when named, ``--faults``; issue 37):
-  ``jax.clear_caches()`` and ``gc.collect()`` in a loop beside the phase of
-  the faulty call, which must change nothing observable.
+  ``jax.clear_caches()`` and ``gc.collect()`` beside the phase of the
+  faulty call, once per step it makes (at most ``CLEARS_PER_PHASE``),
+  which must change nothing observable.
 
 The model (plain Python, from the contract of issue 31, not from the
 implementation, :func:`check`) says what must be observed: every record
@@ -91,10 +92,15 @@ FAULT_CLASSES = ("none", "xla-stage", "xla-partitioned", "slow",
                  "callback-error", "stdout", "reenter-jax")
 #: Classes drawn only when named (``--faults``; issue 37), so that the
 #: default draw (and every seed's case) stays what it was:
-#: ``clear-caches``: ``jax.clear_caches()`` and ``gc.collect()`` in a loop
-#: beside the faulty call's phase (nothing may change: a site in use is
+#: ``clear-caches``: ``jax.clear_caches()`` and ``gc.collect()`` stepping
+#: with the faulty call's phase (nothing may change: a site in use is
 #: never unbound, ``design/host_target.md``).
 EXTRA_FAULT_CLASSES = ("clear-caches",)
+#: ``clear-caches``: at most this many clears in the faulty call's phase,
+#: one per step it makes (an entry of the log: a driver event, a printed
+#: line, a callback's record), while the phase runs on: a case's work is
+#: bounded by counts, not by how fast the machine is (issue 49).
+CLEARS_PER_PHASE = 8
 TEMPLATES = ("partitioned", "summarized", "shard_map", "loop", "streams",
              "reentrant")
 #: How often each template is drawn.
@@ -283,11 +289,14 @@ class Log:
 
   def __init__(self):
     self.lock = threading.Lock()
+    #: Notified on every entry (the clear-caches fault steps with them).
+    self.grew = threading.Condition(self.lock)
     self.entries: list[tuple] = []
 
   def add(self, *entry) -> int:
     with self.lock:
       self.entries.append(entry)
+      self.grew.notify_all()
       return len(self.entries) - 1
 
 
@@ -772,10 +781,19 @@ def run_case(runner: Runner, case: Case) -> dict:
       done = threading.Event()
 
       def clear(done=done):
-        while not done.is_set():
+        # (bounded by work: one clear per step of the phase, at most
+        # CLEARS_PER_PHASE; a loop until the phase ended starved it on a
+        # loaded machine, issue 49)
+        seen = len(log.entries)
+        for _ in range(CLEARS_PER_PHASE):
+          with log.grew:
+            log.grew.wait_for(
+                lambda: len(log.entries) > seen or done.is_set())
+            seen = len(log.entries)
+          if done.is_set():
+            return
           jax.clear_caches()
           gc.collect()
-          time.sleep(0.002)
       clearing = (done, threading.Thread(target=clear, daemon=True))
       clearing[1].start()
     go.set()
@@ -791,6 +809,8 @@ def run_case(runner: Runner, case: Case) -> dict:
         raise Hang(f"a thread of phase {p} did not finish")
     if clearing is not None:
       clearing[0].set()
+      with log.grew:
+        log.grew.notify_all()
       clearing[1].join(CASE_BOUND_S)
     if failures:
       raise RuntimeError("the driver failed:\n" + "\n".join(failures))

@@ -105,3 +105,94 @@ def test_default_filters_show_it_once_on_stderr_and_demo_names_them():
                      "--devices", "1")
   assert built.returncode == 0, built.stderr[-3000:]
   assert "compiled parts: built" in built.stdout.splitlines()[0]
+
+
+# --- a checkout's source tree imported after `pip install .` -----------------
+# (the README's first command, `pip install . && python -m jax_effects demo`,
+# run in the checkout: `-m` puts the checkout first on sys.path, so the
+# source tree, which has no compiled part, is imported, not the installed
+# copy, which has it.)
+
+def _checkout_and_install(tmp_path, edit_source=False):
+  """A source tree without compiled parts (``checkout``) and, in ``site``,
+  an installed distribution of the same package holding them (as
+  ``pip install .`` leaves it: the entry and its C source, listed in
+  RECORD)."""
+  import pathlib
+  import shutil
+  import jax_effects
+  package = pathlib.Path(jax_effects.__file__).parent
+  checkout = tmp_path / "checkout"
+  shutil.copytree(package, checkout / "jax_effects",
+                  ignore=shutil.ignore_patterns("*.so", "*.pyd",
+                                                "__pycache__"))
+  source = checkout / "jax_effects" / "_primitives" / "_trampoline.c"
+  if edit_source:
+    source.write_text(source.read_text() + "\n/* edited */\n")
+  built = pathlib.Path(importlib.util.find_spec(_TRAMPOLINE).origin)
+  site = tmp_path / "site"
+  (site / "jax_effects" / "_primitives").mkdir(parents=True)
+  installed = [f"jax_effects/_primitives/{built.name}",
+               "jax_effects/_primitives/_trampoline.c"]
+  shutil.copy(built, site / installed[0])
+  shutil.copy(package / "_primitives" / "_trampoline.c", site / installed[1])
+  info = site / "jax_effects-0.1.0.dist-info"
+  info.mkdir()
+  (info / "METADATA").write_text(
+      "Metadata-Version: 2.1\nName: jax_effects\nVersion: 0.1.0\n")
+  (info / "RECORD").write_text("".join(
+      f"{name},,\n" for name in installed + [
+          "jax_effects-0.1.0.dist-info/METADATA",
+          "jax_effects-0.1.0.dist-info/RECORD"]))
+  return checkout, site
+
+
+def _run_in(checkout, site):
+  """Runs :data:`_CHECKOUT` as a script in ``checkout`` (first on sys.path,
+  as ``python -m`` run there puts it), ``site`` on PYTHONPATH."""
+  script = checkout / "main.py"
+  script.write_text(_CHECKOUT)
+  return run_python(script, cwd=checkout,
+                    env={"JAX_EFFECTS_FFI_ENTRY": None,
+                         "PYTHONPATH": str(site)})
+
+
+_CHECKOUT = """
+import os, sys, warnings
+with warnings.catch_warnings(record=True) as got:
+  warnings.simplefilter("always")
+  import jax_effects as je
+print(len([w for w in got if "compiled parts" in str(w.message)]))
+from jax_effects._primitives import ffi_abi
+from jax_effects._tools import compiled
+print(os.path.relpath(je.__file__), ffi_abi.ENTRY, compiled.describe())
+f = je.jit(lambda x: (je.print("x={}", x), x + 1)[1])
+f(1); f(2)
+je.effects_barrier()
+"""
+
+
+@pytest.mark.skipif(not _BUILT, reason="this install has no compiled part")
+def test_a_checkout_imported_after_pip_install_takes_the_installed_entry(
+    tmp_path):
+  checkout, site = _checkout_and_install(tmp_path)
+  proc = _run_in(checkout, site)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "CompiledPartsWarning" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stdout.splitlines() == [
+      "0", "jax_effects/__init__.py compiled compiled parts: built",
+      "x=1", "x=2"], (proc.stdout, proc.stderr[-2000:])
+
+
+@pytest.mark.skipif(not _BUILT, reason="this install has no compiled part")
+def test_a_checkout_whose_c_source_differs_from_the_installed_one_warns(
+    tmp_path):
+  # (an entry built from another source may read another layout: not used)
+  checkout, site = _checkout_and_install(tmp_path, edit_source=True)
+  proc = _run_in(checkout, site)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0] == "1", (proc.stdout, proc.stderr[-2000:])
+  assert lines[1] == ("jax_effects/__init__.py ctypes compiled parts "
+                      f"missing: {_TRAMPOLINE}")
+  assert lines[2:] == ["x=1", "x=2"]
