@@ -6,12 +6,9 @@ gives the user's function what JAX's impls give it.
 """
 from __future__ import annotations
 
-import inspect as _inspect
-
 from jax._src import callback as _callback
 from jax._src.lib import xla_client as _xc
 from jax_effects._compat.versions import JAX_VERSION
-from jax_effects._compat.versions import unsupported_jax
 
 # JAX's functions jax_effects calls and also offers a drop-in for, taken
 # from their defining modules so that they stay JAX's when a user replaces
@@ -114,8 +111,9 @@ def refused_by_jax_in_batched_cond(effect) -> bool:
 # own only). JAX's ordered callbacks' rules are read from the registries
 # behind ``mlir.register_lowering`` (no public getter; JAX 0.10-0.12) and
 # registered again, wrapped and uncacheable (``debug_callback_p``'s CPU/GPU
-# rules are cached otherwise: a cached rule sees its own token only).
-from jax._src.interpreters import mlir as _mlir  # noqa: E402
+# rules are cached otherwise: a cached rule sees its own token only), by
+# ``lowering.wrap_lowerings``.
+from jax_effects._compat import lowering as _lowering  # noqa: E402
 
 RULES_SEE_EVERY_TOKEN = JAX_VERSION >= (0, 10)
 
@@ -128,33 +126,9 @@ def jax_callback_is_ordered(params) -> bool:
 
 
 def wrap_jax_callback_lowerings(wrap) -> None:
-  """Registers ``wrap(rule)`` for each lowering rule (every platform's) of
-  ``io_callback_p`` and ``debug_callback_p``, once.
-
-  Run when ``jax_effects`` is imported (``_primitives.plain_order``): where
-  these internals exist but have changed shape (``register_lowering``
-  without ``inline``/``cacheable``, an entry without ``.rule``/``.inline``,
-  a registry that is no mapping), it raises the one ``ImportError`` of
-  ``versions.unsupported_jax``, naming the installed JAX, before it has
-  registered anything."""
-  try:
-    entries = []
-    for prim in (io_callback_p, debug_callback_p):
-      registries = [(None, _mlir._lowerings)] + list(
-          _mlir._platform_specific_lowerings.items())
-      for platform, rules in registries:
-        entry = rules.get(prim)
-        if entry is None or hasattr(entry.rule, "jax_effects_wraps"):
-          continue
-        entries.append((prim, platform, entry.rule, entry.inline))
-    # (register_lowering's parameters, checked before the first call: a
-    # TypeError from its body is no reason to refuse)
-    signature = _inspect.signature(_mlir.register_lowering)
-    for prim, platform, rule, inline in entries:
-      signature.bind(prim, rule, platform=platform, inline=inline,
-                     cacheable=False)
-  except (AttributeError, TypeError, ValueError) as err:
-    raise unsupported_jax(err) from err
-  for prim, platform, rule, inline in entries:
-    _mlir.register_lowering(prim, wrap(rule), platform=platform,
-                            inline=inline, cacheable=False)
+  """Registers ``wrap(rule)`` (uncacheable) for each lowering rule (every
+  platform's) of ``io_callback_p`` and ``debug_callback_p``, once
+  (``lowering.wrap_lowerings``: an ``ImportError`` naming the JAX where
+  its internals changed shape)."""
+  _lowering.wrap_lowerings((io_callback_p, debug_callback_p),
+                           lambda prim, rule: wrap(rule), cacheable=False)

@@ -5,12 +5,15 @@ in the token calling convention: none of its own (``jax_effects._compat``).
 """
 from __future__ import annotations
 
+import inspect as _inspect
+
 import jax
 
 from jax._src import callback as _callback
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax_effects._compat.versions import JAX_VERSION
+from jax_effects._compat.versions import unsupported_jax
 
 # The sharding annotation JAX gives its own callbacks (MAXIMAL on one device,
 # or MANUAL in a fully manual shard_map). JAX 0.8-0.12.
@@ -166,22 +169,43 @@ def require_devices_during_lowering(primitive) -> None:
   _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
-def wrap_lowering(primitive, wrap) -> None:
-  """Registers ``wrap(rule)`` for each of ``primitive``'s lowering rules
-  (every platform's), once, as cacheable as the rule it wraps (a program
-  the wrapper leaves alone lowers to the same module);
-  ``wrap(rule).jax_effects_wraps`` is ``rule``. ``mlir._lowerings`` and
-  ``_platform_specific_lowerings`` hold ``LoweringRuleEntry(rule,
-  inline)``, ``_uncacheable_primitives`` the uncacheable ones, on JAX
-  0.8-0.12."""
-  registries = [(None, _mlir._lowerings)] + list(
-      _mlir._platform_specific_lowerings.items())
-  for platform, rules in registries:
-    entry = rules.get(primitive)
-    if entry is None or hasattr(entry.rule, "jax_effects_wraps"):
-      continue
-    wrapped = wrap(entry.rule)
-    wrapped.jax_effects_wraps = entry.rule
-    _mlir.register_lowering(
-        primitive, wrapped, platform=platform, inline=entry.inline,
-        cacheable=primitive not in _mlir._uncacheable_primitives)
+def wrap_lowerings(primitives, wrap, cacheable: bool | None = None) -> None:
+  """Registers ``wrap(rule)`` for each lowering rule (every platform's) of
+  each of ``primitives``, once (``wrap(rule).jax_effects_wraps`` is
+  ``rule``); uncacheable with ``cacheable=False``, else as cacheable as the
+  rule it wraps (a program the wrapper leaves alone lowers to the same
+  module). ``mlir._lowerings`` and ``_platform_specific_lowerings`` hold
+  ``LoweringRuleEntry(rule, inline)``, ``_uncacheable_primitives`` the
+  uncacheable ones, on JAX 0.8-0.12.
+
+  Run when ``jax_effects`` is imported: where these internals exist but
+  have changed shape (``register_lowering`` without ``inline``/
+  ``cacheable``, an entry without ``.rule``/``.inline``, a registry that
+  is no mapping), it raises the one ``ImportError`` of
+  ``versions.unsupported_jax``, naming the installed JAX, before it has
+  registered anything."""
+  try:
+    entries = []
+    for prim in primitives:
+      registries = [(None, _mlir._lowerings)] + list(
+          _mlir._platform_specific_lowerings.items())
+      for platform, rules in registries:
+        entry = rules.get(prim)
+        if entry is None or hasattr(entry.rule, "jax_effects_wraps"):
+          continue
+        keep = (prim not in _mlir._uncacheable_primitives
+                if cacheable is None else cacheable)
+        entries.append((prim, platform, entry.rule, entry.inline, keep))
+    # (register_lowering's parameters, checked before the first call: a
+    # TypeError from its body is no reason to refuse)
+    signature = _inspect.signature(_mlir.register_lowering)
+    for prim, platform, rule, inline, keep in entries:
+      signature.bind(prim, rule, platform=platform, inline=inline,
+                     cacheable=keep)
+  except (AttributeError, TypeError, ValueError) as err:
+    raise unsupported_jax(err) from err
+  for prim, platform, rule, inline, keep in entries:
+    wrapped = wrap(prim, rule)
+    wrapped.jax_effects_wraps = rule
+    _mlir.register_lowering(prim, wrapped, platform=platform, inline=inline,
+                            cacheable=keep)

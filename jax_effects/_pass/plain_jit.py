@@ -87,7 +87,6 @@ def through_the_pass(primitive, rule):
   return rule_through_the_pass
 
 
-for _primitive in list(_token_pass.RULES):
-  if _primitive.multiple_results:   # (the higher-order ones)
-    _compat.wrap_lowering(_primitive, lambda rule, p=_primitive:
-                          through_the_pass(p, rule))
+_compat.wrap_lowerings(
+    [p for p in _token_pass.RULES if p.multiple_results],  # (higher-order)
+    through_the_pass)

@@ -205,8 +205,9 @@ def test_import_without_an_internal_it_needs_names_jax_and_the_fix(how):
 
 
 # A JAX whose internals are there but have another shape: jax_effects
-# re-registers JAX's ordered callbacks' lowering rules at import
-# (``_compat.wrap_jax_callback_lowerings``), outside the guarded imports.
+# re-registers JAX's lowering rules of the higher-order primitives (every
+# line: ``_pass/plain_jit``) and of its ordered callbacks (0.10+) at import
+# (``_compat.wrap_lowerings``), outside the guarded imports.
 _RESHAPE = {
     # register_lowering without `inline` (the other rules' callers pass none)
     "register_lowering without inline": """
@@ -217,8 +218,8 @@ _RESHAPE = {
     """,
     # a registry entry that is a bare function (no .rule, no .inline)
     "lowering entry without rule": """
-        from jax._src.callback import io_callback_p
-        mlir._lowerings[io_callback_p] = mlir._lowerings[io_callback_p].rule
+        from jax import lax
+        mlir._lowerings[lax.while_p] = mlir._lowerings[lax.while_p].rule
     """,
 }
 
@@ -237,11 +238,6 @@ def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(how):
         print("ImportError", err)
   """)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  if not _compat.RULES_SEE_EVERY_TOKEN:
-    # (JAX 0.8/0.9: JAX's callback rules are not wrapped, so these
-    # internals are not used)
-    assert proc.stdout.splitlines()[-1:] == ["imported"], proc.stdout
-    return
   (line,) = [l for l in proc.stdout.splitlines()
              if l.startswith("ImportError")]
   assert line.startswith("ImportError jax_effects "), line
