@@ -133,6 +133,19 @@ def with_token_sharding(sharding, has_results: bool):
                        *sharding.shardings))
 
 
+def token_on_devices(token, sharding) -> None:
+  """Annotates the host call that returned ``token`` (and results sharded
+  as ``sharding``) with its token on the results' devices: JAX 0.8/0.9's
+  ``emit_python_callback`` gives a returned token no device (a replicated
+  side effect, which XLA's partitioner refuses)."""
+  if (JAX_VERSION < (0, 10) and _shardy()
+      and isinstance(sharding, SdyArrayList)):
+    ids = sharding.shardings[0].logical_device_ids
+    token.owner.attributes["sdy.sharding"] = SdyArrayList((
+        SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=ids),
+        *sharding.shardings)).build()
+
+
 #: The aval of a compiler token (``jax.core.abstract_token`` is deprecated
 #: from JAX 0.10, with no replacement in ``jax.extend``). JAX 0.8-0.12.
 abstract_token = _core.abstract_token

@@ -51,10 +51,10 @@ def _one_equation(ctx, primitive, params) -> jex_core.ClosedJaxpr:
   effects = set().union(*(j.effects for j in _compat.jaxprs_in_params(params)))
   invars = [jex_core.Var(a) for a in ctx.avals_in]
   outvars = [jex_core.Var(a) for a in ctx.avals_out]
-  eqn = jex_core.new_jaxpr_eqn(invars, outvars, primitive, params, effects,
-                               ctx=ctx.jaxpr_eqn_ctx)
-  info = jex_core.DebugInfo(primitive.name, "jax_effects plain jax.jit region",
-                            None, None)
+  eqn = _compat.new_jaxpr_eqn(invars, outvars, primitive, params, effects,
+                              ctx=ctx.jaxpr_eqn_ctx)
+  info = _compat.DebugInfo(primitive.name, "jax_effects plain jax.jit region",
+                           None, None)
   return jex_core.ClosedJaxpr(
       jex_core.Jaxpr([], invars, outvars, [eqn], effects, info), [])
 

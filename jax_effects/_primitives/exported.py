@@ -107,10 +107,13 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
   if order is not EXPORTED_ORDER:   # (a plain jax.jit region: ordered as
     # JAX's own callbacks, once, on the first of several devices)
     avals = [_CARRIER][:n_out - 1]
+    sharding = _compat.callback_op_sharding(
+        ctx.module_context.axis_context, None, avals)
     results, token = _host_call.emit_ordered(
         ctx, side, operands[0], operands[1:], [_CARRIER][:len(operands) - 1],
-        avals, _compat.callback_op_sharding(
-            ctx.module_context.axis_context, None, avals))
+        avals, sharding)
+    if results:
+      _compat.token_on_devices(token, sharding)
     return [token, *results]
   sub = dataclasses.replace(ctx, avals_in=[_TOKEN, _CARRIER][:len(operands)],
                             avals_out=[_TOKEN, _CARRIER][:n_out])
