@@ -113,7 +113,7 @@ def refused_by_jax_in_batched_cond(effect) -> bool:
 # registered again, wrapped and uncacheable (``debug_callback_p``'s CPU/GPU
 # rules are cached otherwise: a cached rule sees its own token only), by
 # ``lowering.wrap_lowerings``.
-from jax_effects._compat import lowering as _lowering  # noqa: E402
+from jax_effects._compat.lowering import wrap_lowerings  # noqa: E402
 
 RULES_SEE_EVERY_TOKEN = JAX_VERSION >= (0, 10)
 
@@ -130,5 +130,5 @@ def wrap_jax_callback_lowerings(wrap) -> None:
   platform's) of ``io_callback_p`` and ``debug_callback_p``, once
   (``lowering.wrap_lowerings``: an ``ImportError`` naming the JAX where
   its internals changed shape)."""
-  _lowering.wrap_lowerings((io_callback_p, debug_callback_p),
-                           lambda prim, rule: wrap(rule), cacheable=False)
+  wrap_lowerings((io_callback_p, debug_callback_p),
+                 lambda prim, rule: wrap(rule), cacheable=False)

@@ -176,8 +176,8 @@ def _compiled_entry():
   except ImportError:
     # (a checkout's source tree, imported in its folder after
     # ``pip install .``: the installed copy's, built from the same source)
-    from jax_effects._tools import compiled
-    return compiled.installed_copy("jax_effects._primitives._trampoline")
+    from jax_effects._primitives import installed
+    return installed.installed_copy("jax_effects._primitives._trampoline")
   return _trampoline
 
 
