@@ -179,8 +179,12 @@ def _before_plain_jit_launch() -> None:
   for the thread's ``jax_effects.jit`` calls still running, which it must
   not overtake (not inside a host callback: that would wait for the
   computation running it)."""
-  if getattr(_threads.local, "state", None) is not None and (
-      _placement.current() is None):
+  state = getattr(_threads.local, "state", None)
+  if state is None or _placement.current() is not None:
+    return
+  plain = state.plain   # (JAX itself waits for the thread's last plain call)
+  if _host_jobs.queues or not all(
+      t is plain or _token_store.is_done(t) for t in state.pending()):
     wait_for_thread()
 
 
