@@ -20,8 +20,55 @@ def _load():
   return export.call_exported_p, export._call_exported_lowering
 
 
-call_exported_p, call_exported_lowering = (
+call_exported_p, _jax_call_exported_lowering = (
     optional(EXPORTED_CALLS, _load) or (None, None))
+
+#: ``screen(module) -> bool`` functions run on the MLIR module of every
+#: exported function this process calls (:func:`screen_exported_calls`).
+_screens: list = []
+
+
+def screen_exported_calls(screen) -> bool:
+  """Runs ``screen(module)`` on the MLIR module of every exported function
+  called in this process (``Exported.call``, plain or inside a ``jax.jit``,
+  and the pass's ``exp.call``), before JAX's lowering of the call inlines
+  it; ``screen`` edits the module in place and says whether it changed it
+  (then the call lowers the edited module). False where JAX's lowering of
+  the call cannot be wrapped (:data:`EXPORTED_CALLS` missing)."""
+  if call_exported_p is None:
+    return False
+  _screens.append(screen)
+  return True
+
+
+def _screened(exported):
+  """``exported``, or a copy whose module the screens edited."""
+  if not _screens:
+    return exported
+  import dataclasses
+  from jax.interpreters import mlir
+  with mlir.make_ir_context():
+    module = exported.mlir_module(serialized=False)
+    changed = False
+    for screen in _screens:
+      changed = screen(module) or changed
+    if not changed:
+      return exported
+    blob = export_module_bytes(module)
+  return dataclasses.replace(exported, mlir_module_serialized=blob)
+
+
+def call_exported_lowering(ctx, *args, exported):
+  """JAX's lowering of ``call_exported_p``, of the screened module."""
+  return _jax_call_exported_lowering(ctx, *args,
+                                     exported=_screened(exported))
+
+
+if call_exported_p is not None:
+  # Every call of an exported function lowers through this rule, JAX's
+  # own (registered by JAX for every platform) wrapped.
+  from jax.interpreters import mlir as _mlir
+  _mlir.register_lowering(call_exported_p, call_exported_lowering)
 
 
 def export_allowed_custom_calls() -> frozenset | None:
