@@ -26,9 +26,11 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
+from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import token_value as _token_value
@@ -78,7 +80,17 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0):
                              passthrough=passthrough, threaded=False)
   sub = dataclasses.replace(ctx, avals_in=[_TOKEN, _CARRIER][:len(operands)],
                             avals_out=[_TOKEN, _CARRIER][:n_out])
-  return _host_call.emit(sub, side, [_one(v) for v in operands], None)
+  operands = [_one(v) for v in operands]
+  if (_host_call.once_across_devices(ctx)
+      and _host_target.unavailable() is None):
+    # Over several devices (automatic partitioning): XLA's partitioner
+    # wants a side-effecting call placed, and Shardy keeps no placement on
+    # our target (``host_call._own_target``), where JAX's callback targets
+    # cannot be exported. A join has no effect of its own (its results are
+    # the dependency, which XLA keeps): a call without side effect, which
+    # the partitioner replicates, every device joining its own copies.
+    return _host_target.emit(sub, side, operands, None, side_effect=False)
+  return _host_call.emit(sub, side, operands, None)
 
 
 exported_entry_p = Primitive("jax_effects_exported_entry")
@@ -120,7 +132,10 @@ def exit(token) -> None:  # noqa: A001 - the convention's name
   """Ends an exported function after every effect behind ``token``."""
   if jnp.ndim(token):
     token = jnp.max(token)
-  exported_exit_p.bind(token)
+  # (over several devices every device returns the module's token: each
+  # takes device 0's carrier, current after an effect that ran once, so
+  # no device's token is ready before the module's effects have run)
+  exported_exit_p.bind(_first_device.from_first_device_p.bind(token))
 
 
 exported_call_p = Primitive("jax_effects_exported_call")
@@ -152,6 +167,9 @@ mlir.register_lowering(exported_call_p, _call_lowering, cacheable=False)
 
 def call(token, carrier, args, exported) -> tuple:
   """``(token', carrier', outputs)`` of ``exported`` called on ``args``."""
+  # (over several devices every device joins the call: each takes device
+  # 0's carrier, current after the caller's effects that ran once)
+  carrier = _first_device.from_first_device_p.bind(carrier)
   token, carrier, *outs = exported_call_p.bind(token, carrier, *args,
                                                exported=exported)
   return token, carrier, outs

@@ -360,8 +360,9 @@ def keep_sites_in(owner) -> None:
   _owner.holder = weakref.ref(owner)
 
 
-def emit(ctx, side, operands, sharding) -> list:
-  """The results of the custom call of ``side`` to :data:`TARGET`."""
+def emit(ctx, side, operands, sharding, side_effect: bool = True) -> list:
+  """The results of the custom call of ``side`` to :data:`TARGET` (one
+  XLA may not remove, unless not ``side_effect``)."""
   for_export = _compat.lowering_for_export(ctx)
   site = _site_for(side, ctx.avals_in, ctx.avals_out, for_export)
   if not for_export:   # (jax.export refuses keepalives: rebuilt there)
@@ -370,17 +371,20 @@ def emit(ctx, side, operands, sharding) -> list:
     owner = None if holder is None else holder()
     if owner is not None:
       owner.sites.add(site)
-  return custom_call(ctx, TARGET, operands, sharding,
+  return custom_call(ctx, TARGET, operands, sharding, side_effect,
                      **{KEY_ATTR: site.key.decode(), SPEC_ATTR: site.spec})
 
 
-def custom_call(ctx, target, operands, sharding, **attrs) -> list:
-  """The results of a side-effecting FFI custom call to ``target``."""
+def custom_call(ctx, target, operands, sharding, side_effect: bool = True,
+                **attrs) -> list:
+  """The results of an FFI custom call to ``target`` (side-effecting
+  unless not ``side_effect``)."""
   import jax
-  lower = _lowerings.get(target)
+  lower = _lowerings.get((target, side_effect))
   if lower is None:
-    lower = _lowerings[target] = jax.ffi.build_ffi_lowering_function(
-        target, has_side_effect=True)
+    lower = _lowerings[target, side_effect] = (
+        jax.ffi.build_ffi_lowering_function(target,
+                                            has_side_effect=side_effect))
   op = lower(ctx, *operands, **attrs)
   if sharding is not None:
     _compat.set_sharding(ctx.module_context, op, sharding)

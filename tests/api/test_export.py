@@ -10,6 +10,7 @@ program; effects keep program order with the caller's.
 import logging
 import os
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -256,6 +257,88 @@ def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
       lookup,            # (the first jit call ran nothing)
       *call, lookup,     # (its own callback's error, raised by the call)
       "barrier None"]
+
+
+# --- over several devices (issue 49, item 3) -------------------------------------------
+
+def _over_devices(mesh):
+  """Two jax_effects.jit functions over the mesh's 8 devices: a print that
+  runs once (a sharded input: automatic partitioning) and a per-device one
+  (a shard_map), exported, serialized and deserialized."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def once(x):
+    # (slow: a device that did not wait for it would print first)
+    je.callback(je.register_callback(
+        "test_export.slow", lambda s: time.sleep(float(s))), None, 0.02)
+    je.print("once {}", x.sum())
+    return x * 2
+
+  def per_device(x):
+    def body(b):
+      je.print("dev {}", b.sum())
+      return b + 1
+    return jax.shard_map(body, mesh=mesh, in_specs=P("i"),
+                         out_specs=P("i"))(x)
+
+  spec = jax.ShapeDtypeStruct((8,), jnp.float32,
+                              sharding=NamedSharding(mesh, P("i")))
+  out = []
+  for f in (once, per_device):
+    exp = export(je.jit(f), spec)
+    assert exp.nr_devices == 8 and exp.ordered_effects
+    out.append(jax.export.deserialize(exp.serialize()))
+  return out
+
+
+def _per_device_lines(i):
+  return sorted(f"[device {d} shard {d} process 0] dev {float(i + d)}"
+                for d in range(8))
+
+
+def test_export_over_several_devices_runs_its_effects_in_order(
+    mesh, effects_capture):
+  # Issue 49: JAX refused to serialize the module (its host_callbacks).
+  pytest.importorskip("flatbuffers")   # (jax.export's serialization)
+  once, per_device = _over_devices(mesh)
+  x = helpers.sharded(mesh, jnp.arange(8.0))
+  n = 12
+  for i in range(n):
+    np.testing.assert_array_equal(once.call(x + i), (x + i) * 2)
+    np.testing.assert_array_equal(per_device.call(x + i), x + i + 1)
+  je.effects_barrier()
+  lines = effects_capture.printed
+  assert len(lines) == 9 * n, lines
+  for i in range(n):   # (a call's lines after the call before it)
+    block = lines[9 * i:9 * i + 9]
+    assert block[0] == f"once {float(28 + 8 * i)}", lines
+    assert sorted(block[1:]) == _per_device_lines(i), lines
+
+
+def test_export_over_several_devices_called_in_jax_effects_jit_keeps_order(
+    mesh, effects_capture):
+  pytest.importorskip("flatbuffers")
+  once, per_device = _over_devices(mesh)
+
+  @je.jit
+  def caller(x):
+    je.print("before {}", x.sum())
+    y = per_device.call(x)
+    z = once.call(y)
+    je.print("after {}", z.sum())
+    return z
+
+  x = helpers.sharded(mesh, jnp.arange(8.0))
+  for _ in range(3):
+    np.testing.assert_array_equal(caller(x), (x + 1) * 2)
+  je.effects_barrier()
+  lines = effects_capture.printed
+  assert len(lines) == 3 * 11, lines
+  for k in range(3):
+    block = lines[11 * k:11 * k + 11]
+    assert block[0] == "before 28.0", lines
+    assert sorted(block[1:9]) == _per_device_lines(0), lines
+    assert block[9:] == ["once 36.0", "after 72.0"], lines
 
 
 def test_export_for_another_platform_is_refused_naming_cpu():
