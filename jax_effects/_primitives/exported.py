@@ -130,12 +130,15 @@ def entry():
 
 def exit(token) -> None:  # noqa: A001 - the convention's name
   """Ends an exported function after every effect behind ``token``."""
+  # (over several devices every device returns the module's token: each
+  # takes the max of the per-device carriers, or device 0's carrier,
+  # current after an effect that ran once, so no device's token is ready
+  # before the module's effects have run)
   if jnp.ndim(token):
     token = jnp.max(token)
-  # (over several devices every device returns the module's token: each
-  # takes device 0's carrier, current after an effect that ran once, so
-  # no device's token is ready before the module's effects have run)
-  exported_exit_p.bind(_first_device.from_first_device_p.bind(token))
+  else:
+    token = _first_device.from_first_device_p.bind(token)
+  exported_exit_p.bind(token)
 
 
 exported_call_p = Primitive("jax_effects_exported_call")

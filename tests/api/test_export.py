@@ -341,6 +341,52 @@ def test_export_over_several_devices_called_in_jax_effects_jit_keeps_order(
     assert block[9:] == ["once 36.0", "after 72.0"], lines
 
 
+def test_export_over_several_devices_prints_a_summarized_array(
+    mesh, effects_capture):
+  # A summarized print of a sharded array, which a call assembles on the
+  # host from the devices' parts (JAX's partitioned callback target, which
+  # jax.export cannot serialize), is exported with its edges gathered: the
+  # same line.
+  pytest.importorskip("flatbuffers")
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def f(x):
+    je.print("big {}", x)
+    return x
+
+  spec = jax.ShapeDtypeStruct((4096,), jnp.float32,
+                              sharding=NamedSharding(mesh, P("i")))
+  exp = jax.export.deserialize(export(je.jit(f), spec).serialize())
+  x = helpers.sharded(mesh, jnp.arange(4096.0))
+  je.jit(f)(x)
+  exp.call(x)
+  je.effects_barrier()
+  ran, exported = effects_capture.printed
+  assert exported == ran and "..." in ran and "4.095e+03" in ran, ran
+
+
+def test_export_of_plain_jax_jit_over_several_devices_is_refused_naming_why(
+    mesh):
+  # Under plain jax.jit over several devices an effect is a call of JAX's
+  # callback target (design/host_target.md): refused in our words, naming
+  # jax.export, several devices and the fix, not JAX's "serialization of
+  # host_callbacks is not yet implemented".
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def f(x):
+    je.print("x {}", x.sum())
+    return x
+
+  spec = jax.ShapeDtypeStruct((8,), jnp.float32,
+                              sharding=NamedSharding(mesh, P("i")))
+  with pytest.raises(NotImplementedError) as info:
+    export(jax.jit(f), spec)
+  msg = str(info.value)
+  assert msg.startswith("jax.export cannot export jax_effects.print('x {}') "
+                        "over several devices"), msg
+  assert "export a jax_effects.jit function" in msg, msg
+
+
 def test_export_for_another_platform_is_refused_naming_cpu():
   @je.jit
   def f(x):
