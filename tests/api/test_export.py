@@ -365,6 +365,75 @@ def test_export_over_several_devices_prints_a_summarized_array(
   assert exported == ran and "..." in ran and "4.095e+03" in ran, ran
 
 
+_SEVERAL_EXPORTER = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np
+import jax_effects as je
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("i",))
+
+def f(x):
+  je.print("once {}", x.sum())
+  y = jax.shard_map(lambda b: (je.print("dev {}", b.sum()), b + 1)[1],
+                    mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+  je.log("big {}", jnp.tile(y, 512), logger="several")   # (summarized)
+  return y
+
+spec = jax.ShapeDtypeStruct((8,), jnp.float32,
+                            sharding=NamedSharding(mesh, P("i")))
+open(sys.argv[1], "wb").write(jax.export.export(je.jit(f), disabled_checks=[
+    jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)])(
+        spec).serialize())
+"""
+
+_SEVERAL_IMPORTER = """
+import logging, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np
+import jax_effects as je
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+logging.getLogger("several").addHandler(logging.StreamHandler(sys.stdout))
+logging.getLogger("several").setLevel(logging.INFO)
+mesh = Mesh(np.array(jax.devices()), ("i",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+exp = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+print("out", exp.call(x).tolist(), flush=True)
+je.effects_barrier()
+
+@je.jit
+def caller(x):
+  je.print("before")
+  y = exp.call(x)
+  je.print("after {}", y.sum())
+  return y
+
+caller(x)
+je.effects_barrier()
+"""
+
+
+def test_export_over_several_devices_round_trip_in_a_fresh_process(tmp_path):
+  pytest.importorskip("flatbuffers")
+  blob = tmp_path / "several.jax_exported"
+  proc = helpers.run_script(_SEVERAL_EXPORTER, str(blob))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = helpers.run_script(_SEVERAL_IMPORTER, str(blob))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  devices = sorted(f"[device {d} shard {d} process 0] dev {float(d)}"
+                   for d in range(8))
+  big = "big [1. 2. 3. ... 6. 7. 8.]"
+  assert len(lines) == 23, lines
+  assert lines[0] == "once 28.0" and sorted(lines[1:9]) == devices, lines
+  assert lines[9:11] == [big, "out [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]"]
+  assert lines[11:13] == ["before", "once 28.0"], lines
+  assert sorted(lines[13:21]) == devices, lines
+  assert lines[21:] == [big, "after 36.0"], lines
+
+
 def test_export_of_plain_jax_jit_over_several_devices_is_refused_naming_why(
     mesh):
   # Under plain jax.jit over several devices an effect is a call of JAX's
