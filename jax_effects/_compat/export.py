@@ -70,7 +70,7 @@ def _screened(exported):
       _screened_bytes.move_to_end(data)
   if not found:
     with mlir.make_ir_context():
-      module = exported.mlir_module(serialized=False)
+      module = _module_of(exported)
       changed = False
       for screen in _screens:
         changed = screen(module) or changed
@@ -82,6 +82,17 @@ def _screened(exported):
   if blob is None:
     return exported
   return dataclasses.replace(exported, mlir_module_serialized=blob)
+
+
+def _module_of(exported):
+  """The MLIR module of ``exported`` (in the current context):
+  ``Exported.mlir_module(serialized=False)`` where it takes that parameter
+  (JAX 0.10, 0.12), else its text parsed (JAX 0.8: the text only)."""
+  import inspect
+  from jax.interpreters import mlir
+  if "serialized" in inspect.signature(exported.mlir_module).parameters:
+    return exported.mlir_module(serialized=False)
+  return mlir.ir.Module.parse(exported.mlir_module())
 
 
 def call_exported_lowering(ctx, *args, exported):
