@@ -30,9 +30,11 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
+from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._primitives import plain_order as _plain_order
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
@@ -73,15 +75,21 @@ _entries = itertools.count(1)
 def _join_host(spec: dict) -> _host_callback.HostCallback:
   """The host side of a join: data (a kind of ``host_specs``)."""
   kind = spec["kind"]
-  if kind == "exported_entry":
+  if kind == "exported_entry":   # (on every device of several: the slot)
     def entry_slot():
+      return (np.int32(_errors.plain_jit_slot()),)
+    return _host_callback.HostCallback(
+        entry_slot, "the entry of an exported jax_effects function",
+        (_CARRIER,), spec=spec)
+  if kind == "plain_entry":   # (once, on the first device)
+    def entry_identity():
       # (an identity of its own per execution: its pieces and lanes,
       # host_jobs, never meet another execution's)
       seq = next(_entries) & _token_value.SEQ_MASK
       return (np.int32(_errors.plain_jit_slot()
                        | (seq << _token_value.SEQ_SHIFT)),)
     return _host_callback.HostCallback(
-        entry_slot, "the entry of an exported jax_effects function",
+        entry_identity, "the entry of a jax_effects region under jax.jit",
         (_CARRIER,), spec=spec)
   def joined(*carrier):
     # (after every device's effects: per-device lines held by
@@ -92,7 +100,7 @@ def _join_host(spec: dict) -> _host_callback.HostCallback:
       joined, "a token joined to a jax_effects carrier", spec=spec)
 
 
-for _kind in ("exported_entry", "exported_join"):
+for _kind in ("exported_entry", "plain_entry", "exported_join"):
   _host_specs.register_kind(_kind, _join_host)
 
 
@@ -117,6 +125,15 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
     return [token, *results]
   sub = dataclasses.replace(ctx, avals_in=[_TOKEN, _CARRIER][:len(operands)],
                             avals_out=[_TOKEN, _CARRIER][:n_out])
+  if (_host_call.once_across_devices(ctx)
+      and _host_target.unavailable() is None):
+    # Over several devices (automatic partitioning): XLA's partitioner
+    # wants a side-effecting call placed, and Shardy keeps no placement on
+    # our target (``host_call._own_target``), where JAX's callback targets
+    # cannot be exported. A join has no effect of its own (its results are
+    # the dependency, which XLA keeps): a call without side effect, which
+    # the partitioner replicates, every device joining its own copies.
+    return _host_target.emit(sub, side, operands, None, side_effect=False)
   return _host_call.emit(sub, side, operands, None)
 
 
@@ -126,8 +143,8 @@ exported_entry_p.def_effectful_abstract_eval(
 
 
 def _entry_lowering(ctx, *, order=EXPORTED_ORDER):
-  token, carrier = _join(ctx, "exported_entry", [_token_in(ctx, order)], 2,
-                         order=order)
+  kind = "exported_entry" if order is EXPORTED_ORDER else "plain_entry"
+  token, carrier = _join(ctx, kind, [_token_in(ctx, order)], 2, order=order)
   _set_token(ctx, token, order)
   return [carrier]
 
@@ -163,6 +180,13 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
   effect behind ``token``."""
   if jnp.ndim(token):
     token = jnp.max(token)
+  elif order is EXPORTED_ORDER:
+    # (over several devices every device returns the module's token: each
+    # takes the max of the per-device carriers, or device 0's carrier,
+    # current after an effect that ran once, so no device's token is ready
+    # before the module's effects have run; a plain-jit region's exit runs
+    # on the first device only)
+    token = _first_device.from_first_device_p.bind(token)
   if order is EXPORTED_ORDER:
     exported_exit_p.bind(token)
   else:
@@ -198,6 +222,9 @@ mlir.register_lowering(exported_call_p, _call_lowering, cacheable=False)
 
 def call(token, carrier, args, exported) -> tuple:
   """``(token', carrier', outputs)`` of ``exported`` called on ``args``."""
+  # (over several devices every device joins the call: each takes device
+  # 0's carrier, current after the caller's effects that ran once)
+  carrier = _first_device.from_first_device_p.bind(carrier)
   token, carrier, *outs = exported_call_p.bind(token, carrier, *args,
                                                exported=exported)
   return token, carrier, outs

@@ -6,7 +6,7 @@ part of an operand it holds (its edges, or the whole) to its own host call
 the effect as a job (``_runtime.host_jobs``) that the call bringing the
 last part runs: no collective, no wait inside the computation
 (``design/formatting.md``, "Where the edges are cut"). Used where
-:func:`applies`.
+:func:`applies` (not in a module lowered for ``jax.export``).
 
 Part in the token calling convention: the carrier enters and leaves every
 device's call; its value (slot and sequence number) matches the parts of
@@ -201,6 +201,11 @@ def applies(ctx, host_callback, avals, edges: tuple, ordered: bool) -> bool:
   module_context = ctx.module_context
   if (len(module_context.platforms) != 1
       or module_context.platforms[0] not in _TARGETS):
+    return False
+  if _compat.lowering_for_export(ctx):
+    # (its per-device calls go to JAX's partitioned callback target, whose
+    # host_callbacks jax.export cannot serialize: an exported effect takes
+    # the edges cut on the devices, gathered to the first one)
     return False
   devices = module_context.axis_context.device_assignment
   if not devices:

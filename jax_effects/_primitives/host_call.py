@@ -64,6 +64,26 @@ def _own_target(ctx, target) -> bool:
           and _host_target.unavailable() is None)
 
 
+def _refuse_export(ctx, side) -> None:
+  """Refuses, in our words, a host call of one of JAX's Python callback
+  targets over several devices in a module lowered for ``jax.export``
+  (whose ``host_callbacks`` JAX cannot serialize: it would raise its own
+  ``NotImplementedError`` after lowering)."""
+  if not (_compat.lowering_for_export(ctx) and once_across_devices(ctx)):
+    return
+  host_callback = getattr(side, "host_callback", None)
+  what = getattr(host_callback, "description", None) or "an effect"
+  raise NotImplementedError(
+      f"jax.export cannot export {what} over several devices as it is "
+      f"lowered here (under plain jax.jit, automatic partitioning): its "
+      f"host call is one of JAX's Python callback targets, whose "
+      f"host_callbacks jax.export cannot serialize. Fix: export a "
+      f"jax_effects.jit function, jax.export.export(jax_effects.jit(f), "
+      f"disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("
+      f"jax_effects.HOST_TARGET)]), whose effects over several devices "
+      f"export")
+
+
 def emit(ctx, side, operands, sharding, target=None):
   """The results of the custom call of ``side`` (a :class:`HostSide`, or a
   host function for JAX's ``target``): off our target, what
@@ -71,6 +91,7 @@ def emit(ctx, side, operands, sharding, target=None):
   than the callback) and token (the carrier orders the call)."""
   if isinstance(side, HostSide) and _own_target(ctx, target):
     return _host_target.emit(ctx, side, operands, sharding)
+  _refuse_export(ctx, side)
   if isinstance(side, HostSide):
     side = side.function(ctx.avals_out)
   if target is None:
@@ -88,6 +109,7 @@ def emit_ordered(ctx, side: HostSide, token, operands, avals_in, avals_out,
   sub_ctx = dataclasses.replace(ctx, avals_in=list(avals_in),
                                 avals_out=list(avals_out))
   if not _own_target(ctx, None):
+    _refuse_export(ctx, side)
     results, token, _ = mlir.emit_python_callback(
         sub_ctx, side.function(avals_out), token, operands, avals_in,
         avals_out, has_side_effect=True, returns_token=token is not None,

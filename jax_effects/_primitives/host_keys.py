@@ -5,7 +5,10 @@ side does; its key is made from it (``design/host_target.md``, "Keys"):
 ``jfx1.D<hash>`` when its effect spec is data, else (a *local* site)
 ``jfx1.L<hash>.<n>``. A key arriving in a module is checked against its
 spec (:func:`key_problem`) before a site is rebuilt (:func:`rebuild`); a
-local site is never rebuilt, nor exported (:class:`NotExportable`).
+local site is never rebuilt, nor exported (:class:`NotExportable`), nor
+reached by an exported module: every key of a module called here that is
+not a data key becomes ``jfx1.F<hash>`` (:func:`foreign_key`), which no
+site is ever bound to.
 
 Part in the token calling convention: none; the carrier is one of a site's
 passthrough operands, passed as a NumPy scalar (:func:`scalars`).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import jax
@@ -32,20 +36,56 @@ class UnboundHostFunction(LookupError):
   callback nobody registered, or a local host side that is gone."""
 
 
+#: Mixed into local keys' hashes where a module called here cannot be
+#: screened (:func:`foreign_key`; ``_compat.screen_exported_calls``): a
+#: secret of this process, so no module can carry one of its local keys
+#: (the cost: a local effect's module text, so JAX's persistent cache key,
+#: then differs between processes). Empty where modules are screened.
+_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(
+    16).hex()
+
+
+def local_hash(text: str) -> str:
+  """The hash part of the keys of local site spec ``text``."""
+  return _specs.digest(_LOCAL_SALT + text, 20)
+
+
 def key_of(text: str, local_n: int | None = None) -> bytes:
   """The key of the site spec ``text``: a data site's (``local_n`` None),
   or the ``local_n``-th local site of that spec."""
   if local_n is None:
     return ("jfx1.D" + _specs.digest(text)).encode()
-  return f"jfx1.L{_specs.digest(text, 20)}.{local_n}".encode()
+  return f"jfx1.L{local_hash(text)}.{local_n}".encode()
 
 
+_DATA_KEY = re.compile(rb"jfx1\.D[0-9a-f]{32}")
 _LOCAL_KEY = re.compile(rb"jfx1\.L([0-9a-f]{20})\.(0|[1-9][0-9]{0,17})")
+_FOREIGN_KEY = re.compile(rb"jfx1\.F([0-9a-f]{20})")
+
+
+def is_data_key(key: bytes) -> bool:
+  return _DATA_KEY.fullmatch(key) is not None
+
+
+def foreign_key(key: bytes, text: str) -> bytes:
+  """The key a host call of a module from elsewhere (an exported function
+  called in this process) is given: ``key`` if it is a data key (a data
+  key names one data site in every process: whatever runs under it is
+  the code and data of its spec's hash), else ``jfx1.F<hash of text>``,
+  a key no site is ever bound to: its effect fails with
+  ``UnboundHostFunction`` (a local spec) or is refused (any other), and
+  never reaches a local host function of this process, whatever key the
+  module carried (``design/host_target.md``, "One key, one host
+  function")."""
+  if is_data_key(key):
+    return key
+  return f"jfx1.F{_specs.digest(text, 20)}".encode()
 
 
 def key_problem(key: bytes, text: str) -> str | None:
   """Why ``key`` is not the key of the spec ``text`` it arrived with, or
-  None (a local key: its hash, its count never checked)."""
+  None (a local key: its hash, its count never checked; a foreign key:
+  its hash)."""
   shown = key.decode("utf-8", "replace")[:80]
   try:
     spec = json.loads(text)
@@ -56,10 +96,18 @@ def key_problem(key: bytes, text: str) -> str | None:
             f"(key {shown!r}): refused")
   if local:
     m = _LOCAL_KEY.fullmatch(key)
+    if m is not None and m.group(1).decode() == local_hash(text):
+      return None
+    m = _FOREIGN_KEY.fullmatch(key)
     if m is not None and m.group(1).decode() == _specs.digest(text, 20):
       return None
   elif key == key_of(text):
     return None
+  if _FOREIGN_KEY.fullmatch(key):
+    return ("a call of jax_effects' host target in a module from elsewhere "
+            "whose key is not the key of the spec it carries (a corrupt or "
+            "forged module; its key, not a data key, was replaced on "
+            "arrival): refused")
   return (f"a call of jax_effects' host target whose key {shown!r} is not "
           f"the key of the spec it carries (a corrupt or foreign module): "
           f"refused, and the key left unbound")
@@ -86,6 +134,12 @@ def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
   effect = spec.get("effect") or {}
   failing = False
   try:
+    if "local" in effect and _FOREIGN_KEY.fullmatch(key):
+      raise UnboundHostFunction(
+          f"{effect['local']}: its host function is a Python object of the "
+          f"process that lowered it, which an exported module cannot "
+          f"bring: a module called in this process never runs a local "
+          f"host function, whatever key it carries")
     if "local" in effect:
       raise UnboundHostFunction(
           f"{effect['local']}: its host function is a Python object of the "

@@ -207,8 +207,10 @@ def _cold(frame: int, key: bytes) -> _host_sites.Site:
     if site is not None:
       return site
     site, failing = _keys.rebuild(key, text)
-    if not failing:   # (a failing one is made again: a later registration
-      _bind(key, site)   # of a named callback makes it run)
+    # (a failing one is made again: a later registration of a named
+    # callback makes it run; only a data key is ever bound from a module)
+    if not failing and _keys.is_data_key(key):
+      _bind(key, site)
       _rebuilt[key] = site
       while len(_rebuilt) > REBUILT_KEPT:
         _rebuilt.popitem(last=False)
@@ -250,7 +252,7 @@ def _site_for(side, avals_in, avals_out,
       key = _keys.key_of(text)
       site = _bound(key)
     else:
-      h = _specs.digest(text, 20)
+      h = _keys.local_hash(text)
       n = _local_counts.get(h, 0)
       _local_counts[h] = n + 1
       key = _keys.key_of(text, n)
@@ -268,6 +270,96 @@ def _site_for(side, avals_in, avals_out,
   return site
 
 
+def _operations(op):
+  """``op`` and every operation nested in it."""
+  yield op
+  for region in op.regions:
+    for block in region.blocks:
+      for child in block.operations:
+        yield from _operations(child.operation)
+
+
+def _cast(cls, attr):
+  try:
+    return cls(attr)
+  except ValueError:
+    return None
+
+
+def _string(ir, attr) -> str | None:
+  s = _cast(ir.StringAttr, attr)
+  if s is None:
+    return None
+  try:
+    return s.value
+  except UnicodeDecodeError:
+    return None
+
+
+_CONFIGS = ("mhlo.backend_config", "backend_config")
+
+
+def _ffi_strings(ir, attrs) -> tuple[bytes, str, bool]:
+  """``(key, spec, ours)`` of a custom call's FFI attributes: the two
+  string attributes the handler reads (the key first by name), and
+  whether they are exactly the two this package writes (``ours``);
+  ``(b"", "", False)`` where they are not two strings."""
+  found = None
+  for name in _CONFIGS:
+    if name not in attrs:
+      continue
+    d = _cast(ir.DictAttr, attrs[name])
+    if d is None:
+      if _string(ir, attrs[name]) != "":   # (a string the FFI would parse)
+        return b"", "", False
+    elif found is not None:
+      return b"", "", False
+    else:
+      found = d
+  if found is None or len(found) != 2:
+    return b"", "", False
+  (k, key), (s, spec) = sorted(
+      (found[i].name, _string(ir, found[i].attr)) for i in range(2))
+  if key is None or spec is None:
+    return b"", "", False
+  return key.encode(), spec, (k, s) == (KEY_ATTR, SPEC_ATTR)
+
+
+def screen_module(module) -> bool:
+  """Gives every host call of ``module`` (an exported function called in
+  this process: a module from elsewhere) the key it may carry
+  (``host_keys.foreign_key``: its data key, else one no site is bound to)
+  and exactly the two attributes this package writes; True if it changed
+  anything. So a module reaches no host function it did not bring: not a
+  local one of this process, whatever key (and attribute names) it
+  copied."""
+  from jax.interpreters import mlir
+  ir = mlir.ir
+  changed = False
+  for op in _operations(module.operation):
+    if op.name != "stablehlo.custom_call":
+      continue
+    attrs = op.attributes
+    if "call_target_name" not in attrs or _string(
+        ir, attrs["call_target_name"]) != TARGET:
+      continue
+    key, spec, ours = _ffi_strings(ir, attrs)
+    new = _keys.foreign_key(key, spec)
+    if ours and new == key:
+      continue
+    for name in _CONFIGS:
+      if name in attrs:
+        del attrs[name]
+    attrs["mhlo.backend_config"] = ir.DictAttr.get({
+        KEY_ATTR: ir.StringAttr.get(new.decode()),
+        SPEC_ATTR: ir.StringAttr.get(spec)})
+    changed = True
+  return changed
+
+
+_compat.screen_exported_calls(screen_module)
+
+
 _lowerings: dict = {}
 
 
@@ -282,8 +374,9 @@ def keep_sites_in(owner) -> None:
   _owner.holder = weakref.ref(owner)
 
 
-def emit(ctx, side, operands, sharding) -> list:
-  """The results of the custom call of ``side`` to :data:`TARGET`."""
+def emit(ctx, side, operands, sharding, side_effect: bool = True) -> list:
+  """The results of the custom call of ``side`` to :data:`TARGET` (one
+  XLA may not remove, unless not ``side_effect``)."""
   for_export = _compat.lowering_for_export(ctx)
   site = _site_for(side, ctx.avals_in, ctx.avals_out, for_export)
   if not for_export:   # (jax.export refuses keepalives: rebuilt there)
@@ -292,17 +385,20 @@ def emit(ctx, side, operands, sharding) -> list:
     owner = None if holder is None else holder()
     if owner is not None:
       owner.sites.add(site)
-  return custom_call(ctx, TARGET, operands, sharding,
+  return custom_call(ctx, TARGET, operands, sharding, side_effect,
                      **{KEY_ATTR: site.key.decode(), SPEC_ATTR: site.spec})
 
 
-def custom_call(ctx, target, operands, sharding, **attrs) -> list:
-  """The results of a side-effecting FFI custom call to ``target``."""
+def custom_call(ctx, target, operands, sharding, side_effect: bool = True,
+                **attrs) -> list:
+  """The results of an FFI custom call to ``target`` (side-effecting
+  unless not ``side_effect``)."""
   import jax
-  lower = _lowerings.get(target)
+  lower = _lowerings.get((target, side_effect))
   if lower is None:
-    lower = _lowerings[target] = jax.ffi.build_ffi_lowering_function(
-        target, has_side_effect=True)
+    lower = _lowerings[target, side_effect] = (
+        jax.ffi.build_ffi_lowering_function(target,
+                                            has_side_effect=side_effect))
   op = lower(ctx, *operands, **attrs)
   if sharding is not None:
     _compat.set_sharding(ctx.module_context, op, sharding)

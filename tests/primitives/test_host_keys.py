@@ -6,6 +6,8 @@
   shape), and an importing process rebuilds them batched;
 * a key arriving in a module is made again from the spec it carries: a
   mismatch is refused and never binds the key;
+* a module never reaches a local host function of this process, whatever
+  key it copies (issue 49): its non-data keys are replaced on arrival;
 * a module's format strings pass the checks a traced one does;
 * every frame's buffers are checked against the site before a byte is
   read, on both entries, on every call (not only the site's first);
@@ -209,6 +211,125 @@ run("module after", lambda: module.call(jnp.float32(3.0)))
   # runs what the key names, never what the module's spec says)
   assert lines[2:] == ["mine 2.0", "mine ok", "mine 3.0",
                        "module after ok"], lines
+
+
+# --- 2b. a module never reaches a local host function of this process -------------
+
+# (the victim's program: the same source in both processes, so the attacker
+# computes its local site's key and spec as the victim's lowering makes them)
+_VICTIM = """
+def victim(x):
+  je.callback(lambda v: print("LOCAL RAN", v, flush=True), None, x)
+  return x + 1
+"""
+
+_FORGE_LOCAL = _VICTIM + """
+# The attacker lowers the victim's function (a local callback: not
+# exportable) only to read its key and spec, then exports a function of
+# its own whose named callback has the same buffers and forges that call.
+text = je.jit(victim).lower(jnp.float32(0)).as_text()
+((local_key, local_spec),) = [
+    (k, re.sub(r"\\\\([0-9A-Fa-f]{2})", lambda h: chr(int(h.group(1), 16)), t))
+    for k, t in re.findall(r'jax_effects_key = "([^"]*)", jax_effects_spec = '
+                           r'"((?:[^"\\\\]|\\\\.)*)"', text)]
+assert local_key.startswith("jfx1.L") and local_key.endswith(".0"), local_key
+note = je.register_callback("keys.attacker", lambda v: None)
+def theirs(x):
+  je.callback(note, None, x)
+  return x
+exp = export(theirs, jax.ShapeDtypeStruct((), jnp.float32))
+key, spec = effect_site(exp)
+d = sys.argv[1]
+# its spec copied too; its own (data) spec kept; both under other names
+open(os.path.join(d, "copied"), "wb").write(
+    forged(exp, key, local_key, local_spec).serialize())
+open(os.path.join(d, "own spec"), "wb").write(
+    forged(exp, key, local_key, spec).serialize())
+text = exp.mlir_module()
+renamed = re.sub(r'jax_effects_key = "[^"]*", jax_effects_spec = '
+                 r'"(?:[^"\\\\]|\\\\.)*"', lambda m: m.group(0)
+                 .replace("jax_effects_key", "a_key", 1)
+                 .replace("jax_effects_spec", "b_spec", 1)
+                 if key in m.group(0) else m.group(0), text)
+renamed = renamed.replace(key, local_key)
+with mlir.make_ir_context():
+  blob = _compat.export_module_bytes(mlir.ir.Module.parse(renamed))
+open(os.path.join(d, "renamed"), "wb").write(
+    dataclasses.replace(exp, mlir_module_serialized=blob).serialize())
+"""
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_module_never_runs_a_local_host_function_whose_key_it_copies(
+    entry, tmp_path):
+  # Issue 49: a local key is the hash of a spec anyone with the same source
+  # can compute; the module copies it (with the local spec, with its own
+  # spec, or under other attribute names) into its host call. In the
+  # process whose local site is bound under that key, the module's call
+  # runs nothing of it: the effect fails (UnboundHostFunction naming the
+  # local effect, or the key refused as not its spec's), and the process's
+  # own local callback still runs.
+  pytest.importorskip("flatbuffers")
+  assert _run(_FORGE_LOCAL, str(tmp_path)) == []
+  lines = _run(_VICTIM + """
+v = je.jit(victim)
+run("victim", lambda: v(jnp.float32(1.0)))
+for name in ("copied", "own spec", "renamed"):
+  module = jax.export.deserialize(bytearray(open(
+      os.path.join(sys.argv[1], name), "rb").read()))
+  run(name, lambda: module.call(jnp.float32(42.0)))
+  run(name + " again", lambda: module.call(jnp.float32(43.0)))
+copied = jax.export.deserialize(bytearray(open(
+    os.path.join(sys.argv[1], "copied"), "rb").read()))
+run("in jax_effects.jit", lambda: je.jit(copied.call)(jnp.float32(42.0)))
+run("in jax.jit", lambda: jax.jit(copied.call)(jnp.float32(42.0)))
+run("victim after", lambda: v(jnp.float32(2.0)))
+""", str(tmp_path), entry=entry)
+  assert not any("42" in line or "43" in line for line in lines
+                 if line.startswith("LOCAL RAN")), lines
+  assert lines[:2] == ["LOCAL RAN 1.0", "victim ok"], lines
+  assert lines[-2:] == ["LOCAL RAN 2.0", "victim after ok"], lines
+  middle = lines[2:-2]
+  assert [line.split(" raised ")[0] for line in middle] == [
+      "copied", "copied again", "own spec", "own spec again", "renamed",
+      "renamed again", "in jax_effects.jit", "in jax.jit"], lines
+  for line in middle[:2] + middle[6:]:
+    assert " raised UnboundHostFunction " in line, line
+    assert "jax_effects.callback(victim.<locals>.<lambda>)" in line, line
+  for line in middle[2:6]:
+    assert "is not the key of the spec" in line, line
+
+
+def test_where_modules_cannot_be_screened_local_keys_are_a_secret(tmp_path):
+  # On a JAX whose lowering of an exported call jax_effects cannot wrap
+  # (its internals missing: simulated by removing them before the import),
+  # a module's keys cannot be screened; local keys then mix in a secret of
+  # the process, so a key computed elsewhere from the same source is not
+  # the victim's, and the copied call runs nothing of it.
+  pytest.importorskip("flatbuffers")
+  assert _run(_FORGE_LOCAL, str(tmp_path)) == []
+  proc = helpers.run_script("""
+import importlib
+export = importlib.import_module("jax._src.export._export")
+del export._call_exported_lowering   # (JAX's rule stays registered)
+""" + _PRELUDE + _VICTIM + """
+assert _compat.EXPORTED_CALLS in _compat.MISSING, _compat.MISSING
+v = je.jit(victim)
+run("victim", lambda: v(jnp.float32(1.0)))
+for name in ("copied", "own spec", "renamed"):
+  module = jax.export.deserialize(bytearray(open(
+      os.path.join(sys.argv[1], name), "rb").read()))
+  run(name, lambda: module.call(jnp.float32(42.0)))
+run("victim after", lambda: v(jnp.float32(2.0)))
+""", str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = proc.stdout.splitlines()
+  assert lines[:2] == ["LOCAL RAN 1.0", "victim ok"], lines
+  assert lines[-2:] == ["LOCAL RAN 2.0", "victim after ok"], lines
+  assert [line.split(" raised ")[0] for line in lines[2:-2]] == [
+      "copied", "own spec", "renamed"], lines
+  for line in lines[2:-2]:
+    assert "SiteMismatch" in line, line
 
 
 # --- 3. a module's format string is checked as a traced one ---------------------------
