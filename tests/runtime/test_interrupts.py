@@ -40,7 +40,11 @@ class _Seen(io.StringIO):
     self.seen = seen
 
   def write(self, text):
-    self.seen.set()
+    # (the Event's lock only at the first write, before the SIGINT is sent:
+    # a SIGINT landing inside a later set() left its lock held, and the
+    # bar's close, writing here after the interrupt, waited for it forever)
+    if not self.seen.is_set():
+      self.seen.set()
     return super().write(text)
 
 
