@@ -180,11 +180,12 @@ def _before_plain_jit_launch() -> None:
   not overtake (not inside a host callback: that would wait for the
   computation running it)."""
   state = getattr(_threads.local, "state", None)
-  if state is None or _placement.current() is not None:
+  if state is None:
     return
   plain = state.plain   # (JAX itself waits for the thread's last plain call)
-  if _host_jobs.queues or not all(
-      t is plain or _token_store.is_done(t) for t in state.pending()):
+  if (_host_jobs.queues or not all(
+      t is plain or _token_store.is_done(t) for t in state.pending())) and (
+          _placement.current() is None):
     wait_for_thread()
 
 
