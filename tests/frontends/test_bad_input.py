@@ -216,19 +216,7 @@ def test_traced_value_text_in_the_format_warns_once_per_site(
   msg = str(mine[0].message)
   assert "Tracer(" in msg and f'jax_effects.{call}("loss={{}}", loss)' in msg
   assert mine[0].filename == __file__   # the call site, not ours
-  # Python's default filter shows it once per site.
-  import subprocess, sys, textwrap
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-      import jax.numpy as jnp, jax_effects as je
-      def step(loss):
-        je.{call}(f"loss={{loss}}")
-        return loss
-      for x in (1.0, 2.0, 3.0):
-        je.jit(step)(jnp.float32(x))
-      je.effects_barrier()
-      """)], capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
+  _warns_once_per_site(f"je.{call}")
   # A value as an argument, or a concrete value's text, is no warning.
   import warnings
   with warnings.catch_warnings():
@@ -236,6 +224,23 @@ def test_traced_value_text_in_the_format_warns_once_per_site(
     je.jit(lambda v: (fn("loss={}", v), v)[1])(jnp.float32(1))
     fn(f"loss={jnp.float32(1)}")
     fn("TracerSpark(x) is a word")
+
+
+def _warns_once_per_site(fn: str) -> None:
+  """Python's default filter shows the warning of ``fn(f"...{tracer}")``
+  once per site (a fresh process, three calls)."""
+  from helpers import run_script
+  proc = run_script(f"""
+      import jax, jax.numpy as jnp, jax_effects as je
+      def step(loss):
+        {fn}(f"loss={{loss}}")
+        return loss
+      for x in (1.0, 2.0, 3.0):
+        je.jit(step)(jnp.float32(x))
+      je.effects_barrier()
+      """, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("call", ["print", "log"])
@@ -262,19 +267,7 @@ def test_adopted_jax_debug_traced_value_text_warns_as_ours(call):
   assert type(mine[0].message).__name__ == "TracedTextWarning"
   assert mine[0].filename == __file__   # the call site, not ours
   assert mine[0].lineno == step.__code__.co_firstlineno + 1
-  # Python's default filter shows it once per site.
-  from helpers import run_script
-  proc = run_script(f"""
-      import jax, jax.numpy as jnp, jax_effects as je
-      def step(loss):
-        jax.debug.{call}(f"loss={{loss}}")
-        return loss
-      for x in (1.0, 2.0, 3.0):
-        je.jit(step)(jnp.float32(x))
-      je.effects_barrier()
-      """, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
+  _warns_once_per_site(f"jax.debug.{call}")
   # A value as an argument is no warning.
   import warnings
   with warnings.catch_warnings():
