@@ -19,6 +19,7 @@ from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
+from jax_effects._runtime import output as _output
 
 
 def _result_avals(what: str, result_shape_dtypes):
@@ -124,6 +125,7 @@ def _named_host(spec: dict) -> _host_callback.HostCallback:
   what = spec["what"]
 
   def call(*np_operands):
+    _output.before_user_code()
     fn = _registered(name)
     a, k = decode(args_tree, [x[()] if x.ndim == 0 else x
                               for x in np_operands])
@@ -233,6 +235,7 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
     host = calling(fn)
 
     def call(*np_operands):
+      _output.before_user_code()
       out = host(*np_operands)
       if out is not None and tree_util.tree_leaves(out):
         raise _no_result_expected(what, out)
@@ -240,6 +243,7 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
     host = calling(fn)
 
     def call(*np_operands):
+      _output.before_user_code()
       return _flatten_results(what, host(*np_operands), out_tree,
                               result_shape_dtypes)
 

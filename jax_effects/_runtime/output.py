@@ -262,6 +262,16 @@ def release_held() -> list[BaseException]:
   return failures
 
 
+def before_user_code() -> None:
+  """What a user's callback does first: where it runs once (not per
+  device), the per-device output held before it comes out (its own writes
+  go where it likes, which cannot be held: design/placement.md)."""
+  if _held and _hold_depth:
+    p = _placement.current()
+    if p is None or not p.per_device:
+      release_in_callback()
+
+
 def release_in_callback() -> None:
   """:func:`release_held` from a host callback: what the deliveries raise
   is deferred for the running computation's dispatching thread."""

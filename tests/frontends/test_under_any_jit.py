@@ -145,6 +145,30 @@ def test_deterministic_sorts_per_device_lines(mesh, effects_capture, entry):
   assert lines == want
 
 
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_deterministic_releases_held_lines_before_a_user_callback(
+    mesh, capsys, entry):
+  # A callback that runs once after a shard_map writes after every device's
+  # lines (its own writes cannot be held); under jax_effects.jit it came
+  # first (the lines were released only at the next effect of ours).
+  def body(x):
+    je.print("device {}", x[0])
+    return x
+
+  def f(x):
+    y = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+    je.callback(lambda s: print(f"callback after {s}"), None, y.sum())
+    return y
+  x = jax.device_put(jnp.arange(8), NamedSharding(mesh, P("i")))
+  capsys.readouterr()
+  with je.deterministic():
+    ENTRIES[entry](f)(x)
+    je.effects_barrier()
+  assert capsys.readouterr().out.splitlines() == [
+      *[f"[device {d} shard {d} process 0] device {d}" for d in range(8)],
+      "callback after 28"]
+
+
 def test_entries_mixed_on_one_thread_keep_call_order(mesh, effects_capture):
   x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
   f = _sharded_program(mesh)
