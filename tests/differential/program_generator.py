@@ -16,6 +16,13 @@ kind is a :class:`Node` subclass with ``generate``/``build``/``python``/
 draws from any subset of kinds (``Generator(kinds=[...])``) and any list of
 effects, so other test modules can add transformations (vmap, grad), modes or
 unordered effects without touching these.
+
+The kinds ``log``, ``vmap``, ``grad`` and ``shard_map`` (and the
+generator's ``p_unordered``, ``rich`` and ``devices``) are for the
+differential test across entries (``test_entries``), which compares what
+programs write to stdout (:class:`StdoutContext`, :func:`log_to_stdout`)
+between ``jax_effects.jit``, plain ``jax.jit`` and eager execution; a
+Generator draws them only when named in ``kinds``.
 """
 from __future__ import annotations
 
@@ -105,7 +112,8 @@ class Generator:
 
   * ``p_unordered``: the probability that a print, log or callback is
     ``ordered=False`` (its tag ends with ``UNORDERED_MARK``);
-  * ``rich``: a ``while``'s ``cond_fun`` may hold prints and logs too;
+  * ``rich``: a ``while``'s ``cond_fun`` may hold prints and logs too,
+    and its trip count may be a constant (``While.static``);
   * ``devices``: the number of devices of every ``shard_map`` node (one
     per program: a computation has one device assignment).
   """
@@ -349,12 +357,15 @@ class While(Node):
   """while_loop over (i, x): runs ``x % trips + 1`` times (at least once),
   optional effect in cond_fun (recording i), body block on x. With the
   generator's ``rich``, ``cond_nodes``: more effects in cond_fun (prints,
-  logs, callbacks without result) of i, after that one."""
+  logs, callbacks without result) of i, after that one; and ``static``:
+  the loop runs ``trips`` times, a count XLA knows (it then may skip the
+  condition computation)."""
   trips: int
   cond_effect: str | None
   cond_tag: str
   body: Block
   cond_nodes: list = dataclasses.field(default_factory=list)
+  static: bool = False
 
   @classmethod
   def generate(cls, gen, depth):
@@ -362,6 +373,7 @@ class While(Node):
     node = cls(gen.rng.randint(1, 3), cond_effect, gen.tag("w"),
                gen.block(depth + 1))
     if gen.rich:
+      node.static = gen.rng.random() < 0.3
       leaves = [KINDS[k].cls for k in ("print", "log", "callback")
                 if k in KINDS and k in gen.kinds]
       for _ in range(gen.rng.randint(0, 2)):
@@ -378,24 +390,33 @@ class While(Node):
     effect = _effect_object(self.cond_effect) if self.cond_effect else None
     cond_fns = [n.build(ctx) for n in self.cond_nodes]
 
+    # (cond and step are made once, here: JAX then traces and, eagerly,
+    # compiles the loop once, not at every call)
+    def cond(c):
+      if record is not None:
+        je.callback(record, None, c[0], effect=effect)
+      for fn in cond_fns:
+        fn(c[0])
+      return c[0] < c[2]
+
+    def step(c):
+      return c[0] + 1, body(c[1]), c[2]
+
+    def static_cond(c):   # (the bound a constant of the loop)
+      return cond((*c, self.trips))
+
+    def static_step(c):
+      return step((*c, 0))[:2]
+
     def run(x):
+      if self.static:
+        return lax.while_loop(static_cond, static_step, (jnp.int32(0), x))[1]
       n = x % self.trips + 1
-
-      def cond(c):
-        if record is not None:
-          je.callback(record, None, c[0], effect=effect)
-        for fn in cond_fns:
-          fn(c[0])
-        return c[0] < n
-
-      def step(c):
-        return c[0] + 1, body(c[1])
-
-      return lax.while_loop(cond, step, (jnp.int32(0), x))[1]
+      return lax.while_loop(cond, step, (jnp.int32(0), x, n))[1]
     return run
 
   def python(self, x, events):
-    n = x % self.trips + 1
+    n = self.trips if self.static else x % self.trips + 1
     i = 0
     while True:
       if self.cond_effect:
@@ -412,7 +433,8 @@ class While(Node):
         if self.cond_effect else ""
     ce += "".join(f"; cond-{n.describe().strip()} (of i)"
                   for n in self.cond_nodes)
-    return (f"{pad}while i < x % {self.trips} + 1:{ce}\n"
+    bound = self.trips if self.static else f"x % {self.trips} + 1"
+    return (f"{pad}while i < {bound}:{ce}\n"
             f"{self.body.describe(indent + 2)}")
 
 
@@ -431,10 +453,11 @@ class Scan(Node):
   def build(self, ctx):
     body = self.body.build(ctx)
 
+    def step(c, i):
+      y = body((c + i) % MOD)
+      return y, y
+
     def run(x):
-      def step(c, i):
-        y = body((c + i) % MOD)
-        return y, y
       return lax.scan(step, x, jnp.arange(self.length, dtype=jnp.int32),
                       reverse=self.reverse)[0]
     return run
@@ -465,9 +488,12 @@ class Fori(Node):
   def build(self, ctx):
     body = self.body.build(ctx)
 
+    def step(i, c):
+      return body((c + i) % MOD)
+
     def run(x):
       upper = x % 3 if self.n is None else self.n
-      return lax.fori_loop(0, upper, lambda i, c: body((c + i) % MOD), x)
+      return lax.fori_loop(0, upper, step, x)
     return run
 
   def python(self, x, events):
@@ -610,10 +636,11 @@ class Log(Node):
 @dataclasses.dataclass
 class Vmap(Node):
   """``jax.vmap`` of a block over ``size`` copies of the state
-  (``x + 3 j``), summed back: every effect inside runs once per element
+  (``x + 5 j``), summed back: every effect inside runs once per element
   (site-major: a site for every element, then the next site); a
-  ``while`` inside has a trip count that differs per element, a ``cond``
-  a predicate per element. Nested vmaps have different sizes."""
+  ``while`` inside has a trip count that differs per element (``x % 2``
+  and ``x % 3`` differ between neighbours), a ``cond`` a predicate per
+  element. Nested vmaps have different sizes."""
   size: int
   body: Block
 
@@ -627,7 +654,7 @@ class Vmap(Node):
     body = jax.vmap(self.body.build(ctx))
 
     def run(x):
-      xs = (x + 3 * jnp.arange(self.size, dtype=jnp.int32)) % MOD
+      xs = (x + 5 * jnp.arange(self.size, dtype=jnp.int32)) % MOD
       return jnp.sum(body(xs)) % MOD
     return run
 
@@ -637,7 +664,7 @@ class Vmap(Node):
         "(test_entries)")
 
   def describe(self, indent=0):
-    return (" " * indent + f"vmap over x + 3 * arange({self.size}) "
+    return (" " * indent + f"vmap over x + 5 * arange({self.size}) "
             f"(summed):\n" + self.body.describe(indent + 2))
 
 
@@ -690,7 +717,8 @@ class Grad(Node):
 @dataclasses.dataclass
 class ShardMap(Node):
   """``jax.shard_map`` over the generator's ``devices`` (a one-axis mesh of
-  the first ones): device ``d`` runs the block on ``x + d``; the state
+  the first ones): device ``d`` runs the block (with an effect at its
+  top level, a print if none was drawn) on ``x + d``; the state
   becomes the sum, then an optional print after (one line, which must come
   after every device's lines)."""
   devices: int
@@ -701,6 +729,8 @@ class ShardMap(Node):
   def generate(cls, gen, depth):
     with gen.within("shard_map"):
       body = gen.block(depth + 1)
+      if not any(isinstance(n, (Print, Log, Callback)) for n in body.nodes):
+        body.nodes.append(Print.generate(gen, depth + 1))
     after = (Print.generate(gen, depth) if gen.rng.random() < 0.7
              else None)
     return cls(gen.devices, body, after)

@@ -17,13 +17,13 @@ element, a vmapped ``cond``'s predicate too) and ``jax.grad`` (prints of
 primal values in the differentiated function).
 
 Each ``(PYTHONHASHSEED, entry)`` is one fresh process running the whole
-batch of programs (:func:`child`): every program is called
-:data:`CALLS` times in a row, then ``jax_effects.effects_barrier()``, in
-the per-effect (odd seeds) or global ordering mode; a program with a
-``shard_map`` is then called :data:`CALLS` times inside
-``jax_effects.deterministic()`` (global mode). Every call starts with a
-print on each effect, so that a line of one call showing after the next
-call's start is seen. The outputs (stdout: prints, records, callbacks'
+batch of programs (:func:`child`; :data:`HASH_SEEDS`, the eager entry under
+:data:`EAGER_HASH_SEEDS`): every program is called :data:`CALLS` times in
+a row, then ``jax_effects.effects_barrier()``, in the per-effect (odd
+seeds) or global ordering mode (even seeds, each with a ``shard_map``;
+every other one inside ``jax_effects.deterministic()``: per-device lines
+must then come sorted). Every call starts with a print on each effect, so
+that a line of one call showing after the next call's start is seen. The outputs (stdout: prints, records, callbacks'
 lines, and a marker with the results after each barrier) are compared
 section by section with ``jax_effects.jit``'s, after :func:`canonical`
 forgets only what the contract leaves free: the order of ``ordered=False``
@@ -33,11 +33,26 @@ between two lines that run once (each device's own lines keep their order;
 inside ``deterministic()`` the interleaving is compared as it is, except
 for per-device callbacks, whose own writes are not held).
 
-``JAX_EFFECTS_ENTRY_PROGRAMS=N`` (or ``--run-slow``: :data:`SLOW_PROGRAMS`)
-runs N programs per process instead of :data:`N_PROGRAMS`.
+``JAX_EFFECTS_ENTRY_PROGRAMS=N`` (``--run-slow``: 40) runs N more
+programs per process, deeper ones (:data:`DEEP`); ``--run-slow`` runs the
+eager entry under every hash seed too. To run the test against another
+checkout of jax_effects (the code before a change, say), put that checkout
+first on ``PYTHONPATH`` and start pytest from a folder outside this one
+(``python -m pytest`` and xdist's workers put the working folder first on
+``sys.path``): ``cd /tmp && PYTHONPATH=OLD python -m pytest -c
+REPO/tox.ini --rootdir REPO REPO/tests/differential/test_entries.py``.
+
+Differences seen on other seeds (not in the default batch; reported):
+inside ``deterministic()``, (a) under ``jax_effects.jit`` a callback that
+runs once after a ``shard_map`` writes before the held per-device lines
+(plain ``jax.jit`` and eager: after them); (b) eagerly, where devices take
+different branches in a ``shard_map``, the held lines come sorted per
+primitive (each is a dispatch of its own), not by position in each
+device's sequence as under both jits (seed 1072).
 """
 import collections
 import concurrent.futures
+import contextlib
 import os
 import re
 import sys
@@ -52,10 +67,19 @@ TESTS = os.path.dirname(HERE)
 
 ENTRIES = ("jax_effects.jit", "jax.jit", "eager")
 HASH_SEEDS = (0, 1, 2)
-N_PROGRAMS = 12
-SLOW_PROGRAMS = 60
-PROGRAMS = int(os.environ.get("JAX_EFFECTS_ENTRY_PROGRAMS", "0")) or \
-    helpers.scale(N_PROGRAMS, SLOW_PROGRAMS)
+#: The hash seeds of the eager entry (``--run-slow``: all): eagerly, JAX
+#: compiles every control-flow primitive, and every primitive inside a
+#: ``shard_map`` or ``vmap``, at every call (more CPU than the other two
+#: entries together); its lowering is plain ``jax.jit``'s, which runs
+#: under every hash seed.
+EAGER_HASH_SEEDS = helpers.scale((0,), HASH_SEEDS)
+N_PROGRAMS = 5
+#: Seeds from here on draw programs one level deeper: :data:`MORE_PROGRAMS`
+#: of them run after the :data:`N_PROGRAMS` (``--run-slow``: 40;
+#: ``JAX_EFFECTS_ENTRY_PROGRAMS=N``: N).
+DEEP = 1000
+MORE_PROGRAMS = int(os.environ.get("JAX_EFFECTS_ENTRY_PROGRAMS", "0")) or \
+    helpers.scale(0, 40)
 CALLS = 2
 KINDS = ("arith", "print", "log", "callback", "cond", "switch", "while",
          "scan", "fori", "call", "vmap", "grad", "shard_map")
@@ -66,18 +90,60 @@ CHILD_TIMEOUT_S = 600
 
 # --- the programs ------------------------------------------------------------
 
+def _theme(seed: int, gen):
+  """The node every program of ``seed`` has, so that a small batch has
+  them all: even seeds, a ``shard_map`` (unless one was drawn); odd seeds,
+  in turn, a vmapped ``while_loop`` (an effect in its ``cond_fun``, a trip
+  count per element) and ``cond`` and an ``ordered=False`` callback, or a
+  nested call of a ``while_loop`` of a count XLA knows (a print in its
+  ``cond_fun``), a ``grad`` of a ``scan`` and an ``ordered=False``
+  print."""
+  if seed % 2 == 0:
+    return pg.ShardMap.generate(gen, 1)
+  if seed // 2 % 2 == 0:
+    with gen.within("vmap"):
+      loop = pg.While.generate(gen, 2)
+      loop.trips, loop.static = max(loop.trips, 2), False
+      if not (loop.cond_effect or loop.cond_nodes):
+        loop.cond_nodes.append(pg.Print(gen.effect(), gen.tag("p")))
+      unordered = pg.Callback(gen.effect(), gen.effect_tag("c", False),
+                              None, False)
+      return pg.Vmap(2, pg.Block([loop, pg.Cond.generate(gen, 2),
+                                  unordered]))
+  loop = pg.While.generate(gen, 2)
+  loop.static = True
+  loop.cond_nodes.append(pg.Print(gen.effect(), gen.tag("p")))
+  effect, tag = gen.effect(), gen.tag("g")
+  with gen.within("grad"):
+    grad = pg.Grad(effect, tag, pg.Block([pg.Scan.generate(gen, 2)]))
+  unordered = pg.Print(gen.effect(), gen.effect_tag("p", False), False)
+  return pg.Call(gen.rng.choice(pg.Call.WRAPPERS),
+                 pg.Block([loop, grad, unordered]))
+
+
 def program(seed: int):
-  """``(program, mode, x0)`` of ``seed``: a program of every kind of
-  :data:`KINDS`, its ``shard_map`` nodes over ``DEVICES[seed % 3]``
-  devices; every other seed has at least one ``shard_map``."""
-  gen = pg.Generator(seed, kinds=KINDS, effects=EFFECTS, max_depth=3,
-                     max_block=3, p_unordered=0.15, rich=True,
+  """``(program, mode, x0)`` of ``seed``: a random program of the kinds of
+  :data:`KINDS` with its :func:`_theme` node, its ``shard_map`` nodes over
+  ``DEVICES[seed % 3]`` devices; even seeds in the global ordering mode,
+  odd ones in the per-effect mode."""
+  gen = pg.Generator(seed, kinds=KINDS, effects=EFFECTS,
+                     max_depth=1 if seed < DEEP else 2,
+                     max_block=2, p_unordered=0.15, rich=True,
                      devices=DEVICES[seed % len(DEVICES)])
   prog = gen.program()
-  if seed % 2 == 0 and not has_kind(prog, pg.ShardMap):
+  if not (seed % 2 == 0 and has_kind(prog, pg.ShardMap)):
     prog.nodes.insert(gen.rng.randint(0, len(prog.nodes)),
-                      pg.ShardMap.generate(gen, 1))
+                      _theme(seed, gen))
   return prog, ("per_effect" if seed % 2 else "global"), seed % 13
+
+
+def deterministic(seed: int) -> bool:
+  """Whether the program of ``seed`` is called inside ``deterministic()``:
+  every other one with a ``shard_map`` (seeds 0, 4, 8, ...: global mode).
+  (Calling each of them both ways would cost one more compilation under
+  ``jax_effects.jit``, and one more call, every primitive compiled again,
+  eagerly.)"""
+  return seed % 4 == 0
 
 
 def nodes(node):
@@ -107,8 +173,9 @@ test_entries.child(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])
 
 
 def child(entry: str, seeds) -> None:
-  """Runs the programs of ``seeds`` under ``entry``, writing their lines and
-  a marker after each phase (``=== <seed> <phase> -> <results>``)."""
+  """Runs the programs of ``seeds`` under ``entry``, writing their lines,
+  each program's ended by a marker after its barrier (``=== <seed>
+  <calls|deterministic> -> <results>``)."""
   import jax
   import jax.numpy as jnp
   import jax_effects as je
@@ -125,29 +192,22 @@ def child(entry: str, seeds) -> None:
 
     fn = {"jax_effects.jit": je.jit, "jax.jit": jax.jit,
           "eager": lambda f: f}[entry](f)
-    phases = [("calls", mode, False)]
-    if has_kind(prog, pg.ShardMap):
-      phases.append(("deterministic", "global", True))
-    for phase, phase_mode, det in phases:
-      base = x0 + (100 if det else 0)
+    det = deterministic(seed)
+    try:
+      with je.ordering(mode), \
+          (je.deterministic() if det else contextlib.nullcontext()):
+        outs = [fn(jnp.int32(x0 + i)) for i in range(CALLS)]
+        je.effects_barrier()
+      end = str([int(o) for o in outs])
+    except Exception as err:  # noqa: BLE001 - compared as output
       try:
-        with je.ordering(phase_mode):
-          if det:
-            with je.deterministic():
-              outs = [fn(jnp.int32(base + i)) for i in range(CALLS)]
-              je.effects_barrier()
-          else:
-            outs = [fn(jnp.int32(base + i)) for i in range(CALLS)]
-            je.effects_barrier()
-        end = str([int(o) for o in outs])
-      except Exception as err:  # noqa: BLE001 - compared as output
-        try:
-          je.effects_barrier()
-        except Exception:  # noqa: BLE001
-          pass
-        end = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-      sys.stdout.write(f"=== {seed} {phase} -> {end}\n")
-      sys.stdout.flush()
+        je.effects_barrier()
+      except Exception:  # noqa: BLE001
+        pass
+      end = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    phase = "deterministic" if det else "calls"
+    sys.stdout.write(f"=== {seed} {phase} -> {end}\n")
+    sys.stdout.flush()
 
 
 def run_entry(entry: str, seeds, hash_seed: int, env=None):
@@ -170,7 +230,7 @@ _MARKER = re.compile(r"=== (\d+) (\S+) -> ")
 
 
 def sections(stdout: str) -> dict:
-  """``(seed, phase) -> (lines, marker)``: each phase's lines, ended by
+  """``(seed, phase) -> (lines, marker)``: each program's lines, ended by
   its marker (lines after the last marker: key ``None``)."""
   out, lines = {}, []
   for line in stdout.splitlines():
@@ -232,30 +292,48 @@ def canonical(lines, mode: str, deterministic: bool) -> dict:
           **{k: _sort_device_runs(v) for k, v in sorted(streams.items())}}
 
 
+def _canonical_section(key, lines):
+  """:func:`canonical` of the lines of section ``key``, in its program's
+  mode (lines after the last marker: as in the global mode)."""
+  if key is None:
+    return canonical(lines, "global", False)
+  return canonical(lines, program(key[0])[1], key[1] == "deterministic")
+
+
 def differences(outputs: dict) -> list:
-  """``(key, {entry: section's lines})`` of every section whose canonical
-  form differs from the first entry's (``outputs``: entry -> stdout)."""
+  """``(key, {entry: (lines, marker)})`` of every section whose marker or
+  canonical form differs from the first entry's (``outputs``: entry ->
+  stdout)."""
   parsed = {entry: sections(out) for entry, out in outputs.items()}
   keys = sorted({k for p in parsed.values() for k in p},
                 key=lambda k: (k is None, k))
   found = []
   for key in keys:
-    if key is None:
-      phase, mode = "calls", "global"
-    else:
-      phase, mode = key[1], program(key[0])[1]
-    det = phase == "deterministic"
-    forms = {}
-    for entry, p in parsed.items():
-      lines, marker = p.get(key, (None, None))
-      forms[entry] = (None if lines is None else
-                      (marker, canonical(lines, "global" if det else mode,
-                                         det)))
-    ref = forms[next(iter(parsed))]
-    if any(form != ref for form in forms.values()):
-      found.append((key, {entry: p.get(key, ([], None))
-                          for entry, p in parsed.items()}))
+    by_entry = {entry: p.get(key, ([], None)) for entry, p in parsed.items()}
+    forms = [(marker, _canonical_section(key, lines))
+             for lines, marker in by_entry.values()]
+    if any(form != forms[0] for form in forms):
+      found.append((key, by_entry))
   return found
+
+
+def _first_difference(key, ref, other):
+  """Where section ``key``'s ``other`` (lines, marker) first differs from
+  ``ref`` (None: nowhere)."""
+  (ref_lines, ref_marker), (lines, marker) = ref, other
+  if ref_marker != marker:
+    return f"marker {marker!r} (reference {ref_marker!r})"
+  a = _canonical_section(key, ref_lines)
+  b = _canonical_section(key, lines)
+  for stream in sorted(set(a) | set(b)):
+    x, y = a.get(stream, []), b.get(stream, [])
+    if x != y:
+      i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v),
+               min(len(x), len(y)))
+      return (f"stream {stream!r}, line {i}: {y[i] if i < len(y) else None!r}"
+              f" (reference {x[i] if i < len(x) else None!r}; "
+              f"{len(y)} lines, reference {len(x)})")
+  return None
 
 
 def report(found: list, hash_seed: int) -> str:
@@ -267,8 +345,14 @@ def report(found: list, hash_seed: int) -> str:
       prog, mode, x0 = program(key[0])
       out.append(f"\n--- seed {key[0]}, phase {key[1]}, mode {mode}, "
                  f"inputs {x0}, {x0 + 1}:\n{prog.describe(2)}")
+    ref_entry, ref = next(iter(by_entry.items()))
     for entry, (lines, marker) in by_entry.items():
-      out.append(f"  [{entry}]")
+      where = (None if entry == ref_entry
+               else _first_difference(key, ref, (lines, marker)))
+      diff = ("" if entry == ref_entry else
+              f" same as {ref_entry}" if where is None else
+              f" differs from {ref_entry}: {where}")
+      out.append(f"  [{entry}]{diff}")
       out += [f"    {line}" for line in lines] + [f"    {marker}"]
   return "\n".join(out)
 
@@ -277,29 +361,34 @@ def report(found: list, hash_seed: int) -> str:
 
 @pytest.mark.parametrize("hash_seed", HASH_SEEDS)
 def test_entries_write_the_same_lines(hash_seed):
-  seeds = list(range(PROGRAMS))
-  with concurrent.futures.ThreadPoolExecutor(len(ENTRIES)) as pool:
+  seeds = [*range(N_PROGRAMS), *range(DEEP, DEEP + MORE_PROGRAMS)]
+  entries = [e for e in ENTRIES
+             if e != "eager" or hash_seed in EAGER_HASH_SEEDS]
+  with concurrent.futures.ThreadPoolExecutor(len(entries)) as pool:
     futures = {e: pool.submit(run_entry, e, seeds, hash_seed)
-               for e in ENTRIES}
+               for e in entries}
     outputs = {e: f.result() for e, f in futures.items()}
   found = differences(outputs)
   assert not found, report(found, hash_seed)
   # every program ran, and ran without error, under every entry
   for entry, out in outputs.items():
     ends = [line for line in out.splitlines() if _MARKER.match(line)]
-    assert len(ends) == sum(1 + has_kind(program(s)[0], pg.ShardMap)
-                            for s in seeds), entry
+    assert len(ends) == len(seeds), entry
     assert all(re.search(r"-> \[[\d, ]+\]$", e) for e in ends), (entry, ends)
 
 
 def test_programs_cover_every_kind():
   # The default batch draws every kind, every effect kind ordered and
-  # unordered, effects in cond_fun, a shard_map over 1, 4 and 8 devices, a
-  # vmapped while_loop and cond, a deterministic() phase.
+  # unordered, effects in cond_fun (of a loop whose count XLA knows too), a
+  # shard_map over 1, 4 and 8 devices, inside deterministic() and not, a
+  # vmapped while_loop and cond, both ordering modes.
   kinds, devices, flags = set(), set(), set()
   for seed in range(N_PROGRAMS):
     prog, mode, _ = program(seed)
     flags.add(mode)
+    if has_kind(prog, pg.ShardMap):
+      flags.add("shard_map/deterministic" if deterministic(seed)
+                else "shard_map/calls")
     for node in nodes(prog):
       kinds.add(node.kind)
       if isinstance(node, pg.ShardMap):
@@ -307,7 +396,7 @@ def test_programs_cover_every_kind():
       if isinstance(node, (pg.Print, pg.Log, pg.Callback)):
         flags.add((node.kind, node.ordered))
       if isinstance(node, pg.While) and (node.cond_effect or node.cond_nodes):
-        flags.add("cond_fun")
+        flags.add("cond_fun/static" if node.static else "cond_fun")
       if isinstance(node, pg.Vmap):
         inner = {n.kind for n in nodes(node.body)}
         flags.update(f"vmap/{k}" for k in inner & {"while", "cond", "fori"})
@@ -315,8 +404,9 @@ def test_programs_cover_every_kind():
   assert devices == set(DEVICES), devices
   for kind in ("print", "log", "callback"):
     assert {(kind, True), (kind, False)} <= flags, (kind, flags)
-  assert {"cond_fun", "vmap/while", "vmap/cond", "per_effect",
-          "global"} <= flags, flags
+  assert {"cond_fun", "cond_fun/static", "vmap/while", "vmap/cond",
+          "per_effect", "global", "shard_map/deterministic",
+          "shard_map/calls"} <= flags, flags
 
 
 def test_canonical_form_keeps_what_the_contract_fixes():
