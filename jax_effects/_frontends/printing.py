@@ -267,11 +267,46 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   return fa.operands, eager, jit, edges, spec
 
 
+# NumPy >= 2.1 keeps the print options in a ContextVar whose dict
+# ``set_printoptions``/``printoptions`` replace and never change, so the
+# dict found equal to a call site's options once is known equal while it is
+# the current one (``np.get_printoptions()`` copies and converts it, ~1-4 us
+# a line). NumPy 2.0 keeps one dict for the process, changed in place:
+# compared on every line there.
+try:
+  from numpy._core.printoptions import format_options as _np_format_options
+except ImportError:   # NumPy 2.0
+  _np_format_options = None
+
+
+def _options_check(options: dict):
+  """``(current, same, match)``: ``current() is same[0] or match()`` tells
+  whether the calling thread's NumPy print options are ``options`` (as
+  ``np.get_printoptions() == options`` does), ``current() is same[0]``
+  without a call of ours once they were found equal."""
+  same = [None]
+  if _np_format_options is None:
+    def match():
+      return np.get_printoptions() == options
+    return (lambda: False), same, match
+  current = _np_format_options.get
+
+  def match():
+    found = current()
+    if np.get_printoptions() == options:
+      same[0] = found
+      return True
+    return False
+  return current, same, match
+
+
 def _formatted(fmt: str, rebuild, options: dict):
   """``text(values)``: ``fmt`` formatted under the NumPy print ``options``."""
+  current, same, match = _options_check(options)
+
   def fmt_values(values):
     a, k = rebuild(values)
-    if np.get_printoptions() == options:
+    if current() is same[0] or match():
       return fmt.format(*a, **k)
     with np.printoptions(**options):
       return fmt.format(*a, **k)
@@ -287,6 +322,58 @@ def _texts(fmt: str, rebuild, options: dict, edges: tuple):
   else:
     def jit(*np_operands):
       return fmt_values([Value(x) for x in np_operands])
+  return jit
+
+
+def _conversions(fmt: str) -> bool:
+  """Whether a field of ``fmt`` (nested ones too) has a conversion (``!r``)."""
+  for _, name, spec, conversion in _FORMATTER.parse(fmt):
+    if name is not None and (conversion or (spec and _conversions(spec))):
+      return True
+  return False
+
+
+def _flat_texts(fmt: str, args_data, options: dict, edges: tuple):
+  """:func:`_texts` for a spec whose arguments and keyword arguments are all
+  leaves (``print("{} {:.3f}", 3, x)``), or None: the values put straight
+  into ``fmt.format`` in one frame (a line in a compiled loop pays for
+  every frame, issue 48). Where no field has a conversion, a 0-d operand
+  shown whole goes in as its NumPy scalar: a field without conversion
+  formats its value with ``format(value, spec)``, and ``Value.__format__``
+  is ``format`` of that scalar, so the text is the same."""
+  flat = _host_specs.flat_arguments(args_data)
+  if flat is None:
+    return None
+  items, slots, keys, kw_items, kw_slots = flat
+  scalars = not _conversions(fmt)
+  wraps = tuple(Value if e is None else
+                (lambda x, shape=e.shape: _edges.Summarized(x, shape))
+                for e in edges)
+  current, same, match = _options_check(options)
+  if (len(items) == 1 and slots == [(0, 0)] and not keys
+      and edges == (None,)):
+    # print("...{}...", x): the most common form.
+    def jit(x):
+      v = x[()] if scalars and x.ndim == 0 else Value(x)
+      if current() is same[0] or match():
+        return fmt.format(v)
+      with np.printoptions(**options):
+        return fmt.format(v)
+    return jit
+
+  def jit(*np_operands):
+    values = [x[()] if scalars and e is None and x.ndim == 0 else wrap(x)
+              for x, e, wrap in zip(np_operands, edges, wraps)]
+    a = list(items)
+    for i, j in slots:
+      a[i] = values[j]
+    k = dict(zip(keys, kw_items))
+    for key, j in kw_slots:
+      k[key] = values[j]
+    if current() is same[0] or match():
+      return fmt.format(*a, **k)
+    with np.printoptions(**options):
+      return fmt.format(*a, **k)
   return jit
 
 
@@ -351,8 +438,10 @@ def text_from_spec(spec: dict, what: str = "jax_effects.print"):
   """``jit(*np_operands)`` of a :func:`text_spec` (checked first,
   :func:`check_text_spec`)."""
   check_text_spec(what, spec)
-  return _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
-                spec["options"], spec_edges(spec))
+  edges = spec_edges(spec)
+  return (_flat_texts(spec["fmt"], spec["args"], spec["options"], edges)
+          or _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
+                    spec["options"], edges))
 
 
 def _emit_line(jit, ordered: bool):

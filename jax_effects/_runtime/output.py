@@ -132,18 +132,65 @@ def _handle_record(logger: logging.Logger, record: logging.LogRecord,
 
 # --- delivery --------------------------------------------------------------
 
+# (the one value of ``placement.site.running`` while a delivery runs: :func:`_run`)
+_CLEARED = (None, False)
+
+
 def deliver_line(text: str, ordered: bool) -> None:
-  """Delivers a printed line; per-device lines get their placement prefix."""
-  p = _placement.current()
-  if p is not None and p.per_device:
+  """Delivers a printed line; per-device lines get their placement prefix.
+
+  The common case (no deterministic view) is :func:`_hold_or_run`,
+  :func:`_run` and :func:`_write_line` in this one frame: a line in a
+  compiled loop pays for every Python frame (issue 48)."""
+  site = _placement.site
+  running = site.running
+  p = running[0]
+  if p is None:
+    p = _placement.current()
+  if p is not None and p.shard_index is not None:   # (p.per_device)
     text = p.prefix() + text
-  _hold_or_run(ordered, lambda: _write_line(text))
+  if _hold_depth:
+    _hold_or_run(ordered, lambda: _write_line(text))
+    return
+  if running[0] is None:
+    _write_line(text)
+    return
+  site.running = _CLEARED
+  try:
+    out = sys.stdout
+    if out is not None:
+      around = _around
+      if around is None:
+        with _write_lock:
+          out.write(text + "\n")
+      else:
+        def write():
+          with _write_lock:
+            out.write(text + "\n")
+        around(out, write)
+    for fn in _line_listeners:
+      fn(text)
+  finally:
+    site.running = running
 
 
 def deliver_record(logger: logging.Logger, record: logging.LogRecord,
                    ordered: bool) -> None:
-  """Delivers a log record (held in the deterministic view like lines)."""
-  _hold_or_run(ordered, lambda: _handle_record(logger, record))
+  """Delivers a log record (held in the deterministic view like lines);
+  the common case in this frame, as :func:`deliver_line`'s."""
+  if _hold_depth:
+    _hold_or_run(ordered, lambda: _handle_record(logger, record))
+    return
+  site = _placement.site
+  running = site.running
+  if running[0] is None:
+    _handle_record(logger, record)
+    return
+  site.running = _CLEARED
+  try:
+    _handle_record(logger, record)
+  finally:
+    site.running = running
 
 
 def deliver(thunk: Callable[[], None], ordered: bool) -> None:
