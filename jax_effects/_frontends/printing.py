@@ -23,6 +23,7 @@ from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 
@@ -333,6 +334,75 @@ def _conversions(fmt: str) -> bool:
   return False
 
 
+def _one_field(fmt: str) -> tuple[str, str, str] | None:
+  """``(before, spec, after)`` where ``fmt`` has one field, without a
+  conversion or nested fields, naming the first positional argument
+  (``"loss {:.3f}!"``): ``fmt.format(v)`` is then
+  ``before + format(v, spec) + after`` (what ``str.format`` does for it),
+  without parsing ``fmt`` per line; else None."""
+  parts = list(_FORMATTER.parse(fmt))
+  fields = [p for p in parts if p[1] is not None]
+  if (len(fields) != 1 or fields[0][1] not in ("", "0") or fields[0][3]
+      or "{" in fields[0][2]):
+    return None
+  at = parts.index(fields[0])
+  before = "".join(p[0] for p in parts[:at + 1])
+  after = "".join(p[0] for p in parts[at + 1:])
+  return before, fields[0][2], after
+
+
+def _single_text(fmt: str, scalars: bool, current, same, match,
+                 options: dict):
+  """:func:`_flat_texts` of ``print("...{}...", x)``, the most common form;
+  ``jit.line_at(ordered, running)`` is ``print``'s host function with
+  :func:`_output.deliver_line_at`, in one frame."""
+  one = _one_field(fmt)
+  item_dtype = None   # (the operand's dtype, once it formats as .item())
+
+  def jit(x):
+    nonlocal item_dtype
+    if x.dtype is item_dtype and x.ndim == 0:
+      v = x.item()
+    elif scalars and x.ndim == 0:
+      v = x[()]
+      if _edges.formats_as_item(x.dtype):
+        item_dtype = x.dtype
+    else:
+      v = Value(x)
+    if current() is same[0] or match():
+      return fmt.format(v)
+    with np.printoptions(**options):
+      return fmt.format(v)
+  jit.runs_no_user_code = True
+  if one is None:
+    return jit
+  before, spec, after = one   # (no conversion: ``scalars``)
+
+  def line_at(ordered: bool, running: tuple):
+    deliver = _output.line_at(ordered, running)
+
+    def emit_at(x):
+      nonlocal item_dtype
+      if x.dtype is item_dtype and x.ndim == 0:
+        v = x.item()
+      elif x.ndim == 0:
+        v = x[()]
+        if _edges.formats_as_item(x.dtype):
+          item_dtype = x.dtype
+      else:
+        v = Value(x)
+      if current() is same[0] or match():
+        deliver(before + format(v, spec) + after)
+      else:
+        with np.printoptions(**options):
+          text = before + format(v, spec) + after
+        deliver(text)
+      return ()
+    return emit_at
+  jit.line_at = line_at
+  return jit
+
+
 def _flat_texts(fmt: str, args_data, options: dict, edges: tuple):
   """:func:`_texts` for a spec whose arguments and keyword arguments are all
   leaves (``print("{} {:.3f}", 3, x)``), or None: the values put straight
@@ -352,14 +422,7 @@ def _flat_texts(fmt: str, args_data, options: dict, edges: tuple):
   current, same, match = _options_check(options)
   if (len(items) == 1 and slots == [(0, 0)] and not keys
       and edges == (None,)):
-    # print("...{}...", x): the most common form.
-    def jit(x):
-      v = x[()] if scalars and x.ndim == 0 else Value(x)
-      if current() is same[0] or match():
-        return fmt.format(v)
-      with np.printoptions(**options):
-        return fmt.format(v)
-    return jit
+    return _single_text(fmt, scalars, current, same, match, options)
 
   def jit(*np_operands):
     values = [x[()] if scalars and e is None and x.ndim == 0 else wrap(x)
@@ -374,6 +437,7 @@ def _flat_texts(fmt: str, args_data, options: dict, edges: tuple):
       return fmt.format(*a, **k)
     with np.printoptions(**options):
       return fmt.format(*a, **k)
+  jit.runs_no_user_code = True   # (static leaves are str, numbers, None)
   return jit
 
 
@@ -448,6 +512,21 @@ def _emit_line(jit, ordered: bool):
   def emit(*np_operands):
     _output.deliver_line(jit(*np_operands), ordered)
     return ()
+  line_at = getattr(jit, "line_at", None)
+  if line_at is not None:
+    setattr(emit, _host_functions.PLACED,
+            lambda running: line_at(ordered, running))
+  elif getattr(jit, "runs_no_user_code", False):
+    # (nothing of the user's runs before the write, which clears the site:
+    # the placement can be given instead of set)
+    def placed(running):
+      deliver = _output.line_at(ordered, running)
+
+      def emit_at(*np_operands):
+        deliver(jit(*np_operands))
+        return ()
+      return emit_at
+    setattr(emit, _host_functions.PLACED, placed)
   return emit
 
 

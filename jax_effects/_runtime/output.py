@@ -174,6 +174,53 @@ def deliver_line(text: str, ordered: bool) -> None:
     site.running = running
 
 
+def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
+  """``deliver(text)``: :func:`deliver_line` from a host function that runs
+  at ``running`` (``placement.running``) and has not set
+  ``placement.site``: an outer host function's site is cleared around the
+  write, as :func:`_run` clears it; the prefix of a per-device placement is
+  made once. The common case (no deterministic view, no outer site) writes
+  in this one frame (a line in a compiled loop pays for every frame, issue
+  48)."""
+  p = running[0]
+  prefix = (p.prefix() if p is not None and p.shard_index is not None
+            else "")
+  site = _placement.site
+
+  def deliver(text: str) -> None:
+    if prefix:
+      text = prefix + text
+    outer = site.running
+    if _hold_depth:
+      site.running = running
+      try:
+        _hold_or_run(ordered, lambda: _write_line(text))
+      finally:
+        site.running = outer
+      return
+    if outer[0] is not None or outer[1]:
+      site.running = _CLEARED
+      try:
+        _write_line(text)
+      finally:
+        site.running = outer
+      return
+    out = sys.stdout
+    if out is not None:
+      around = _around
+      if around is None:
+        with _write_lock:
+          out.write(text + "\n")
+      else:
+        def write():
+          with _write_lock:
+            out.write(text + "\n")
+        around(out, write)
+    for fn in _line_listeners:
+      fn(text)
+  return deliver
+
+
 def deliver_record(logger: logging.Logger, record: logging.LogRecord,
                    ordered: bool) -> None:
   """Delivers a log record (held in the deterministic view like lines);
