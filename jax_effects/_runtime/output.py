@@ -4,7 +4,8 @@ Host callbacks hand every line of :func:`jax_effects.print` and record of
 :func:`jax_effects.log` (and of JAX's own adopted ``jax.debug.print``/
 ``log``: :func:`deliver_jax_line`, :func:`deliver_jax_record`) over here, on
 whichever thread runs them; a per-device line gets its placement prefix.
-Lines go to ``sys.stdout`` (one lock keeps each whole), records to their
+Lines go to ``sys.stdout`` (each whole: one write, under one lock unless
+the stream is one of Python's own that keeps it whole), records to their
 logger; listeners (``effects_capture``) see both in delivery order, and
 *all-levels* record listeners every record ``log`` builds
 (:func:`capturing_all_records`). ``design/formatting.md``, "Output".
@@ -22,6 +23,7 @@ effect in order by the time its host callback delivers.
 """
 from __future__ import annotations
 
+import io
 import logging
 import sys
 import threading
@@ -79,6 +81,43 @@ def capturing_all_records() -> bool:
 
 _write_lock = threading.Lock()
 
+# The streams last found to keep a line whole by itself and not to
+# (:func:`_whole_lines`).
+_keeps_lines_whole: Any = None
+_needs_lock: Any = None
+
+
+def _whole_lines(out) -> bool:
+  """Whether ``out.write(line)`` keeps the line whole against other
+  threads' writes without the lock: Python's own C streams, an
+  ``io.StringIO`` or an ``io.TextIOWrapper`` over a ``BufferedWriter`` (or
+  ``BufferedRandom``) over a ``FileIO``, append a whole written text to
+  their buffer holding the GIL (a critical section without one), and the
+  buffered writer writes what it flushes under its own lock. The lock
+  costs a line in a compiled loop about a quarter of Python's own
+  ``print`` (issue 48); any other stream (a Python-level one: pytest's,
+  IPython's, a user's) is written under it. Remembers ``out`` when it is
+  one, or that it is not."""
+  global _keeps_lines_whole, _needs_lock
+  kind = type(out)
+  if kind is io.StringIO:
+    whole = True
+  elif kind is io.TextIOWrapper:
+    try:
+      buffer = out.buffer
+      whole = (type(buffer) in (io.BufferedWriter, io.BufferedRandom)
+               and type(buffer.raw) is io.FileIO)
+    except (AttributeError, ValueError):   # (detached: its write raises)
+      return False
+  else:
+    whole = False
+  if whole:
+    _keeps_lines_whole = out
+  else:
+    _needs_lock = out
+  return whole
+
+
 # None, or ``around(stream, write)`` (:func:`write_around`).
 _around: Callable[[Any, Callable[[], None]], None] | None = None
 
@@ -95,8 +134,10 @@ def write_around(around: Callable[[Any, Callable[[], None]], None] | None
 
 def _write_line(line: str) -> None:
   """Writes one line (without its newline) to ``sys.stdout`` (under a
-  lock: it is not thread-safe; None writes nothing, as ``print``), and to
-  listeners."""
+  lock: a stream need not be thread-safe; None writes nothing, as
+  ``print``), and to listeners. (The hot paths, ``line_at`` and
+  ``deliver_line``, skip the lock for the streams of
+  :func:`_whole_lines`.)"""
   out = sys.stdout
   if out is not None:
     around = _around
@@ -161,8 +202,12 @@ def deliver_line(text: str, ordered: bool) -> None:
     if out is not None:
       around = _around
       if around is None:
-        with _write_lock:
+        if out is _keeps_lines_whole or (out is not _needs_lock
+                                         and _whole_lines(out)):
           out.write(text + "\n")
+        else:
+          with _write_lock:
+            out.write(text + "\n")
       else:
         def write():
           with _write_lock:
@@ -209,8 +254,12 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
     if out is not None:
       around = _around
       if around is None:
-        with _write_lock:
+        if out is _keeps_lines_whole or (out is not _needs_lock
+                                         and _whole_lines(out)):
           out.write(text + "\n")
+        else:
+          with _write_lock:
+            out.write(text + "\n")
       else:
         def write():
           with _write_lock:

@@ -14,6 +14,8 @@ bench (q)).
 """
 import io
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +181,70 @@ def test_a_sink_sees_the_prints_placement(effects_capture):
   device = jax.devices()[0]
   assert seen == [je.Placement(device.id, None, device.process_index)] * 3
   assert effects_capture.printed == ["0.0", "1.0", "2.0"]
+
+
+class _CharByChar:
+  """A Python-level stream that writes a text one character at a time,
+  letting other threads run in between: lines stay whole only if the
+  writer holds a lock around each write."""
+
+  def __init__(self):
+    self.chars = []
+
+  def write(self, text):
+    for c in text:
+      self.chars.append(c)
+      time.sleep(0)
+    return len(text)
+
+  def flush(self):
+    pass
+
+  def getvalue(self):
+    return "".join(self.chars)
+
+
+@pytest.mark.parametrize("one_field", [True, False])
+@pytest.mark.parametrize("stream", [_CharByChar, io.StringIO])
+def test_lines_stay_whole_across_threads(stream, one_field):
+  # Python's own C streams (io.StringIO here, a file's TextIOWrapper) keep a
+  # written line whole by themselves; any other stream is written under the
+  # output lock. (One field: the print's own host path, output.line_at;
+  # several: output.deliver_line.)
+  n, steps = 4, 30
+
+  fmt = "{}" if one_field else "{} of {}"
+  statics = () if one_field else (steps,)
+
+  def body(c, x):
+    je.print(fmt, 1000 * c + x, *statics)
+    return c, None
+
+  f = je.jit(lambda c, xs: jax.lax.scan(body, c, xs)[0])
+  xs = jnp.arange(steps)
+  f(jnp.int32(0), xs)   # (compiled once, before the threads)
+  je.effects_barrier()
+  out, saved = stream(), sys.stdout
+  start = threading.Barrier(n)
+
+  def run(i):
+    start.wait()
+    f(jnp.int32(i + 1), xs)
+    je.effects_barrier()
+
+  sys.stdout = out
+  try:
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    je.effects_barrier(all_threads=True)
+  finally:
+    sys.stdout = saved
+  lines = out.getvalue().splitlines()
+  tail = "" if one_field else f" of {steps}"
+  for i in range(1, n + 1):
+    assert [s for s in lines if s.startswith(str(i))] == [
+        f"{1000 * i + k}{tail}" for k in range(steps)]
+  assert len(lines) == n * steps
