@@ -23,6 +23,7 @@ from jax_effects._frontends import arguments as _arguments
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 
@@ -267,11 +268,46 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   return fa.operands, eager, jit, edges, spec
 
 
+# NumPy >= 2.1 keeps the print options in a ContextVar whose dict
+# ``set_printoptions``/``printoptions`` replace and never change, so the
+# dict found equal to a call site's options once is known equal while it is
+# the current one (``np.get_printoptions()`` copies and converts it, ~1-4 us
+# a line). NumPy 2.0 keeps one dict for the process, changed in place:
+# compared on every line there.
+try:
+  from numpy._core.printoptions import format_options as _np_format_options
+except ImportError:   # NumPy 2.0
+  _np_format_options = None
+
+
+def _options_check(options: dict):
+  """``(current, same, match)``: ``current() is same[0] or match()`` tells
+  whether the calling thread's NumPy print options are ``options`` (as
+  ``np.get_printoptions() == options`` does), ``current() is same[0]``
+  without a call of ours once they were found equal."""
+  same = [None]
+  if _np_format_options is None:
+    def match():
+      return np.get_printoptions() == options
+    return (lambda: False), same, match
+  current = _np_format_options.get
+
+  def match():
+    found = current()
+    if np.get_printoptions() == options:
+      same[0] = found
+      return True
+    return False
+  return current, same, match
+
+
 def _formatted(fmt: str, rebuild, options: dict):
   """``text(values)``: ``fmt`` formatted under the NumPy print ``options``."""
+  current, same, match = _options_check(options)
+
   def fmt_values(values):
     a, k = rebuild(values)
-    if np.get_printoptions() == options:
+    if current() is same[0] or match():
       return fmt.format(*a, **k)
     with np.printoptions(**options):
       return fmt.format(*a, **k)
@@ -287,6 +323,121 @@ def _texts(fmt: str, rebuild, options: dict, edges: tuple):
   else:
     def jit(*np_operands):
       return fmt_values([Value(x) for x in np_operands])
+  return jit
+
+
+def _conversions(fmt: str) -> bool:
+  """Whether a field of ``fmt`` (nested ones too) has a conversion (``!r``)."""
+  for _, name, spec, conversion in _FORMATTER.parse(fmt):
+    if name is not None and (conversion or (spec and _conversions(spec))):
+      return True
+  return False
+
+
+def _one_field(fmt: str) -> tuple[str, str, str] | None:
+  """``(before, spec, after)`` where ``fmt`` has one field, without a
+  conversion or nested fields, naming the first positional argument
+  (``"loss {:.3f}!"``): ``fmt.format(v)`` is then
+  ``before + format(v, spec) + after`` (what ``str.format`` does for it),
+  without parsing ``fmt`` per line; else None."""
+  parts = list(_FORMATTER.parse(fmt))
+  fields = [p for p in parts if p[1] is not None]
+  if (len(fields) != 1 or fields[0][1] not in ("", "0") or fields[0][3]
+      or "{" in fields[0][2]):
+    return None
+  at = parts.index(fields[0])
+  before = "".join(p[0] for p in parts[:at + 1])
+  after = "".join(p[0] for p in parts[at + 1:])
+  return before, fields[0][2], after
+
+
+def _single_text(fmt: str, scalars: bool, current, same, match,
+                 options: dict):
+  """:func:`_flat_texts` of ``print("...{}...", x)``, the most common form;
+  ``jit.line_at(ordered, running)`` is ``print``'s host function with
+  :func:`_output.deliver_line_at`, in one frame."""
+  one = _one_field(fmt)
+  item_dtype = None   # (the operand's dtype, once it formats as .item())
+
+  def jit(x):
+    nonlocal item_dtype
+    if x.dtype is item_dtype and x.ndim == 0:
+      v = x.item()
+    elif scalars and x.ndim == 0:
+      v = x[()]
+      if _edges.formats_as_item(x.dtype):
+        item_dtype = x.dtype
+    else:
+      v = Value(x)
+    if current() is same[0] or match():
+      return fmt.format(v)
+    with np.printoptions(**options):
+      return fmt.format(v)
+  jit.runs_no_user_code = True
+  if one is None:
+    return jit
+  before, spec, after = one   # (no conversion: ``scalars``)
+
+  def line_at(ordered: bool, running: tuple):
+    deliver = _output.line_at(ordered, running)
+
+    def emit_at(x):
+      nonlocal item_dtype
+      if x.dtype is item_dtype and x.ndim == 0:
+        v = x.item()
+      elif x.ndim == 0:
+        v = x[()]
+        if _edges.formats_as_item(x.dtype):
+          item_dtype = x.dtype
+      else:
+        v = Value(x)
+      if current() is same[0] or match():
+        deliver(before + format(v, spec) + after)
+      else:
+        with np.printoptions(**options):
+          text = before + format(v, spec) + after
+        deliver(text)
+      return ()
+    return emit_at
+  jit.line_at = line_at
+  return jit
+
+
+def _flat_texts(fmt: str, args_data, options: dict, edges: tuple):
+  """:func:`_texts` for a spec whose arguments and keyword arguments are all
+  leaves (``print("{} {:.3f}", 3, x)``), or None: the values put straight
+  into ``fmt.format`` in one frame (a line in a compiled loop pays for
+  every frame, issue 48). Where no field has a conversion, a 0-d operand
+  shown whole goes in as its NumPy scalar: a field without conversion
+  formats its value with ``format(value, spec)``, and ``Value.__format__``
+  is ``format`` of that scalar, so the text is the same."""
+  flat = _host_specs.flat_arguments(args_data)
+  if flat is None:
+    return None
+  items, slots, keys, kw_items, kw_slots = flat
+  scalars = not _conversions(fmt)
+  wraps = tuple(Value if e is None else
+                (lambda x, shape=e.shape: _edges.Summarized(x, shape))
+                for e in edges)
+  current, same, match = _options_check(options)
+  if (len(items) == 1 and slots == [(0, 0)] and not keys
+      and edges == (None,)):
+    return _single_text(fmt, scalars, current, same, match, options)
+
+  def jit(*np_operands):
+    values = [x[()] if scalars and e is None and x.ndim == 0 else wrap(x)
+              for x, e, wrap in zip(np_operands, edges, wraps)]
+    a = list(items)
+    for i, j in slots:
+      a[i] = values[j]
+    k = dict(zip(keys, kw_items))
+    for key, j in kw_slots:
+      k[key] = values[j]
+    if current() is same[0] or match():
+      return fmt.format(*a, **k)
+    with np.printoptions(**options):
+      return fmt.format(*a, **k)
+  jit.runs_no_user_code = True   # (static leaves are str, numbers, None)
   return jit
 
 
@@ -351,14 +502,31 @@ def text_from_spec(spec: dict, what: str = "jax_effects.print"):
   """``jit(*np_operands)`` of a :func:`text_spec` (checked first,
   :func:`check_text_spec`)."""
   check_text_spec(what, spec)
-  return _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
-                spec["options"], spec_edges(spec))
+  edges = spec_edges(spec)
+  return (_flat_texts(spec["fmt"], spec["args"], spec["options"], edges)
+          or _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
+                    spec["options"], edges))
 
 
 def _emit_line(jit, ordered: bool):
   def emit(*np_operands):
     _output.deliver_line(jit(*np_operands), ordered)
     return ()
+  line_at = getattr(jit, "line_at", None)
+  if line_at is not None:
+    setattr(emit, _host_functions.PLACED,
+            lambda running: line_at(ordered, running))
+  elif getattr(jit, "runs_no_user_code", False):
+    # (nothing of the user's runs before the write, which clears the site:
+    # the placement can be given instead of set)
+    def placed(running):
+      deliver = _output.line_at(ordered, running)
+
+      def emit_at(*np_operands):
+        deliver(jit(*np_operands))
+        return ()
+      return emit_at
+    setattr(emit, _host_functions.PLACED, placed)
   return emit
 
 

@@ -115,6 +115,64 @@ class Value:
     return array_repr(self.value)
 
 
+# dtype -> whether its 0-d arrays format as their .item() (formats_as_item)
+_as_item: dict = {}
+_ITEM_TYPES = frozenset((
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+    np.complex128))
+_ITEM_SPECS = ("", ".3f", ">12", "e", "g", "+", "d", "x", "10.4", ",", "%",
+               "s", "#x", "^12.2e", "_")
+
+
+def formats_as_item(dtype: np.dtype) -> bool:
+  """Whether ``format(a[()], spec)`` is ``format(a.item(), spec)`` for the
+  0-d arrays ``a`` of ``dtype`` (cheaper: no NumPy scalar, whose
+  ``__format__`` converts to that Python number first: ``gentype_format``
+  in NumPy's ``scalartypes.c.src``). NumPy's own bool, 8- to 64-bit
+  integer, float16/32/64 and complex64/128 dtypes, each checked once on
+  samples of values and specs (texts and errors alike): a NumPy that
+  formats one otherwise keeps its scalars."""
+  found = _as_item.get(dtype)
+  if found is None:
+    found = False
+    if dtype.type in _ITEM_TYPES:
+      found = all(_same_format(a, spec) for a in _item_samples(dtype)
+                  for spec in _ITEM_SPECS)
+    _as_item[dtype] = found
+  return found
+
+
+def _item_samples(dtype: np.dtype) -> list:
+  """0-d arrays of ``dtype``: zero, small and extreme values (no cast that
+  warns: the check may run on any thread)."""
+  kind = dtype.kind
+  if kind == "b":
+    values = [False, True]
+  elif kind in "iu":
+    info = np.iinfo(dtype)
+    values = [0, 1, 7, 100, int(info.max), int(info.min)]
+    if kind == "i":
+      values.append(-1)
+  elif kind == "f":
+    info = np.finfo(dtype)
+    values = [0.0, -0.0, 0.1, -2.5, 1234.5, 1e-3, float(info.max),
+              float(info.tiny), float("nan"), float("inf"), float("-inf")]
+  else:
+    values = [0j, 1 + 2j, -0.5 - 3j, complex(1e20, -1e-20),
+              complex(float("nan"), 1)]
+  return [np.array(v, dtype=dtype) for v in values]
+
+
+def _same_format(a: np.ndarray, spec: str) -> bool:
+  def text(v):
+    try:
+      return format(v, spec)
+    except Exception as err:  # noqa: BLE001 - compared, not raised
+      return type(err)
+  return text(a[()]) == text(a.item())
+
+
 def host_values(np_operands, edges) -> list:
   """A :class:`Summarized` or :class:`Value` per operand, as ``edges`` say."""
   return [Value(x) if e is None else Summarized(x, e.shape)

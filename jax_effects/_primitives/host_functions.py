@@ -40,6 +40,14 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
                   entry)
 
 
+#: The attribute of a host callback's ``fn`` that is ``placed(running)``:
+#: ``fn`` as it runs with ``placement.site.running`` set to ``running``,
+#: reading no site (``print``'s line: the site's stores and loads were a
+#: tenth of a line's cost in a compiled loop, issue 48). Only that very
+#: function has it (a vmap form wrapping ``fn`` does not).
+PLACED = "placed"
+
+
 def _setting_site(fn, running):
   """``fn`` with ``_runtime.placement.site`` set to ``running``."""
   site = _placement.site
@@ -127,8 +135,9 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
                    avals_out, entry: bool, n_operands: int | None):
   """``host(carrier, *operands)`` of a threaded effect that runs once."""
   running = _placement.running(placement, True)
-  fn = host_callback.fn
-  if host_callback.reads_placement:
+  fn = bare = host_callback.fn
+  reads_placement = host_callback.reads_placement
+  if reads_placement:
     fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
@@ -166,7 +175,41 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return behind(*at, carrier, args)
     return run(carrier, args)
 
-  if n_operands == 1 and not result_avals:
+  placed = (getattr(bare, PLACED, None) if reads_placement else None)
+  if n_operands == 1 and not result_avals and placed is not None:
+    # The common case of print: its placement given, no site set.
+    given = placed(running)
+
+    def host(carrier, x, *, running=running):
+      if queues or interrupted:
+        return slow(carrier, (x,))
+      if index(carrier) & FAILED:
+        return run(carrier, (x,))
+      try:
+        given(x)
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return failed(carrier, exc)
+      return (carrier,)
+  elif n_operands == 1 and not result_avals and reads_placement:
+    # The common case of log: _setting_site in this frame (a line in a
+    # compiled loop pays for every frame, issue 48).
+    site = _placement.site
+
+    def host(carrier, x, *, running=running):
+      if queues or interrupted:
+        return slow(carrier, (x,))
+      if index(carrier) & FAILED:
+        return run(carrier, (x,))
+      prev = site.running
+      site.running = running
+      try:
+        bare(x)
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        site.running = prev
+        return failed(carrier, exc)
+      site.running = prev
+      return (carrier,)
+  elif n_operands == 1 and not result_avals:
     # The common case (one operand, no result): no packing, no other frame.
     def host(carrier, x, *, running=running):
       if queues or interrupted:

@@ -146,6 +146,22 @@ def _shallow(data) -> tuple | None:
   return _MAKERS[kind], keys, items, slots
 
 
+def flat_arguments(data) -> tuple | None:
+  """``(items, slots, keys, kw_items, kw_slots)`` of an ``(args, kwargs)``
+  tree (:func:`encode_tree`) whose children are all leaves: the arguments'
+  static values (operands None) and ``(position, operand)`` pairs, the
+  keyword arguments' names, values and ``(name, operand)`` pairs; else None."""
+  if "t" not in data or len(data["t"]) != 2:
+    return None
+  args, kwargs = (_shallow(d) for d in data["t"])
+  if (args is None or kwargs is None or args[0] is not tuple
+      or kwargs[0] is not dict):
+    return None
+  keys = kwargs[1]
+  return (args[2], args[3], keys, kwargs[2],
+          [(keys[i], j) for i, j in kwargs[3]])
+
+
 def check_tree(data, what: str = "a tree") -> int:
   """Checks ``data`` is :func:`encode_tree`'s; returns its operand count."""
   ops = []

@@ -4,7 +4,8 @@ Host callbacks hand every line of :func:`jax_effects.print` and record of
 :func:`jax_effects.log` (and of JAX's own adopted ``jax.debug.print``/
 ``log``: :func:`deliver_jax_line`, :func:`deliver_jax_record`) over here, on
 whichever thread runs them; a per-device line gets its placement prefix.
-Lines go to ``sys.stdout`` (one lock keeps each whole), records to their
+Lines go to ``sys.stdout`` (each whole: one write, under one lock unless
+the stream is one of Python's own that keeps it whole), records to their
 logger; listeners (``effects_capture``) see both in delivery order, and
 *all-levels* record listeners every record ``log`` builds
 (:func:`capturing_all_records`). ``design/formatting.md``, "Output".
@@ -22,6 +23,7 @@ effect in order by the time its host callback delivers.
 """
 from __future__ import annotations
 
+import io
 import logging
 import sys
 import threading
@@ -79,6 +81,43 @@ def capturing_all_records() -> bool:
 
 _write_lock = threading.Lock()
 
+# The streams last found to keep a line whole by itself and not to
+# (:func:`_whole_lines`).
+_keeps_lines_whole: Any = None
+_needs_lock: Any = None
+
+
+def _whole_lines(out) -> bool:
+  """Whether ``out.write(line)`` keeps the line whole against other
+  threads' writes without the lock: Python's own C streams, an
+  ``io.StringIO`` or an ``io.TextIOWrapper`` over a ``BufferedWriter`` (or
+  ``BufferedRandom``) over a ``FileIO``, append a whole written text to
+  their buffer holding the GIL (a critical section without one), and the
+  buffered writer writes what it flushes under its own lock. The lock
+  costs a line in a compiled loop about a quarter of Python's own
+  ``print`` (issue 48); any other stream (a Python-level one: pytest's,
+  IPython's, a user's) is written under it. Remembers ``out`` when it is
+  one, or that it is not."""
+  global _keeps_lines_whole, _needs_lock
+  kind = type(out)
+  if kind is io.StringIO:
+    whole = True
+  elif kind is io.TextIOWrapper:
+    try:
+      buffer = out.buffer
+      whole = (type(buffer) in (io.BufferedWriter, io.BufferedRandom)
+               and type(buffer.raw) is io.FileIO)
+    except (AttributeError, ValueError):   # (detached: its write raises)
+      return False
+  else:
+    whole = False
+  if whole:
+    _keeps_lines_whole = out
+  else:
+    _needs_lock = out
+  return whole
+
+
 # None, or ``around(stream, write)`` (:func:`write_around`).
 _around: Callable[[Any, Callable[[], None]], None] | None = None
 
@@ -95,8 +134,10 @@ def write_around(around: Callable[[Any, Callable[[], None]], None] | None
 
 def _write_line(line: str) -> None:
   """Writes one line (without its newline) to ``sys.stdout`` (under a
-  lock: it is not thread-safe; None writes nothing, as ``print``), and to
-  listeners."""
+  lock: a stream need not be thread-safe; None writes nothing, as
+  ``print``), and to listeners. (The hot paths, ``line_at`` and
+  ``deliver_line``, skip the lock for the streams of
+  :func:`_whole_lines`.)"""
   out = sys.stdout
   if out is not None:
     around = _around
@@ -132,18 +173,120 @@ def _handle_record(logger: logging.Logger, record: logging.LogRecord,
 
 # --- delivery --------------------------------------------------------------
 
+# (the one value of ``placement.site.running`` while a delivery runs: :func:`_run`)
+_CLEARED = (None, False)
+
+
 def deliver_line(text: str, ordered: bool) -> None:
-  """Delivers a printed line; per-device lines get their placement prefix."""
-  p = _placement.current()
-  if p is not None and p.per_device:
+  """Delivers a printed line; per-device lines get their placement prefix.
+
+  The common case (no deterministic view) is :func:`_hold_or_run`,
+  :func:`_run` and :func:`_write_line` in this one frame: a line in a
+  compiled loop pays for every Python frame (issue 48)."""
+  site = _placement.site
+  running = site.running
+  p = running[0]
+  if p is None:
+    p = _placement.current()
+  if p is not None and p.shard_index is not None:   # (p.per_device)
     text = p.prefix() + text
-  _hold_or_run(ordered, lambda: _write_line(text))
+  if _hold_depth:
+    _hold_or_run(ordered, lambda: _write_line(text))
+    return
+  if running[0] is None:
+    _write_line(text)
+    return
+  site.running = _CLEARED
+  try:
+    out = sys.stdout
+    if out is not None:
+      around = _around
+      if around is None:
+        if out is _keeps_lines_whole or (out is not _needs_lock
+                                         and _whole_lines(out)):
+          out.write(text + "\n")
+        else:
+          with _write_lock:
+            out.write(text + "\n")
+      else:
+        def write():
+          with _write_lock:
+            out.write(text + "\n")
+        around(out, write)
+    for fn in _line_listeners:
+      fn(text)
+  finally:
+    site.running = running
+
+
+def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
+  """``deliver(text)``: :func:`deliver_line` from a host function that runs
+  at ``running`` (``placement.running``) and has not set
+  ``placement.site``: an outer host function's site is cleared around the
+  write, as :func:`_run` clears it; the prefix of a per-device placement is
+  made once. The common case (no deterministic view, no outer site) writes
+  in this one frame (a line in a compiled loop pays for every frame, issue
+  48)."""
+  p = running[0]
+  prefix = (p.prefix() if p is not None and p.shard_index is not None
+            else "")
+  site = _placement.site
+
+  def deliver(text: str) -> None:
+    if prefix:
+      text = prefix + text
+    outer = site.running
+    if _hold_depth:
+      site.running = running
+      try:
+        _hold_or_run(ordered, lambda: _write_line(text))
+      finally:
+        site.running = outer
+      return
+    if outer[0] is not None or outer[1]:
+      site.running = _CLEARED
+      try:
+        _write_line(text)
+      finally:
+        site.running = outer
+      return
+    out = sys.stdout
+    if out is not None:
+      around = _around
+      if around is None:
+        if out is _keeps_lines_whole or (out is not _needs_lock
+                                         and _whole_lines(out)):
+          out.write(text + "\n")
+        else:
+          with _write_lock:
+            out.write(text + "\n")
+      else:
+        def write():
+          with _write_lock:
+            out.write(text + "\n")
+        around(out, write)
+    for fn in _line_listeners:
+      fn(text)
+  return deliver
 
 
 def deliver_record(logger: logging.Logger, record: logging.LogRecord,
                    ordered: bool) -> None:
-  """Delivers a log record (held in the deterministic view like lines)."""
-  _hold_or_run(ordered, lambda: _handle_record(logger, record))
+  """Delivers a log record (held in the deterministic view like lines);
+  the common case in this frame, as :func:`deliver_line`'s."""
+  if _hold_depth:
+    _hold_or_run(ordered, lambda: _handle_record(logger, record))
+    return
+  site = _placement.site
+  running = site.running
+  if running[0] is None:
+    _handle_record(logger, record)
+    return
+  site.running = _CLEARED
+  try:
+    _handle_record(logger, record)
+  finally:
+    site.running = running
 
 
 def deliver(thunk: Callable[[], None], ordered: bool) -> None:

@@ -54,7 +54,10 @@ Measurements (per call unless noted):
     print-free one (``bench_cache``);
 (p) under plain ``jax.jit``: a step with a ``jax_effects.print`` against
     the same with ``jax.debug.print(ordered=True)``, and a print-free step
-    with and without ``import jax_effects`` (``bench_plain``).
+    with and without ``import jax_effects`` (``bench_plain``);
+(q) a ``jax_effects.print`` (``log``) per step of a 20,000-step ``scan``
+    against Python's own ``print`` (``logger.info``) of the same values to
+    the same stream (handler) (``bench_loop_print``).
 ``--quick`` scales the sizes down (its report says which were measured).
 Targets (ratios from the same run) are printed with PASS/FAIL. Timings are
 never asserted by the test suite; ``--check`` makes this command exit 1 when a
@@ -80,6 +83,7 @@ from typing import Any, Callable
 from jax_effects._tools import bench_big
 from jax_effects._tools import bench_plain
 from jax_effects._tools import bench_cache
+from jax_effects._tools import bench_loop_print
 
 N_DEVICES = 8
 
@@ -922,6 +926,7 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     **bench_big.TARGETS,
     **bench_plain.TARGETS,
     **bench_cache.TARGETS,
+    **bench_loop_print.TARGETS,
 }
 
 def _warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
@@ -1015,7 +1020,9 @@ def main(argv=None) -> int:
                       help="total ordered calls for (h) (base: 1/100 of it)")
   parser.add_argument("--progress-steps", type=int,
                       help="scan steps for (k)")
-  parser.add_argument("--only", default="abcdefghjklmnop",
+  parser.add_argument("--loop-print-steps", type=int,
+                      help="scan steps for (q)")
+  parser.add_argument("--only", default="abcdefghjklmnopq",
                       help="which measurements to run, e.g. 'abcd' or 'h' "
                            "(the floors run with their groups: (i) with "
                            "a-d, (ii) with g)")
@@ -1031,11 +1038,13 @@ def main(argv=None) -> int:
   compile_rounds = args.compile_rounds or (1 if quick else 7)
   mem_total = args.memory_calls or (5_000 if quick else 100_000)
   progress_steps = args.progress_steps or (10_000 if quick else 100_000)
+  loop_print_steps = args.loop_print_steps or (2_000 if quick else 20_000)
   only = set(args.only)
   # What the descriptions of the targets say was measured.
   sizes = {"loop": loop_n, "effects": n_effects, "memory_total": mem_total,
            "memory_base": max(1, mem_total // 100),
-           "progress_steps": progress_steps}
+           "progress_steps": progress_steps,
+           "loop_print_steps": loop_print_steps}
 
   results: dict[str, Any] = {}
   ratios: dict[str, float] = {}
@@ -1060,6 +1069,9 @@ def main(argv=None) -> int:
       ("p", lambda: bench_plain.bench_plain(
           interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
           max(10, calls // 4), 2 if quick else 6)),
+      ("q", lambda: bench_loop_print.bench_loop_print(
+          interleave, _ratio, _summary, max(5, rounds // 3),
+          loop_print_steps)),
   ]
   for letters, run in steps:
     if not only & set(letters):

@@ -3,8 +3,10 @@
 Timings are never asserted here (README, "Benchmark"): this checks that the
 command runs in a fresh process, with ``--quick``, for the rows that need no
 simulated devices of their own (dispatch (a)-(d), the progress bar's loop
-(k), which checks that XLA kept its floor's host calls, and the warm-cache
-first call (o), whose children check their own output and their cache hits), and
+(k), which checks that XLA kept its floor's host calls, the warm-cache
+first call (o), whose children check their own output and their cache hits,
+and a print per step of a loop against Python's (q), which checks that the
+text is Python's own), and
 that its JSON report has a finite value for each of their targets and says
 which FFI entry it measured.
 """
@@ -16,12 +18,15 @@ from helpers import run_python
 
 def test_bench_quick_reports_its_targets(tmp_path):
   proc = run_python("-m", "jax_effects", "bench", "--quick", "--json",
-                    "--only", "abcdko", timeout=600, cwd=tmp_path)
+                    "--only", "abcdkoq", timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout)
   assert report["machine"]["ffi_entry"] in ("compiled", "ctypes")
   targets = report["targets"]
   for name in ("c/i", "d/c", "b/a", "o_prints/jax", "o_plain/jax",
-               "o_slices/jax", "k_ours/plain", "k_iii/plain", "k_ours/iii"):
+               "o_slices/jax", "k_ours/plain", "k_iii/plain", "k_ours/iii",
+               "q_print/python", "q_log/python", "q_callback/python"):
     assert math.isfinite(targets[name]["value"]), (name, targets[name])
   assert report["results"]["o_equations"] == 600
+  assert targets["q_same_text"]["value"] == 1.0
+  assert report["results"]["q_setup"] == {"steps": 2000}
