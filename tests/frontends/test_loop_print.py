@@ -28,7 +28,10 @@ from jax_effects._primitives import edges
 
 DTYPES = [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
           jnp.uint32, jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64,
-          jnp.int4, ml_dtypes.float8_e4m3fn]
+          # (JAX 0.8/0.9 refuse 4-bit operands: skipped there, naming why)
+          pytest.param(jnp.int4, marks=pytest.mark.jax_feature(
+              "4-bit integer operands")),
+          ml_dtypes.float8_e4m3fn]
 
 FORMATS = ["{}", "v={:>12}|", "{0}", "x {0} y {0}", "{!r}", "{{}} {}",
            "{x}"]
