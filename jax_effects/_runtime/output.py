@@ -134,16 +134,19 @@ def write_around(around: Callable[[Any, Callable[[], None]], None] | None
 
 def _write_line(line: str) -> None:
   """Writes one line (without its newline) to ``sys.stdout`` (under a
-  lock: a stream need not be thread-safe; None writes nothing, as
-  ``print``), and to listeners. (The hot paths, ``line_at`` and
-  ``deliver_line``, skip the lock for the streams of
-  :func:`_whole_lines`.)"""
+  lock: a stream need not be thread-safe, but not for the streams of
+  :func:`_whole_lines`, which keep a written line whole; None writes
+  nothing, as ``print``), and to listeners."""
   out = sys.stdout
   if out is not None:
     around = _around
     if around is None:
-      with _write_lock:
+      if out is _keeps_lines_whole or (out is not _needs_lock
+                                       and _whole_lines(out)):
         out.write(line + "\n")
+      else:
+        with _write_lock:
+          out.write(line + "\n")
     else:
       def write():
         with _write_lock:
@@ -180,8 +183,8 @@ _CLEARED = (None, False)
 def deliver_line(text: str, ordered: bool) -> None:
   """Delivers a printed line; per-device lines get their placement prefix.
 
-  The common case (no deterministic view) is :func:`_hold_or_run`,
-  :func:`_run` and :func:`_write_line` in this one frame: a line in a
+  The common case (no deterministic view) is :func:`_hold_or_run` and
+  :func:`_run` in this frame, then :func:`_write_line`: a line in a
   compiled loop pays for every Python frame (issue 48)."""
   site = _placement.site
   running = site.running
@@ -198,23 +201,7 @@ def deliver_line(text: str, ordered: bool) -> None:
     return
   site.running = _CLEARED
   try:
-    out = sys.stdout
-    if out is not None:
-      around = _around
-      if around is None:
-        if out is _keeps_lines_whole or (out is not _needs_lock
-                                         and _whole_lines(out)):
-          out.write(text + "\n")
-        else:
-          with _write_lock:
-            out.write(text + "\n")
-      else:
-        def write():
-          with _write_lock:
-            out.write(text + "\n")
-        around(out, write)
-    for fn in _line_listeners:
-      fn(text)
+    _write_line(text)
   finally:
     site.running = running
 
@@ -224,9 +211,9 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
   at ``running`` (``placement.running``) and has not set
   ``placement.site``: an outer host function's site is cleared around the
   write, as :func:`_run` clears it; the prefix of a per-device placement is
-  made once. The common case (no deterministic view, no outer site) writes
-  in this one frame (a line in a compiled loop pays for every frame, issue
-  48)."""
+  made once. The common case (no deterministic view, no outer site) goes
+  straight to :func:`_write_line` (a line in a compiled loop pays for every
+  frame, issue 48)."""
   p = running[0]
   prefix = (p.prefix() if p is not None and p.shard_index is not None
             else "")
@@ -250,23 +237,7 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
       finally:
         site.running = outer
       return
-    out = sys.stdout
-    if out is not None:
-      around = _around
-      if around is None:
-        if out is _keeps_lines_whole or (out is not _needs_lock
-                                         and _whole_lines(out)):
-          out.write(text + "\n")
-        else:
-          with _write_lock:
-            out.write(text + "\n")
-      else:
-        def write():
-          with _write_lock:
-            out.write(text + "\n")
-        around(out, write)
-    for fn in _line_listeners:
-      fn(text)
+    _write_line(text)
   return deliver
 
 
