@@ -176,9 +176,11 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
     return run(carrier, args)
 
   placed = (getattr(bare, PLACED, None) if reads_placement else None)
-  if n_operands == 1 and not result_avals and placed is not None:
-    # The common case of print: its placement given, no site set.
-    given = placed(running)
+  if n_operands == 1 and not result_avals and (
+      placed is not None or not reads_placement):
+    # The common case (one operand, no result): no packing, no other frame;
+    # a print's placement given to it, no site set.
+    call = fn if placed is None else placed(running)
 
     def host(carrier, x, *, running=running):
       if queues or interrupted:
@@ -186,11 +188,11 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       if index(carrier) & FAILED:
         return run(carrier, (x,))
       try:
-        given(x)
+        call(x)
       except BaseException as exc:  # noqa: BLE001 - reported by the thread
         return failed(carrier, exc)
       return (carrier,)
-  elif n_operands == 1 and not result_avals and reads_placement:
+  elif n_operands == 1 and not result_avals:
     # The common case of log: _setting_site in this frame (a line in a
     # compiled loop pays for every frame, issue 48).
     site = _placement.site
@@ -208,18 +210,6 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
         site.running = prev
         return failed(carrier, exc)
       site.running = prev
-      return (carrier,)
-  elif n_operands == 1 and not result_avals:
-    # The common case (one operand, no result): no packing, no other frame.
-    def host(carrier, x, *, running=running):
-      if queues or interrupted:
-        return slow(carrier, (x,))
-      if index(carrier) & FAILED:
-        return run(carrier, (x,))
-      try:
-        fn(x)
-      except BaseException as exc:  # noqa: BLE001 - reported by the thread
-        return failed(carrier, exc)
       return (carrier,)
   else:
     def host(carrier, *args, running=running):
