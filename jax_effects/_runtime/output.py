@@ -87,22 +87,31 @@ _keeps_lines_whole: Any = None
 _needs_lock: Any = None
 
 
+# CPython's ``TextIOWrapper.write`` is safe against another thread's write
+# from 3.12.4 and 3.13.0b2 (gh-119506): before, a write that lands while
+# another thread's flush has released the GIL in the raw write is lost, and
+# the wrapper's byte count then makes a later flush write uninitialized
+# memory (seen in CI on 3.11.7 and 3.12.1; tests/runtime/test_output_lock.py).
+_TEXTIO_THREAD_SAFE = (sys.version_info >= (3, 13, 0, "beta", 2)
+                       or (3, 12, 4) <= sys.version_info < (3, 13))
+
+
 def _whole_lines(out) -> bool:
   """Whether ``out.write(line)`` keeps the line whole against other
   threads' writes without the lock: Python's own C streams, an
-  ``io.StringIO`` or an ``io.TextIOWrapper`` over a ``BufferedWriter`` (or
-  ``BufferedRandom``) over a ``FileIO``, append a whole written text to
-  their buffer holding the GIL (a critical section without one), and the
-  buffered writer writes what it flushes under its own lock. The lock
-  costs a line in a compiled loop about a quarter of Python's own
-  ``print`` (issue 48); any other stream (a Python-level one: pytest's,
-  IPython's, a user's) is written under it. Remembers ``out`` when it is
-  one, or that it is not."""
+  ``io.StringIO`` or (on a CPython with gh-119506's fix) an
+  ``io.TextIOWrapper`` over a ``BufferedWriter`` (or ``BufferedRandom``)
+  over a ``FileIO``, append a whole written text to their buffer holding
+  the GIL (a critical section without one), and the buffered writer writes
+  what it flushes under its own lock. The lock costs a line in a compiled
+  loop about a quarter of Python's own ``print`` (issue 48); any other
+  stream (a Python-level one: pytest's, IPython's, a user's) is written
+  under it. Remembers ``out`` when it is one, or that it is not."""
   global _keeps_lines_whole, _needs_lock
   kind = type(out)
   if kind is io.StringIO:
     whole = True
-  elif kind is io.TextIOWrapper:
+  elif kind is io.TextIOWrapper and _TEXTIO_THREAD_SAFE:
     try:
       buffer = out.buffer
       whole = (type(buffer) in (io.BufferedWriter, io.BufferedRandom)
