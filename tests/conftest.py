@@ -16,6 +16,55 @@ import helpers
 
 N_DEVICES = 8
 
+# The heavy scenarios (issue 49, item 12): stress, fault and fuzz runs, the
+# tools' end-to-end runs, and the slowest variants of a few differential
+# tests. Marked ``heavy`` at collection; tox runs them on the newest JAX
+# line and one older (jax012, jax010) and deselects them on the others
+# (``-m "not heavy"``), which still run every other test. An entry is a
+# test file, or a test's node id without its parameters (all of them), or
+# with them (that one).
+HEAVY = (
+    # stress and fault scenarios
+    "tests/runtime/test_fault_model.py",
+    "tests/runtime/test_fault_contract.py",
+    "tests/runtime/test_fault_boundaries.py",
+    "tests/runtime/test_fault_soak.py",
+    "tests/runtime/test_failed_executions.py",
+    "tests/runtime/test_stress_threads.py",
+    "tests/runtime/test_launch_deadlock.py",
+    "tests/runtime/test_callback_reentry.py",
+    "tests/runtime/test_exit.py",
+    "tests/runtime/test_interrupts.py",
+    "tests/primitives/test_host_keys.py",     # forged and corrupt modules
+    "tests/primitives/test_host_target.py::"
+    "test_calls_keep_no_memory_per_execution",
+    "tests/placement/test_multidevice.py::"
+    "test_callback_slower_than_xla_collective_timeout_does_not_abort",
+    "tests/frontends/test_summarized_printing.py::"
+    "test_order_holds_and_nothing_stalls_with_the_programs_collectives",
+    "tests/frontends/test_under_any_jit.py::"
+    "test_callback_using_jax_dispatched_far_ahead_never_hangs",
+    # generated programs (each line still runs test_differential's)
+    "tests/differential/test_fuzz_programs.py",
+    "tests/differential/test_fuzz_bad_input.py",
+    "tests/differential/test_entries.py",
+    "tests/frontends/test_summarized_printing.py::"
+    "test_text_matches_jax_debug_print_of_the_whole_array[1]",
+    "tests/frontends/test_summarized_printing.py::"
+    "test_text_matches_jax_debug_print_of_the_whole_array[2]",
+    "tests/frontends/test_summarized_printing.py::"
+    "test_text_matches_jax_debug_print_of_the_whole_array[3]",
+    # the tools, end to end (a bench run, a third-party suite, pytest in
+    # pytest, several processes, mypy, the demo)
+    "tests/tools/test_bench_smoke.py",
+    "tests/tools/test_thirdparty_harness.py",
+    "tests/tools/test_pytest_plugin.py",
+    "tests/tools/test_multiprocess.py",
+    "tests/tools/test_multiprocess_port.py",
+    "tests/tools/test_demo.py",
+    "tests/api/test_typing.py",
+)
+
 
 def pytest_addoption(parser):
   parser.addoption(
@@ -32,6 +81,9 @@ def pytest_configure(config):
       "markers", "jax_feature(name): needs the feature `name` (a key of "
       "jax_effects._compat.FEATURES); skipped, with _compat's reason, where "
       "the installed JAX cannot support it")
+  config.addinivalue_line(
+      "markers", "heavy: a stress, fault, fuzz or end-to-end tool scenario "
+      "(conftest.HEAVY): tox runs it on two JAX lines only")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +91,10 @@ def pytest_collection_modifyitems(config, items):
   # error jax_effects raises for the feature (jax_effects._compat).
   from jax_effects import _compat  # imports jax; starts no backend
   for item in items:
+    test = item.nodeid.split("[")[0]
+    if (item.nodeid.split("::")[0] in HEAVY or test in HEAVY
+        or item.nodeid in HEAVY):
+      item.add_marker(pytest.mark.heavy)
     for mark in item.iter_markers("jax_feature"):
       reason = _compat.unsupported_reason(*mark.args)
       if reason is not None:
