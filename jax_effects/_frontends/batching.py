@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from typing import Iterator
 
 from jax_effects._primitives import batching as _batching
 
@@ -32,7 +33,7 @@ def _positive_int(what: str, name: str, value) -> int:
 
 
 @contextlib.contextmanager
-def batched(k: int = 128, *, max_bytes: int = MAX_BYTES):
+def batched(k: int = 128, *, max_bytes: int = MAX_BYTES) -> Iterator[None]:
   """Batches the loops' prints and logs traced inside the block.
 
   Inside a compiled loop (``lax.scan``, ``fori_loop``, ``while_loop``,

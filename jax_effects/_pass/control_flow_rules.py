@@ -61,14 +61,31 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   loop = _staging.Loop(p["body_jaxpr"].jaxpr, keys, mode,
                        _token_pass.live_masked(), _token_pass.flush_on_chain)
   try:
+    steps = None if cond_effectful else loop.strip_steps()
     if not cond_effectful:
       def loop_cond(state):
-        return cond_fn((), *state[2])[1][0]
+        return cond_fn((), *state[-1])[1][0]
 
-      def loop_body(state):
+      def step(state):
         carriers, states, vals = state
         (carriers, vals), states = loop.run(states, body_fn, carriers, *vals)
         return carriers, states, vals
+
+      loop_body = step
+      if steps is not None:   # (strip-mined: staging.Loop.strip_steps)
+        def strip_cond(state):
+          return jnp.logical_and(state[0] < steps, loop_cond(state))
+
+        def strip_body(state):
+          return (state[0] + 1, *step(state[1:]))
+
+        def strip(state):
+          _, carriers, states, vals = lax.while_loop(
+              strip_cond, strip_body, (jnp.int32(0), *state))
+          strip_chains = _token_pass.Chains(dict(zip(keys, carriers)))
+          states = loop.flush(states, strip_chains)
+          return strip_chains.take(keys), states, vals
+        loop_body = strip
 
       carriers, states, outs = lax.while_loop(
           loop_cond, loop_body, (chains.take(keys), loop.states(), list(init)))
