@@ -210,6 +210,24 @@ class _Events:
     pass
 
 
+def _events(make, arg, k, events) -> list[list]:
+  """The events of ``make(block, events)`` unbatched and batched (lines
+  written and what its callbacks record, in one list)."""
+  runs = []
+  for block in (contextlib.nullcontext, lambda: je.batched(k=k)):
+    stream = _Events()
+    stream.events = events
+    events.clear()
+    saved, sys.stdout = sys.stdout, stream
+    try:
+      jax.block_until_ready(je.jit(make(block, events))(arg))
+      je.effects_barrier()
+    finally:
+      sys.stdout = saved
+    runs.append(list(events))
+  return runs
+
+
 def _order_program(block, events, every=3):
   def record(v):
     events.append(("callback", int(v)))
@@ -231,17 +249,8 @@ def _order_program(block, events, every=3):
 def test_order_against_an_unbatched_callback(every):
   """A callback in the loop (in a cond, as a callback with a result would
   be) comes after the lines staged before it and before the later ones."""
-  runs = []
-  for block in (contextlib.nullcontext, lambda: je.batched(k=K)):
-    stream = _Events()
-    saved, sys.stdout = sys.stdout, stream
-    try:
-      jax.block_until_ready(je.jit(_order_program(
-          block, stream.events, every))(jnp.arange(10)))
-      je.effects_barrier()
-    finally:
-      sys.stdout = saved
-    runs.append(stream.events)
+  runs = _events(lambda block, events: _order_program(block, events, every),
+                 jnp.arange(10), K, [])
   expected = []
   for i in range(10):
     expected.append(("line", f"p {i}"))
@@ -265,7 +274,7 @@ def test_order_of_prints_and_logs_on_one_chain():
   logger.setLevel(logging.INFO)
   logger.propagate = False
 
-  def make(block):
+  def make(block, events):
     def f(xs):
       def body(c, x):
         je.log("log {}", x, logger=logger)
@@ -276,18 +285,7 @@ def test_order_of_prints_and_logs_on_one_chain():
       return xs
     return f
 
-  runs = []
-  for block in (contextlib.nullcontext, lambda: je.batched(k=3)):
-    stream = _Events()
-    stream.events = events
-    events.clear()
-    saved, sys.stdout = sys.stdout, stream
-    try:
-      jax.block_until_ready(je.jit(make(block))(jnp.arange(7)))
-      je.effects_barrier()
-    finally:
-      sys.stdout = saved
-    runs.append(list(events))
+  runs = _events(make, jnp.arange(7), 3, events)
   assert runs[0] == [e for i in range(7)
                      for e in (("log", f"log {i}"), ("line", f"print {i}"))]
   assert runs[1] == runs[0]
