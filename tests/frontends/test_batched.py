@@ -229,14 +229,24 @@ def _events(make, arg, k, events) -> list[list]:
 
 
 def _order_program(block, events, every=3):
+  """A callback every ``every`` steps (in a cond), or (``every=0``) one
+  with a result at every step, between two prints."""
   def record(v):
     events.append(("callback", int(v)))
+
+  def record_result(v):
+    record(v)
+    return np.int32(v)
 
   def f(xs):
     def body(c, x):
       je.print("p {}", x)
-      jax.lax.cond(x % every == 0, lambda: je.callback(record, None, x),
-                   lambda: None)
+      if every:
+        jax.lax.cond(x % every == 0, lambda: je.callback(record, None, x),
+                     lambda: None)
+      else:
+        c = c + je.callback(record_result,
+                            jax.ShapeDtypeStruct((), jnp.int32), x)
       je.print("q {}", x)
       return c, None
     with block():
@@ -245,16 +255,16 @@ def _order_program(block, events, every=3):
   return f
 
 
-@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("every", [0, 1, 3])
 def test_order_against_an_unbatched_callback(every):
-  """A callback in the loop (in a cond, as a callback with a result would
-  be) comes after the lines staged before it and before the later ones."""
+  """A callback in the loop (with a result, or in a cond) comes after the
+  lines staged before it and before the later ones."""
   runs = _events(lambda block, events: _order_program(block, events, every),
                  jnp.arange(10), K, [])
   expected = []
   for i in range(10):
     expected.append(("line", f"p {i}"))
-    if i % every == 0:
+    if not every or i % every == 0:
       expected.append(("callback", i))
     expected.append(("line", f"q {i}"))
   assert runs[0] == expected
