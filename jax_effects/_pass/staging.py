@@ -109,7 +109,8 @@ class Stage:
     self.avals: list = []
     flush = _batching.Flush()
     for eqn in self.eqns:
-      columns = tuple(range(len(self.avals), len(self.avals) + len(eqn.invars)))
+      start = len(self.avals)
+      columns = tuple(range(start, start + len(eqn.invars)))
       self.avals += [v.aval for v in eqn.invars]
       self.slots[id(eqn)] = (len(flush.effects), columns)
       flush.effects.append((None, columns))
@@ -119,9 +120,9 @@ class Stage:
     k = min(r.k for _, r, _ in found)
     max_bytes = min(r.max_bytes for _, r, _ in found)
     self.k = min(k, max_bytes // row)
+    what = ", ".join(e.params["host_callback"].description
+                     for e in self.eqns)
     if self.k < 1:
-      what = ", ".join(e.params["host_callback"].description
-                       for e in self.eqns)
       raise ValueError(
           f"jax_effects.batched(max_bytes={max_bytes}): one staged row of "
           f"{what} in a loop takes {row} bytes (its operands and the row's "
@@ -130,8 +131,7 @@ class Stage:
           f"print these values outside jax_effects.batched.")
     self.callback = _host_callback.HostCallback(
         flush, f"jax_effects.batched flush of {len(self.eqns)} effect(s) "
-               f"({', '.join(e.params['host_callback'].description for e in self.eqns)})",
-        reads_placement=True,
+               f"({what})", reads_placement=True,
         spec="its rows are a loop's staged effects")
     self.state = None
 
