@@ -166,7 +166,7 @@ def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
                       unroll=p["unroll"])
 
     carry = (chains.take(keys), loop.states(), list(init))
-    steps = loop.strip_steps()
+    steps = loop.strip_steps(p["length"])
     if steps is None:
       (carriers, states, carry), ys = scan(carry, list(xs), p["length"])
     else:

@@ -218,16 +218,17 @@ class Loop:
           self.new.append(stage)
     self.carried = [by_key[k] for k in keys if k in by_key]
 
-  def strip_steps(self) -> int | None:
-    """Steps between flushes where the loop can be strip-mined (its stages
-    all its own, every staged effect directly in its body): a flush every
-    that many steps, with no check of the count per row (a ``cond`` per
-    step costs the device about a microsecond on CPU); else None."""
+  def strip_steps(self, length: int | None = None) -> int | None:
+    """Steps between flushes where the loop (of ``length`` steps, None:
+    unknown) can be strip-mined (its stages all its own, every staged
+    effect directly in its body, a strip shorter than the loop): a flush
+    every that many steps, with no check of the count per row (a ``cond``
+    per step costs the device about a microsecond on CPU); else None."""
     if not self.new or len(self.new) != len(self.carried) or any(
         s.per_step is None for s in self.new):
       return None
     steps = min(s.k // s.per_step for s in self.new)
-    if steps < 2:
+    if steps < 2 or (length is not None and steps >= length):
       return None
     for s in self.new:
       s.checked = False

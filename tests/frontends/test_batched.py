@@ -481,3 +481,34 @@ def test_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):
     with je.batched(**kwargs):
       pass
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("n", [0, 1, K - 1, K, K + 1, 3 * K + 2])
+def test_scan_results_and_lines_as_unbatched(n, reverse):
+  """Strips of K steps and the rest: the same carry, outputs and lines."""
+  def make(block):
+    def f(xs):
+      def body(c, x):
+        je.print("{} {}", x, c)
+        return c + x, (x * 2, c)
+      with block():
+        return jax.lax.scan(body, 0.0, xs, reverse=reverse)
+    return f
+  xs = jnp.arange(float(n))
+  results = []
+  for block in (contextlib.nullcontext, lambda: je.batched(k=K)):
+    out = io.StringIO()
+    saved, sys.stdout = sys.stdout, out
+    try:
+      r = jax.block_until_ready(je.jit(make(block))(xs))
+      je.effects_barrier()
+    finally:
+      sys.stdout = saved
+    results.append((jax.tree.map(np.asarray, r), out.getvalue()))
+  (plain, plain_text), (batched, batched_text) = results
+  assert batched_text == plain_text
+  assert len(plain_text.splitlines()) == n
+  assert jax.tree.structure(batched) == jax.tree.structure(plain)
+  for a, b in zip(jax.tree.leaves(batched), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(a, b)
