@@ -398,6 +398,30 @@ def test_shard_map_each_device_lines(mesh):
   assert len(_per_device(plain)) == 8
 
 
+def test_shard_map_in_the_deterministic_view(mesh):
+  """In ``deterministic()`` the batched lines are held and released as the
+  unbatched ones are: the same text, to the letter."""
+  def make(block):
+    def f(xs):
+      def g(row):
+        def body(c, x):
+          je.print("s {}", x)
+          return c, None
+        with block():
+          jax.lax.scan(body, 0, row[0])
+        return row
+      out = jax.shard_map(g, mesh=mesh, in_specs=P("i"),
+                          out_specs=P("i"))(xs)
+      je.print("end")
+      return out
+    return f
+  xs = helpers.sharded(mesh, jnp.arange(48.0).reshape(8, 6))
+  with je.deterministic():
+    plain, batched = _both(make, xs)
+  assert len(plain) == 49 and plain[-1] == "end"
+  assert batched == plain
+
+
 def test_under_plain_jax_jit():
   make, arg = PROGRAMS["scan"]
   plain, batched = _both(make, arg(), jit=jax.jit)
@@ -512,3 +536,10 @@ def test_scan_results_and_lines_as_unbatched(n, reverse):
   assert jax.tree.structure(batched) == jax.tree.structure(plain)
   for a, b in zip(jax.tree.leaves(batched), jax.tree.leaves(plain)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_lines_reach_the_capture_fixture(effects_capture):
+  """A line listener (the pytest fixture) gets every batched line (one
+print in the loop: its rows formatted together)."""
+  lines = _lines(_budget_program(1 << 20, k=K), jnp.arange(10))
+  assert effects_capture.printed == lines == [str(i) for i in range(10)]
