@@ -378,29 +378,9 @@ def _per_device(lines):
   return by_device
 
 
-def test_shard_map_each_device_lines(mesh):
-  def make(block):
-    def f(xs):
-      def g(row):
-        def body(c, x):
-          je.print("s {}", x)
-          return c, None
-        with block():
-          jax.lax.scan(body, 0, row[0])
-        return row
-      return jax.shard_map(g, mesh=mesh, in_specs=P("i"),
-                           out_specs=P("i"))(xs)
-    return f
-  xs = helpers.sharded(mesh, jnp.arange(48.0).reshape(8, 6))
-  plain, batched = _both(make, xs)
-  assert len(plain) == 48
-  assert _per_device(batched) == _per_device(plain)
-  assert len(_per_device(plain)) == 8
-
-
-def test_shard_map_in_the_deterministic_view(mesh):
-  """In ``deterministic()`` the batched lines are held and released as the
-  unbatched ones are: the same text, to the letter."""
+def _shard_map_program(mesh):
+  """``make(block)``: a scan printing per device in a shard_map, then an
+  "end" line after it."""
   def make(block):
     def f(xs):
       def g(row):
@@ -415,9 +395,23 @@ def test_shard_map_in_the_deterministic_view(mesh):
       je.print("end")
       return out
     return f
+  return make
+
+
+def test_shard_map_each_device_lines(mesh):
+  xs = helpers.sharded(mesh, jnp.arange(48.0).reshape(8, 6))
+  plain, batched = _both(_shard_map_program(mesh), xs)
+  assert len(plain) == 49 and plain[-1] == batched[-1] == "end"
+  assert _per_device(batched) == _per_device(plain)
+  assert len(_per_device(plain)) == 9   # (8 devices and "end")
+
+
+def test_shard_map_in_the_deterministic_view(mesh):
+  """In ``deterministic()`` the batched lines are held and released as the
+  unbatched ones are: the same text, to the letter."""
   xs = helpers.sharded(mesh, jnp.arange(48.0).reshape(8, 6))
   with je.deterministic():
-    plain, batched = _both(make, xs)
+    plain, batched = _both(_shard_map_program(mesh), xs)
   assert len(plain) == 49 and plain[-1] == "end"
   assert batched == plain
 
