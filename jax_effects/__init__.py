@@ -38,6 +38,7 @@ from jax_effects._dispatch.modes import deterministic
 from jax_effects._dispatch.modes import ordering
 from jax_effects._dispatch.modes import set_ordering
 from jax_effects._frontends import adopted_host as _ah  # noqa: F401  (registers)
+from jax_effects._frontends.batching import batched
 from jax_effects._frontends.callback import callback
 from jax_effects._frontends.callback import NamedCallback
 from jax_effects._frontends.callback import register_callback
@@ -74,5 +75,5 @@ __all__ = [
     "effects_barrier", "get_ordering", "jit", "ordering", "print",
     "runtime_tokens", "set_ordering",
     "Placement", "deterministic", "log", "placement", "progress",
-    "NamedCallback", "register_callback", "HOST_TARGET",
+    "NamedCallback", "register_callback", "HOST_TARGET", "batched",
 ]

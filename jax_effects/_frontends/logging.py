@@ -321,4 +321,4 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
                       effect=effect, ordered=ordered, eager=emit_eager,
                       reads_placement=True,
                       edges=(*edges, *(None,) * len(extra_operands)),
-                      spec=spec)
+                      spec=spec, batchable=True)

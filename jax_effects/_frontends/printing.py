@@ -20,6 +20,7 @@ import numpy as np
 from jax_effects._core import effects as _effects
 from jax_effects._core.effects import Effect
 from jax_effects._frontends import arguments as _arguments
+from jax_effects._primitives import batching as _batching
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
@@ -400,6 +401,22 @@ def _single_text(fmt: str, scalars: bool, current, same, match,
       return ()
     return emit_at
   jit.line_at = line_at
+
+  def lines_at(ordered: bool, running: tuple):
+    deliver_all = _output.lines_at(ordered, running)
+
+    def emit_rows(column):
+      # (a 1-D column of rows: each row's 0-d value as emit_at takes it)
+      values = (column.tolist() if _edges.formats_as_item(column.dtype)
+                else list(column))
+      if current() is same[0] or match():
+        texts = [before + format(v, spec) + after for v in values]
+      else:
+        with np.printoptions(**options):
+          texts = [before + format(v, spec) + after for v in values]
+      deliver_all(texts)
+    return emit_rows
+  jit.lines_at = lines_at
   return jit
 
 
@@ -516,6 +533,9 @@ def _emit_line(jit, ordered: bool):
   if line_at is not None:
     setattr(emit, _host_functions.PLACED,
             lambda running: line_at(ordered, running))
+    lines_at = jit.lines_at
+    setattr(emit, _batching.PLACED_ROWS,
+            lambda running: lines_at(ordered, running))
   elif getattr(jit, "runs_no_user_code", False):
     # (nothing of the user's runs before the write, which clears the site:
     # the placement can be given instead of set)
@@ -576,4 +596,5 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
 
   _effect.bind_effect(_emit_line(jit, ordered), what, operands,
                           effect=effect, ordered=ordered, eager=emit_eager,
-                          reads_placement=True, edges=edges, spec=spec)
+                          reads_placement=True, edges=edges, spec=spec,
+                          batchable=True)

@@ -6,7 +6,9 @@ inside crossing the boundary as extra operands and results: ``cond`` as
 ``lax.switch``, ``while`` as ``lax.while_loop`` (effects in ``cond_fun`` run
 before the loop and after each iteration), ``scan`` as ``lax.scan``;
 call-like primitives are inlined, ``custom_linear_solve`` runs its
-``solve``. See ``design/tokens.md`` and ``design/transformations.md``.
+``solve``. A loop carries the staging buffers of its batched effects
+(``staging.Loop``). See ``design/tokens.md`` and
+``design/transformations.md``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import inlined_jit as _inlined_jit
+from jax_effects._pass import staging as _staging
 from jax_effects._pass import token_pass as _token_pass
 
 
@@ -48,36 +51,73 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   body_fn = _token_pass.region(p["body_jaxpr"], keys, mode, body_consts, kind="loop")
 
   if p["cond_jaxpr"].out_avals[0].shape:
-    carriers, outs = _batched_while(cond_fn, body_fn, cond_effectful,
-                                    chains.take(keys), init)
-  elif not cond_effectful:
-    def loop_cond(state):
-      return cond_fn((), *state[1])[1][0]
+    # (its effects run for live elements only: not staged)
+    _staging.flush_for(keys, chains)
+    with _staging.hidden():
+      carriers, outs = _batched_while(cond_fn, body_fn, cond_effectful,
+                                      chains.take(keys), init)
+    chains.put(keys, carriers)
+    return outs
+  loop = _staging.Loop(p["body_jaxpr"].jaxpr, keys, mode,
+                       _token_pass.live_masked(), _token_pass.flush_on_chain)
+  try:
+    steps = None if cond_effectful else loop.strip_steps()
+    if not cond_effectful:
+      def loop_cond(state):
+        return cond_fn((), *state[-1])[1][0]
 
-    def loop_body(state):
-      return body_fn(state[0], *state[1])
+      def step(state):
+        carriers, states, vals = state
+        (carriers, vals), states = loop.run(states, body_fn, carriers, *vals)
+        return carriers, states, vals
 
-    carriers, outs = lax.while_loop(loop_cond, loop_body,
-                                    (chains.take(keys), list(init)))
-  else:
-    # Effects in cond_fun: run the predicate once before the loop and again at
-    # the end of every iteration, carrying it (as JAX does for its own
-    # ordered effects), so every evaluation of cond_fun happens in order.
-    carriers, (pred,) = cond_fn(chains.take(keys), *init)
+      loop_body = step
+      if steps is not None:   # (strip-mined: staging.Loop.strip_steps)
+        def strip_cond(state):
+          return jnp.logical_and(state[0] < steps, loop_cond(state))
 
-    def loop_body(state):
-      carriers, _, vals = state
-      carriers, vals = body_fn(carriers, *vals)
-      carriers, (pred,) = cond_fn(carriers, *vals)
-      return carriers, pred, vals
+        def strip_body(state):
+          return (state[0] + 1, *step(state[1:]))
 
-    carriers, _, outs = lax.while_loop(lambda s: s[1], loop_body,
-                                       (carriers, pred, list(init)))
-  chains.put(keys, carriers)
+        def strip(state):
+          _, carriers, states, vals = lax.while_loop(
+              strip_cond, strip_body, (jnp.int32(0), *state))
+          strip_chains = _token_pass.Chains(dict(zip(keys, carriers)))
+          states = loop.flush(states, strip_chains)
+          return strip_chains.take(keys), states, vals
+        loop_body = strip
+
+      carriers, states, outs = lax.while_loop(
+          loop_cond, loop_body, (chains.take(keys), loop.states(), list(init)))
+    else:
+      # Effects in cond_fun: run the predicate once before the loop and
+      # again at the end of every iteration, carrying it (as JAX does for
+      # its own ordered effects), so every evaluation of cond_fun happens in
+      # order.
+      (carriers, (pred,)), states = loop.run(loop.states(), cond_fn,
+                                             chains.take(keys), *init)
+
+      def step(carriers, *vals):
+        carriers, vals = body_fn(carriers, *vals)
+        carriers, (pred,) = cond_fn(carriers, *vals)
+        return carriers, pred, vals
+
+      def loop_body(state):
+        carriers, states, _, vals = state
+        (carriers, pred, vals), states = loop.run(states, step, carriers,
+                                                  *vals)
+        return carriers, states, pred, vals
+
+      carriers, states, _, outs = lax.while_loop(
+          lambda s: s[2], loop_body, (carriers, states, pred, list(init)))
+    chains.put(keys, carriers)
+    loop.exit(states, chains)
+  finally:
+    loop.close()
   return outs
 
 
-_token_pass.register_rule(jex_prims.while_p, _while_rule)
+_token_pass.register_rule(jex_prims.while_p, _while_rule, keeps_stages=True)
 
 
 def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
@@ -113,20 +153,64 @@ def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   xs = invals[n_consts + n_carry:]
   keys = _effects.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode, consts, kind="loop")
+  loop = _staging.Loop(p["jaxpr"].jaxpr, keys, mode,
+                       _token_pass.live_masked(), _token_pass.flush_on_chain)
+  try:
+    def body(carry, x):
+      carriers, states, c = carry
+      (carriers, outs), states = loop.run(states, body_fn, carriers, *c, *x)
+      return (carriers, states, outs[:n_carry]), outs[n_carry:]
 
-  def body(carry, x):
-    carriers, c = carry
-    carriers, outs = body_fn(carriers, *c, *x)
-    return (carriers, outs[:n_carry]), outs[n_carry:]
+    def scan(carry, xs, length):
+      return lax.scan(body, carry, xs, length=length, reverse=p["reverse"],
+                      unroll=p["unroll"])
 
-  (carriers, carry), ys = lax.scan(
-      body, (chains.take(keys), list(init)), list(xs), length=p["length"],
-      reverse=p["reverse"], unroll=p["unroll"])
-  chains.put(keys, carriers)
+    carry = (chains.take(keys), loop.states(), list(init))
+    steps = loop.strip_steps(p["length"])
+    if steps is None:
+      (carriers, states, carry), ys = scan(carry, list(xs), p["length"])
+    else:
+      (carriers, states, carry), ys = _strip_mined(
+          scan, loop, keys, carry, list(xs), p["length"], steps,
+          p["reverse"])
+    chains.put(keys, carriers)
+    loop.exit(states, chains)
+  finally:
+    loop.close()
   return [*carry, *ys]
 
 
-_token_pass.register_rule(jex_prims.scan_p, _scan_rule)
+def _strip_mined(scan, loop, keys, carry, xs, length, steps, reverse):
+  """``scan(carry, xs, length)`` as an outer scan of strips of ``steps``
+  steps, the loop's stages flushed after each, then the remaining steps
+  (``staging.Loop.strip_steps``)."""
+  n, rest = divmod(length, steps)
+  cut = rest if reverse else n * steps   # (the rest runs last)
+  ys_parts = []
+  if n:
+    def strip(carry, x):
+      (carriers, states, c), ys = scan(carry, x, steps)
+      chains = _token_pass.Chains(dict(zip(keys, carriers)))
+      states = loop.flush(states, chains)
+      return (chains.take(keys), states, c), ys
+
+    main = [x[rest:] if reverse else x[:cut] for x in xs]
+    carry, ys = lax.scan(
+        strip, carry, [x.reshape(n, steps, *x.shape[1:]) for x in main],
+        length=n, reverse=reverse)
+    ys_parts.append([y.reshape(n * steps, *y.shape[2:]) for y in ys])
+  if rest:
+    carry, ys = scan(carry, [x[:cut] if reverse else x[cut:] for x in xs],
+                     rest)
+    ys_parts.append(ys)
+  if reverse:
+    ys_parts.reverse()
+  if len(ys_parts) == 1:
+    return carry, ys_parts[0]
+  return carry, [jnp.concatenate(parts) for parts in zip(*ys_parts)]
+
+
+_token_pass.register_rule(jex_prims.scan_p, _scan_rule, keeps_stages=True)
 
 
 def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -141,7 +225,8 @@ def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str)
 
 
 for _prim, _param in _jaxpr_eval.CALLEES.items():
-  _token_pass.register_rule(_prim, functools.partial(_inline_rule, _param))
+  _token_pass.register_rule(_prim, functools.partial(_inline_rule, _param),
+                            keeps_stages=True)
 
 
 def _hi_primitive_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -153,7 +238,8 @@ def _hi_primitive_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
 
 if _compat.call_hi_primitive_p is not None:
-  _token_pass.register_rule(_compat.call_hi_primitive_p, _hi_primitive_rule)
+  _token_pass.register_rule(_compat.call_hi_primitive_p, _hi_primitive_rule,
+                            keeps_stages=True)
 
 
 def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -170,4 +256,5 @@ def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
                       [*consts["solve"], *invals[start:]], chains, mode)
 
 
-_token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule)
+_token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,
+                          keeps_stages=True)

@@ -12,7 +12,9 @@ token the executable returns (:func:`thread_program`).
 
 Higher-order primitives go through rules (:func:`register_rule`, in
 ``control_flow_rules`` and ``shard_map_rule``); one with an effect inside
-and no rule is refused, naming why (:func:`refusal`).
+and no rule is refused, naming why (:func:`refusal`). In a loop, an effect
+offered for batching is written to the loop's stage instead, and anything
+else on its chain flushes the stage first (``staging``).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import adopted as _adopted
+from jax_effects._pass import staging as _staging
 from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import first_device as _first_device
@@ -41,17 +44,25 @@ from jax_effects._runtime import token_value as _token_value
 Rule = Callable[..., Sequence[Any]]
 #: Primitive -> rule; add to it only through :func:`register_rule`.
 RULES: dict[jex_core.Primitive, Rule] = {}
+#: The primitives whose rules keep the stages in force (``staging``).
+KEEPS_STAGES: set[jex_core.Primitive] = set()
 
 
-def register_rule(primitive: jex_core.Primitive, rule: Rule) -> None:
+def register_rule(primitive: jex_core.Primitive, rule: Rule,
+                  keeps_stages: bool = False) -> None:
   """Makes the pass thread chains through ``primitive`` with ``rule``.
 
   ``rule(eqn, invals, chains, mode)`` binds the equation's computation into
   the current trace with every effect inside linked to its chain
   (``chains.take``/``put`` the carriers of ``chain_keys(eqn.effects)``;
   :func:`region` runs a sub-jaxpr threaded) and returns its outputs.
+  ``keeps_stages``: the rule inlines its sub-jaxpr or carries the stages of
+  its chains (a loop, ``staging.Loop``); other rules' chains are flushed
+  before them.
   """
   RULES[primitive] = rule
+  if keeps_stages:
+    KEEPS_STAGES.add(primitive)
 
 
 class Chains:
@@ -139,6 +150,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
       host_callback = _adopted.adopt(eqn)
       if host_callback is not None:   # JAX's own callback: threaded like ours
         (key,) = _effects.chain_keys(eqn.effects, mode)
+        _staging.flush_for((key,), chains)
         return _bind_threaded(key, host_callback, invals, chains)
     effects = eqn.effects
     if (effects and _effects.has_chain(effects) and (
@@ -148,6 +160,9 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
+      if eqn.primitive not in KEEPS_STAGES:
+        _staging.flush_for(_effects.chain_keys(effects, mode) if effects
+                           else _staging.keys(), chains)
       return rule(eqn, invals, chains, mode)
     return _jaxpr_eval.rebind(eqn, invals)
   return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle, unchanged)
@@ -169,10 +184,31 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _effect.branch_vmapped_error(host_callback)
+  stage = _staging.stage_of(key)
+  if stage is not None:
+    if stage.holds(eqn) and not _context.masks:
+      stage.write(eqn, _host_callback.on_chain(host_callback, key), invals,
+                  chains)
+      return []
+    stage.flush(chains)   # (what was staged comes first)
   if _context.masks and not host_callback.batch_once:
     host_callback, masks = _host_callback.masked(host_callback, _context.masks)
     invals = [*masks, *invals]
   return _bind_threaded(key, host_callback, invals, chains)
+
+
+def live_masked() -> bool:
+  """Whether the pass is in a vmapped ``while_loop`` whose effects run for
+  live elements only (not staged)."""
+  return bool(_context.masks)
+
+
+def flush_on_chain(key, host_callback, operands, carrier):
+  """``staging.FlushCall``: one host call on chain ``key`` from
+  ``carrier`` (in a ``lax.cond`` branch); returns the carrier after it."""
+  chains = Chains({key: carrier})
+  _bind_threaded(key, host_callback, list(operands), chains)
+  return chains.carriers[key]
 
 
 def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
@@ -231,7 +267,13 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
     with in_region(kind):
-      outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
+      if kind == "loop":   # (carries the loop's stages)
+        outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains,
+                            mode)
+      else:
+        with _staging.hidden():
+          outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains,
+                              mode)
     return chains.take(keys), outs
   return fn
 
@@ -360,7 +402,8 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   chains = Chains(runtime_tokens, entered=True)
   saved, _context.shard_map_chains = _context.shard_map_chains, shard_map_chains
   try:
-    outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+    with _staging.hidden():
+      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.shard_map_chains = saved
   # (Counters end here.)
@@ -392,7 +435,8 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   c.kind, c.masks, c.shard_map_chains = "top", (), shard_map_chains
   c.host_counters = True
   try:
-    outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+    with _staging.hidden():
+      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
   finals = [jnp.max(c) if jnp.shape(c) else c

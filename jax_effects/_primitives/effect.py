@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
+from jax_effects._primitives import batching as _batching
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_call as _host_call
@@ -239,9 +240,11 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 counts_elements: bool = False,
                 cleanup: bool = False,
                 spec: dict | str | None = None,
-                user_code: bool = False) -> list:
-  """Binds ``effect_p``; the keywords after ``ordered`` are the fields of
-  the ``host_callback.HostCallback`` built here."""
+                user_code: bool = False, batchable: bool = False) -> list:
+  """Binds ``effect_p``; the keywords after ``ordered`` but ``batchable``
+  are the fields of the ``host_callback.HostCallback`` built here.
+  ``batchable``: a loop may stage it, inside ``jax_effects.batched``
+  (``batching.offer``)."""
   staging = _compat.enclosing_staging()
   if staging == "pmap":   # legacy pmap staging (an option of JAX 0.8 and 0.9)
     _compat.require("effects in jax.pmap", description)
@@ -254,5 +257,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       reads_placement=reads_placement, batch_once=batch_once,
       edges=tuple(edges), counts_elements=counts_elements,
       cleanup=cleanup, spec=spec, user_code=user_code)
+  if batchable:
+    _batching.offer(host_callback)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)

@@ -250,6 +250,36 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
   return deliver
 
 
+def lines_at(ordered: bool, running: tuple) -> Callable[[list], None]:
+  """``deliver_all(texts)``: each of ``texts`` delivered as
+  :func:`line_at`'s ``deliver`` delivers it, in order (a batched loop's
+  flush, ``_primitives/batching``). The common case (no deterministic
+  view, no bars drawn, no listener, a stream of :func:`_whole_lines`, no
+  outer site) writes them in one write: the same text, each line whole."""
+  deliver = line_at(ordered, running)
+  p = running[0]
+  prefix = (p.prefix() if p is not None and p.shard_index is not None
+            else "")
+  site = _placement.site
+
+  def deliver_all(texts: list) -> None:
+    out = sys.stdout
+    outer = site.running
+    if (_hold_depth or _around is not None or _line_listeners or out is None
+        or outer[0] is not None or outer[1]
+        or not (out is _keeps_lines_whole
+                or (out is not _needs_lock and _whole_lines(out)))):
+      for text in texts:
+        deliver(text)
+      return
+    if texts:
+      if prefix:
+        out.write("".join([prefix + t + "\n" for t in texts]))
+      else:
+        out.write("\n".join(texts) + "\n")
+  return deliver_all
+
+
 def deliver_record(logger: logging.Logger, record: logging.LogRecord,
                    ordered: bool) -> None:
   """Delivers a log record (held in the deterministic view like lines);

@@ -40,6 +40,16 @@ def step(x: jax.Array, scale: float = 2.0) -> jax.Array:
   return x * scale + doubled
 
 
+@je.jit
+def batched_loop(xs: jax.Array) -> jax.Array:
+  def body(c: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+    je.print("x = {}", x)
+    return c + x, None
+  with je.batched(k=16, max_bytes=1 << 16):
+    total, _ = jax.lax.scan(body, jnp.zeros(()), xs)
+  return total
+
+
 @je.jit(static_argnums=1)
 def power(x: jax.Array, n: int) -> jax.Array:
   return x ** n
@@ -59,6 +69,7 @@ def main() -> None:
   assert_type(out, jax.Array)
   assert_type(step(jnp.arange(3.0), 3.0), jax.Array)
   assert_type(power(jnp.ones(2), 3), jax.Array)
+  assert_type(batched_loop(jnp.arange(3.0)), jax.Array)
   je.effects_barrier()
   je.effects_barrier(all_threads=True)
   tokens = je.runtime_tokens()
