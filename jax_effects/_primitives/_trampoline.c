@@ -145,10 +145,11 @@ static int check(const XLA_FFI_CallFrame *frame, const int64_t *w,
   for (side = 0; side < 2; side++) {
     void **bufs = side ? frame->rets.rets : frame->args.args;
     for (i = 0; i < w[side]; i++, k += 4 + w[k + 2]) {
-      int type = side ? (int)frame->rets.types[i] : (int)frame->args.types[i];
+      int buffer = side ? frame->rets.types[i] == XLA_FFI_RetType_BUFFER
+                        : frame->args.types[i] == XLA_FFI_ArgType_BUFFER;
       const XLA_FFI_Buffer *b = bufs[i];
       problem = "a buffer that is not its site's";
-      if (k + 4 > n || k + 4 + w[k + 2] > n || type != XLA_FFI_ArgType_BUFFER
+      if (k + 4 > n || k + 4 + w[k + 2] > n || !buffer
           || b->struct_size < XLA_FFI_Buffer_STRUCT_SIZE)
         goto mismatch;
       problem = "a buffer whose dtype is not its site's";
