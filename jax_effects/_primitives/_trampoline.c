@@ -28,7 +28,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
-/* A buffer's kind in a site's description (host_sites.KINDS). */
+/* A buffer's kind in a site's description (host_sites.TOKEN, ...). */
 enum { K_TOKEN = 0, K_INT = 1, K_ARRAY = 2, K_BYTES = 3 };
 
 static PyObject *sites;    /* key (bytes) -> weakref to a Site */
@@ -368,7 +368,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__trampoline(void) {
   PyObject *m = PyModule_Create(&module_def), *v = NULL;
-  /* The header's dtype codes by NumPy name, and its API version. */
+  /* The header's dtype codes by NumPy name, its API version, the kinds. */
   PyObject *dtypes = PyDict_New();
   if (m == NULL || dtypes == NULL) goto fail;
   DTYPE("bool", PRED) DTYPE("int8", S8) DTYPE("int16", S16)
@@ -385,6 +385,10 @@ PyMODINIT_FUNC PyInit__trampoline(void) {
   DTYPE("token", TOKEN)
   v = Py_BuildValue("(ii)", XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   if (v == NULL || PyModule_AddObjectRef(m, "DTYPES", dtypes) < 0 ||
+      PyModule_AddIntConstant(m, "TOKEN", K_TOKEN) < 0 ||
+      PyModule_AddIntConstant(m, "INT", K_INT) < 0 ||
+      PyModule_AddIntConstant(m, "ARRAY", K_ARRAY) < 0 ||
+      PyModule_AddIntConstant(m, "BYTES", K_BYTES) < 0 ||
       PyModule_AddObjectRef(m, "API_VERSION", v) < 0)
     goto fail;
   Py_DECREF(v);

@@ -48,7 +48,7 @@ ENTRY = _entry()
 #: How the entry hands a buffer over: a token (not at all), a Python int (a
 #: 0-d int32 carrier or uint32 partition id; an int32 result), a NumPy copy
 #: (an ``np.empty`` it fills), or a memoryview of its bytes (sub-byte).
-TOKEN, INT, ARRAY, BYTES = range(4)
+TOKEN, INT, ARRAY, BYTES = ENTRY.TOKEN, ENTRY.INT, ENTRY.ARRAY, ENTRY.BYTES
 
 
 def _of_jax(table: dict) -> dict:
