@@ -60,11 +60,6 @@ from jax_effects._runtime.placement import Placement
 from jax_effects._runtime.snapshot import runtime_tokens
 from jax_effects._runtime.snapshot import RuntimeTokens
 
-from jax_effects._tools import compiled as _compiled
-
-# Built without a C compiler: say so, once (``_tools/compiled.py``).
-_compiled.warn_if_missing()
-
 # As jax.jit's: a user error's filtered traceback shows no frame of ours.
 _compat.exclude_from_tracebacks(_os.path.dirname(__file__))
 

@@ -290,7 +290,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
   def host(*args):
     if (queues or interrupted) and carrier_at is not None:
       c = args[carrier_at]
-      at = _waiting(int(c if not c.ndim else c.max()), chain)
+      at = _waiting(int(np.max(c)), chain)
       if at is not None:
         slot, seq = at
         # (False from either: its execution failed: skipped)
@@ -309,7 +309,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
       args = args[:-1]
     if carrier_at is not None:
       carrier = args[carrier_at]
-      value = int(carrier) if not carrier.ndim else int(carrier.max())
+      value = int(np.max(carrier))
       if value & rule.FAILED:
         received, carrier = carrier, rule.on_failed(carrier)
         if carrier is None:

@@ -13,19 +13,15 @@ carrier operand and result like any other (``host_call``).
 from __future__ import annotations
 
 import collections
-import struct
 import threading
 import weakref
 
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects._primitives import ffi_abi as _abi
 from jax_effects._primitives import host_keys as _keys
 from jax_effects._primitives import host_sites as _host_sites
 from jax_effects._primitives import host_specs as _specs
-from jax_effects._runtime import interrupts as _interrupts
-from jax_effects._runtime import placement as _placement
 
 #: The custom-call target name (CPU).
 TARGET = "jax_effects_host"
@@ -34,9 +30,6 @@ SPEC_ATTR = "jax_effects_spec"
 #: How many sites rebuilt from a spec are kept alive (the oldest dropped
 #: first).
 REBUILT_KEPT = 4096
-
-mem8, mem32, mem64 = _abi.mem8, _abi.mem32, _abi.mem64
-
 
 _registered = False
 _unavailable: str | None = None
@@ -55,17 +48,14 @@ def _register() -> None:
   with _lock:
     if _registered:
       return
-    _unavailable = _abi.UNAVAILABLE
-    if _unavailable is None:
-      import jax
-      try:
-        capsule = _abi.handler_capsule(
-            _handle, (_sites, np.empty, _host_sites.uint32s, _raised))
-        jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
-                                    api_version=1)
-      except Exception as err:  # noqa: BLE001 - XLA refused the handler
-        _unavailable = _abi.UNAVAILABLE or (
-            f"XLA refused jax_effects' FFI host target: {err}")
+    import jax
+    try:
+      capsule = _host_sites.ENTRY.configure(
+          _sites, _cold, np.empty, _host_sites.SiteMismatch)
+      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
+                                  api_version=1)
+    except Exception as err:  # noqa: BLE001 - XLA refused the handler
+      _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
     _registered = True
 
 
@@ -79,16 +69,6 @@ _rebuilt: "collections.OrderedDict[bytes, _host_sites.Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
-
-
-def _raised(exc: BaseException) -> int:
-  """The XLA error for an exception out of the handler or a host function
-  (an interrupt, or a bug of ours: users' errors are deferred)."""
-  try:
-    return _abi.error(f"jax_effects host target: {type(exc).__name__}: "
-                      f"{exc}")
-  except BaseException:  # noqa: BLE001 - never out of a C callback
-    return 0
 
 
 def _bind(key: bytes, site: _host_sites.Site) -> None:
@@ -105,97 +85,10 @@ def _bound(key: bytes) -> _host_sites.Site | None:
   return None if ref is None else ref()
 
 
-#: ``done``: this thread's Python thread state is kept (:func:`_pin`).
-_pinned = threading.local()
-
-
-def _pin() -> None:
-  """Keeps an XLA thread's Python thread state (else ctypes makes one per
-  call): one more ``PyGILState_Ensure``, never released."""
-  if not _placement.python_thread():
-    import ctypes
-    ctypes.pythonapi.PyGILState_Ensure()
-  _pinned.done = True
-
-
-#: The words of a call frame the handler reads, at once (``ffi_abi``'s
-#: ``F_EXTENSION``, ``F_NARGS``, ``F_ARGV``, ``F_NRETS``, ``F_RETV``,
-#: ``F_NATTRS``, ``F_ATTR_TYPES``, ``F_ATTRV``).
-_FRAME = struct.Struct("<8xQ40xQ8xQ16xQ8xQ16xQQ8xQ")
-
-
-def _handle(frame, mem64=mem64, mem32=mem32, mem8=mem8, sites=_sites,
-            pinned=_pinned,
-            pids=_host_sites.uint32s, uint32=np.uint32, array=np.array,
-            frombuffer=np.frombuffer, fields=_FRAME.unpack_from):
-  """The FFI handler: an ``XLA_FFI_Error`` address, or 0. A common site
-  runs here (a buffer's data address: its word ``ffi_abi.B_DATA``)."""
-  try:
-    pinned.done
-  except AttributeError:
-    _pin()
-  try:
-    (extension, nargs, argv, nrets, retv, nattrs, types,
-     attrv) = fields(mem8, frame)
-    if extension:   # XLA's metadata query (registration)
-      _abi.answer_metadata(frame)
-      return 0
-    if nattrs != 2 or mem32[types >> 2] != 4:
-      raise _host_sites.SiteMismatch(
-          "a call of jax_effects' host target with attributes it does not know")
-    # The key: attribute 0 (attributes are sorted by name), a byte span.
-    a = mem64[attrv >> 3] >> 3
-    p = mem64[a]
-    key = bytes(mem8[p:p + mem64[a + 1]])
-    ref = sites.get(key)
-    site = None if ref is None else ref()
-    if site is None:
-      site = _cold(frame, key)
-    inline = site.inline
-    if inline is None:
-      return site.run(frame)   # (which checks the frame's buffers first)
-    if not site.match(argv, retv, nargs, nrets):
-      raise _host_sites.SiteMismatch(
-          site._check(frame)
-          or f"{site.what}: a call frame that does not fit its site")
-    host, view, shift, dtype, count, shape, per_device = inline
-    argv >>= 3
-    carrier = mem32[mem64[(mem64[argv] >> 3) + 3] >> 2]   # (an int)
-    address = mem64[(mem64[argv + 1] >> 3) + 3]
-    if view is not None:
-      v = view[address >> shift]
-      if v != v:   # (a NaN: copied as it is, its payload bits kept)
-        return site.run(frame)
-      x = array(v, dtype)
-    elif shape is None:
-      x = frombuffer(mem8, dtype, count, address).copy()
-    else:
-      x = frombuffer(mem8, dtype, count, address).reshape(shape).copy()
-    if per_device:
-      pid = mem32[mem64[(mem64[argv + 2] >> 3) + 3] >> 2] & 0xFFFFFFFF
-      partition = pids.get(pid)
-      if partition is None:
-        partition = pids[pid] = uint32(pid)
-      out = host(carrier, x, partition)
-    else:
-      out = host(carrier, x)
-    mem32[mem64[(mem64[retv >> 3] >> 3) + 3] >> 2] = out[0]
-    return 0
-  except BaseException as exc:  # noqa: BLE001 - never out of a C callback
-    return _raised(exc)
-
-
-_interrupts.entry_frame(_handle)
-
-
-def _cold(frame: int, key: bytes) -> _host_sites.Site:
-  """The site of a key not bound here, rebuilt from the call's spec."""
-  problem = _abi.check_frame(frame)
-  if problem:
-    raise _host_sites.SiteMismatch(problem)
-  attrs = _abi.attr_strings(frame)
-  if attrs is None or set(attrs) != {KEY_ATTR, SPEC_ATTR} or (
-      attrs[KEY_ATTR].encode() != key):
+def _cold(key: bytes, attrs: dict) -> _host_sites.Site:
+  """The site of a key not bound here (``attrs``: the call's string
+  attributes), rebuilt from the call's spec."""
+  if set(attrs) != {KEY_ATTR, SPEC_ATTR} or attrs[KEY_ATTR].encode() != key:
     raise _host_sites.SiteMismatch(
         "a call of jax_effects' host target with attributes it does not know")
   text = attrs[SPEC_ATTR]

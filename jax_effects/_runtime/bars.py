@@ -277,8 +277,7 @@ class BarSpec:
   def advance_counted(self, id_and_count) -> tuple:
     """:meth:`advance` with the bar's id and the count in one ``int32[2]``
     operand: a counted flush (``every=k``) is then a host call of the
-    common form (the carrier and one operand), which the handler runs
-    itself (``host_sites.inline_form``)."""
+    common form (the carrier and one operand), the cheapest to run."""
     return self.advance(*id_and_count.tolist())
 
   def close(self, bar_id, n) -> tuple:

@@ -22,8 +22,8 @@ HOST = "host"
 #: A dispatching frame of the call path, from the launch to the storing of
 #: the returned token.
 DISPATCH = "dispatch"
-#: The entry of a C callback (the FFI handler XLA calls): ctypes drops an
-#: exception raised in it before its ``try``.
+#: Python called by the FFI entry around a host function (a site's
+#: runner): an interrupt raised there would fail the computation in XLA.
 ENTRY = "entry"
 
 _kinds: dict[CodeType, str] = {}

@@ -5,9 +5,10 @@ the token of a call that is returning. While the main thread is inside a
 call, :func:`_on_sigint` marks its slot interrupted (:data:`slots`: every
 later host function of that slot's computations raises) and raises by the
 innermost marked frame (``frames``): at once, but not in the call path's
-frame that stores the token (``frames.DISPATCH``) or in the entry of the C
-callback (``frames.ENTRY``: ctypes would drop it and take the callback as
-done); the call then raises it (:func:`take`). ``design/errors.md``,
+frame that stores the token (``frames.DISPATCH``) or in what the FFI
+entry calls around a host function (``frames.ENTRY``: it would fail the
+computation in XLA; the host function raises it); the call then raises it
+(:func:`take`). ``design/errors.md``,
 "KeyboardInterrupt".
 """
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _install_sigint_handler() -> None:
 
 
 def entry_frame(function) -> None:
-  """Marks the entry of a C callback that XLA calls (``frames.ENTRY``)."""
+  """Marks Python the FFI entry calls around a host function
+  (``frames.ENTRY``)."""
   _frames.mark(function.__code__, _frames.ENTRY)
 
 

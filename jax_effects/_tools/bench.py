@@ -945,10 +945,6 @@ def machine() -> dict:
           "processor": platform.processor() or platform.machine(),
           "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
           "devices": len(jax.devices())}
-  from jax_effects._primitives import ffi_abi
-  info["ffi_entry"] = ffi_abi.ENTRY   # (compiled, or ctypes: no compiler)
-  from jax_effects._tools import compiled
-  info["compiled_missing"] = [m for m, _, _ in compiled.missing()]
   try:
     info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
   except OSError:
@@ -969,11 +965,7 @@ def _format_table(report: dict) -> str:
   m = report["machine"]
   lines.append(f"jax_effects bench  (JAX {m['jax']}, Python {m['python']}, "
                f"{m['backend']} x{m['devices']}, {m['cpu_count']} CPUs"
-               + (f", load {m['loadavg']}" if "loadavg" in m else "")
-               + f", FFI entry {m.get('ffi_entry', '?')})")
-  if m.get("compiled_missing"):
-    lines.append("compiled parts missing (no C compiler at install): "
-                 + ", ".join(m["compiled_missing"]))
+               + (f", load {m['loadavg']}" if "loadavg" in m else "") + ")")
   lines.append("")
   lines.append(f"{'measurement':34s} {'median':>12s} {'min':>12s}")
   for name, r in report["results"].items():

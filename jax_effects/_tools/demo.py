@@ -270,9 +270,8 @@ def run(args) -> int:
                    f"{list(SECTIONS)}", file=sys.stderr)
     return 2
   import jax
-  from jax_effects._tools import compiled
   say(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} "
-      f"device(s), {compiled.describe()}")
+      f"device(s)")
   for name in names:
     SECTIONS[name](args)
   return 0

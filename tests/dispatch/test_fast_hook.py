@@ -1,12 +1,10 @@
-"""The fast dispatch hook behaves alike with either FFI entry.
+"""The fast dispatch hook hands every case it does not run to the general path.
 
 A function's common calls run through the fast hook
 (``call_path.fast_dispatch``), which hands every other case to the
 function's general path. It knows a token verified
 (``TokenStore.verified``) by asking whether the token is ready when its
-call returns: with the compiled FFI entry (``_trampoline.c``) and with the
-ctypes one (``JAX_EFFECTS_FFI_ENTRY=ctypes``, what an install without a C
-compiler runs). Each runs the same program in a fresh process: the printed
+call returns. A program runs in a fresh process: the printed
 lines in order, the values returned, the errors raised (each once, by the
 call it belongs to) and the thread's token after each call must be what the
 program implies: calls with positional arguments passed as written and
@@ -29,10 +27,9 @@ jax.config.update("jax_num_cpu_devices", 2)
 import jax.numpy as jnp
 import numpy as np
 import jax_effects as je
-from jax_effects._primitives import ffi_abi
 from jax_effects._runtime import threads
 
-out = {"entry": ffi_abi.ENTRY, "errors": [],
+out = {"errors": [],
        "values": [], "tokens": []}
 
 def token_is_new(before):
@@ -189,16 +186,10 @@ def _expected_stdout() -> list[str]:
   return lines
 
 
-@pytest.mark.parametrize("entry", ["default", "ctypes"])
-def test_fast_hook_dispatches_alike(entry, tmp_path):
-  env = {"JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
-  # (run elsewhere than the checkout: the installed package, with its
-  # compiled part where it was built, is the one a test run imports)
-  proc = run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=600,
-                    cwd=tmp_path)
+def test_fast_hook_dispatches_as_the_program_implies(tmp_path):
+  proc = run_python("-c", textwrap.dedent(SCRIPT), timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads(proc.stderr.strip().splitlines()[-1])
-  assert got["entry"] == "ctypes" or entry == "default"
   assert got["values"] == EXPECTED_VALUES
   assert got["tokens"] == [True] * 4
   assert got["errors"] == [

@@ -1,21 +1,15 @@
-"""The two entries of the FFI host target run the same host calls alike.
+"""The FFI host target's entry (``_primitives/_trampoline.c``) hands every
+host call its operands as the program sent them.
 
-XLA enters jax_effects' handler through the compiled entry
-(``_primitives/_trampoline.c``, built by ``pip install .`` where a C
-compiler exists), which runs the common site itself (one operand, no
-result), or through a ctypes callback (the fallback: no compiler, or
-``JAX_EFFECTS_FFI_ENTRY=ctypes``). Each entry runs the same program in a
-fresh process; what every host function received (dtype, shape, the exact
-bytes, NaN payloads included, writable), the partition ids of per-device
-calls, the printed text and the errors raised must be what the program
-sent, call after call (the first call of a site goes through the Python
-handler, the later ones through the common path).
+A fresh process (``jax_enable_x64`` on) runs the program; what every host
+function received (dtype, shape, the exact bytes, NaN payloads included,
+writable), the partition ids of per-device calls, the printed text and
+the errors raised (each once) must be what the program sent, call after
+call (the common site: one operand, the carrier, no result).
 """
 import inspect
 import json
 import textwrap
-
-import pytest
 
 from helpers import run_python
 
@@ -27,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 import jax_effects as je
-from jax_effects._primitives import ffi_abi
 
 seen = []
 
@@ -88,10 +81,7 @@ for k in range(3):
   except ValueError as exc:
     errors.append(str(exc))
 sys.stdout.flush()
-import importlib.util
-built = importlib.util.find_spec("jax_effects._primitives._trampoline")
-print(json.dumps({"entry": ffi_abi.ENTRY, "built": built is not None,
-                  "seen": seen, "errors": errors}), file=sys.stderr)
+print(json.dumps({"seen": seen, "errors": errors}), file=sys.stderr)
 """
 
 
@@ -128,17 +118,10 @@ def _expected_records():
           for x in _operands() for _ in range(3)]
 
 
-@pytest.mark.parametrize("entry", ["default", "ctypes"])
-def test_both_entries_run_host_calls_alike(entry, tmp_path):
-  env = {"JAX_EFFECTS_FFI_ENTRY": "ctypes" if entry == "ctypes" else None}
-  # (run elsewhere than the checkout: the installed package, with its
-  # compiled entry where it was built, is the one a test run imports)
-  proc = run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=600,
-                    cwd=tmp_path)
+def test_the_entry_hands_host_calls_their_operands(tmp_path):
+  proc = run_python("-c", textwrap.dedent(SCRIPT), timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads(proc.stderr.strip().splitlines()[-1])
-  assert got["entry"] == ("compiled" if entry == "default" and got["built"]
-                          else "ctypes")
   records = [r for r in got["seen"] if r[0] != "device"]
   assert records == _expected_records()
   devices = [r[1] for r in got["seen"] if r[0] == "device"]

@@ -21,7 +21,6 @@ def test_bench_quick_reports_its_targets(tmp_path):
                     "--only", "abcdkoq", timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout)
-  assert report["machine"]["ffi_entry"] in ("compiled", "ctypes")
   targets = report["targets"]
   for name in ("c/i", "d/c", "b/a", "o_prints/jax", "o_plain/jax",
                "o_slices/jax", "k_ours/plain", "k_iii/plain", "k_ours/iii",
