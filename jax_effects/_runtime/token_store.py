@@ -69,10 +69,7 @@ def devices_mode(mode: str | None) -> str | None:
   per mode: compared by identity)."""
   if mode is None:
     return None
-  found = _DEVICES_MODES.get(mode)
-  if found is None:
-    found = _DEVICES_MODES.setdefault(mode, mode + " (devices)")
-  return found
+  return _DEVICES_MODES.setdefault(mode, mode + " (devices)")
 
 
 class OutputTokens:
@@ -113,12 +110,10 @@ class OutputTokens:
       self.last_token = None
       output.pop(self.last_sharding, None)
       output[self.last_sharding] = last
-    if self.last_sharding is sharding:  # already the most recent entry
-      output[sharding] = token
-    else:  # move to the end (recency)
+    if self.last_sharding is not sharding:  # move to the end (recency)
       output.pop(sharding, None)
-      output[sharding] = token
       self.last_sharding = sharding
+    output[sharding] = token
 
   def drop_outputs(self, ids) -> None:
     """Forgets the output tokens whose ``id`` is in ``ids`` (failed)."""
@@ -235,15 +230,12 @@ class TokenStore(OutputTokens):
       self.update((key,), token, (passed,), seq=seq)
       return
     self.last_token = token
-    if kept:
-      runtime[key] = token
-      if ended:
-        self.verified = token   # (see verified)
-    else:
-      stored = runtime[key] = (_compat.uncommitted(token)
-                               if _compat.committed(token) else token)
-      if ended:
-        self.verified = stored   # (see verified)
+    stored = token
+    if not kept and _compat.committed(token):
+      stored = _compat.uncommitted(token)
+    runtime[key] = stored
+    if ended:
+      self.verified = stored   # (see verified)
     self.seqs[key] = seq
 
   def _kept_meanwhile(self, key, passed, runtime, seq) -> bool:
