@@ -116,9 +116,7 @@ class ThreadTokens(_token_store.TokenStore):
       return self.initial_token()
     value = _token_value.initial(self.slot) | _token_value.TOKEN_DTYPE(
         seq << _token_value.SEQ_SHIFT)
-    if _compat.host_transfers_guarded():
-      return _placed(value)
-    return value
+    return _placed(value) if _compat.host_transfers_guarded() else value
 
   def _past_outer(self, key, token):
     """The token of ``key`` for a call from a host callback of this
@@ -161,10 +159,7 @@ class ThreadTokens(_token_store.TokenStore):
   def settle(self) -> list:
     """Waits for every computation this thread dispatched; the chains of
     failed ones start afresh. Returns the failed tokens."""
-    failed = []
-    for token in self.pending():
-      if not _token_store.settled(token):
-        failed.append(token)
+    failed = [t for t in self.pending() if not _token_store.settled(t)]
     if failed:
       ids = {id(t) for t in failed}
       keys = tuple(k for k, t in self.runtime.items() if id(t) in ids)
