@@ -93,9 +93,7 @@ def format_postfix(postfix) -> str | None:
 class _Probe:
   """The ``{bar}`` field while the rest is measured (tqdm's
   ``FormatReplace``): empty, whatever its spec."""
-
-  def __init__(self):
-    self.called = False
+  called = False
 
   def __format__(self, spec: str) -> str:
     self.called = True
@@ -167,10 +165,9 @@ def format_meter(n: float, total: float | None, elapsed: float, *,
            else datetime.datetime.fromtimestamp(0, datetime.timezone.utc))
   except OverflowError:
     eta = datetime.datetime.max
+  l_bar = ""
   if prefix:
     l_bar = prefix if prefix[-2:] == ": " else prefix + ": "
-  else:
-    l_bar = ""
   r_bar = (f"| {n_fmt}/{total_fmt} [{elapsed_str}<{remaining_str}, "
            f"{rate_fmt}{postfix}]")
   fields = {
