@@ -98,15 +98,22 @@ def varying_axes(aval) -> frozenset:
   return frozenset(aval.vma)
 
 # Effect-type registries, where our effect types are registered (no public
-# handle; JAX 0.8-0.12). Never ``ordered_effects``, but for the plain-jax.jit
-# fallback of an ordered marker (``_effects.PlainJitOrder``).
-control_flow_allowed_effects = _effects.control_flow_allowed_effects
-custom_derivatives_allowed_effects = _effects.custom_derivatives_allowed_effects
-remat_allowed_effects = _effects.remat_allowed_effects
-partial_eval_kept_effects = _effects.partial_eval_kept_effects
-lowerable_effects = _effects.lowerable_effects
-ordered_effects = _effects.ordered_effects
-shardable_ordered_effects = _effects.shardable_ordered_effects
+# handle; JAX 0.8-0.12).
+_ALLOWING = (_effects.control_flow_allowed_effects,
+             _effects.custom_derivatives_allowed_effects,
+             _effects.remat_allowed_effects,
+             _effects.partial_eval_kept_effects, _effects.lowerable_effects)
+
+
+def allow_effect_types(*effect_types, ordered: bool = False) -> None:
+  """Lets control flow, custom derivatives, remat, partial evaluation (kept)
+  and lowering take equations with effects of these types; ``ordered``:
+  also JAX's (shardable) ordered effects, never but for the plain-jax.jit
+  fallback of an ordered marker (``_effects.PlainJitOrder``)."""
+  ordering = (_effects.ordered_effects, _effects.shardable_ordered_effects)
+  for registry in _ALLOWING + (ordering if ordered else ()):
+    for effect_type in effect_types:
+      registry.add_type(effect_type)
 
 
 # Scan's partial evaluation hoists loop-invariant equations out of the

@@ -253,23 +253,13 @@ def jax_effects_of(effect: Effect, ordered: bool,
   return {marker(effect, ordered)}
 
 
-for _registry in (_compat.control_flow_allowed_effects,
-                  _compat.custom_derivatives_allowed_effects,
-                  _compat.remat_allowed_effects,
-                  _compat.partial_eval_kept_effects,
-                  _compat.lowerable_effects):
-  _registry.add_type(TraceEffect)
-  _registry.add_type(PlainJitOrder)
-  _registry.add_type(ExportedOrder)
+_compat.allow_effect_types(TraceEffect)
 # Under grad, an effect in a scan body runs once per iteration, even with no
 # operand that changes from one iteration to the next.
 _compat.keep_effects_in_loops(TraceEffect)
-# Shardable: on several devices JAX orders them like its own ordered
-# io_callback (once per program point, on the first device).
-_compat.ordered_effects.add_type(PlainJitOrder)
-_compat.shardable_ordered_effects.add_type(PlainJitOrder)
-_compat.ordered_effects.add_type(ExportedOrder)
-_compat.shardable_ordered_effects.add_type(ExportedOrder)
+# Ordered, shardable: on several devices JAX orders them like its own
+# ordered io_callback (once per program point, on the first device).
+_compat.allow_effect_types(PlainJitOrder, ExportedOrder, ordered=True)
 
 
 # --- which chain a JAX effect is on: one registry (``design/tokens.md``) ---

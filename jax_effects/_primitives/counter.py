@@ -62,12 +62,7 @@ class CounterEffect(_compat.Effect):
     return f"jax_effects[{self.counter.name}]"
 
 
-for _registry in (_compat.control_flow_allowed_effects,
-                  _compat.custom_derivatives_allowed_effects,
-                  _compat.remat_allowed_effects,
-                  _compat.partial_eval_kept_effects,
-                  _compat.lowerable_effects):
-  _registry.add_type(CounterEffect)
+_compat.allow_effect_types(CounterEffect)
 # (an update in a scan body counts once per iteration under grad too)
 _compat.keep_effects_in_loops(CounterEffect)
 # Its chain is its Counter, which never leaves the computation.
