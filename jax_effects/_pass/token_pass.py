@@ -266,14 +266,10 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
 
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
-    with in_region(kind):
-      if kind == "loop":   # (carries the loop's stages)
-        outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains,
-                            mode)
-      else:
-        with _staging.hidden():
-          outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains,
-                              mode)
+    # (a loop carries its stages; other regions hide them)
+    stages = contextlib.nullcontext() if kind == "loop" else _staging.hidden()
+    with in_region(kind), stages:
+      outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
   return fn
 
