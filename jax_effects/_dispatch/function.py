@@ -118,7 +118,7 @@ class PjitFunction(Generic[_P, _R]):
     return PjitFunction(self._fun, **self._jit_kwargs)
 
   def __deepcopy__(self, memo: Any) -> PjitFunction[_P, _R]:
-    return PjitFunction(self._fun, **self._jit_kwargs)
+    return self.__copy__()
 
   def __reduce__(self):
     return (_rebuild, (self._fun, self._jit_kwargs))
@@ -185,6 +185,11 @@ class _Stage:
   to strip) or of the threaded ``g``. Other attributes are JAX's.
   """
 
+  def __init__(self, inner, mode, keys):
+    self._inner = inner
+    self._mode = mode
+    self._keys = keys
+
   def _strip_in(self, tree):
     if self._mode is None:
       return tree
@@ -247,10 +252,8 @@ class Traced(_Stage, jax.stages.Traced):
   ``.jaxpr`` is the token-threaded jaxpr (what is lowered)."""
 
   def __init__(self, function, traced, mode, keys, args=(), kwargs=None):
+    super().__init__(traced, mode, keys)
     self._function = function
-    self._inner = traced
-    self._mode = mode
-    self._keys = keys
     self._args = args
     self._kwargs = {} if kwargs is None else kwargs
     self._export_traced = None   # (set by a lowering for jax.export)
@@ -283,10 +286,8 @@ class Lowered(_Stage, jax.stages.Lowered):
   """A lowered :class:`PjitFunction`; ``.as_text()`` shows the threaded StableHLO."""
 
   def __init__(self, function, lowered, mode, keys):
+    super().__init__(lowered, mode, keys)
     self._function = function
-    self._inner = lowered
-    self._mode = mode
-    self._keys = keys
 
   def compile(self, *args, **kwargs) -> "Compiled":
     compiled = Compiled(self._inner.compile(*args, **kwargs), self._mode,
@@ -302,9 +303,7 @@ class Compiled(_Stage, jax.stages.Compiled):
   """A compiled :class:`PjitFunction`; calling it runs the call path."""
 
   def __init__(self, compiled, mode, keys):
-    self._inner = compiled
-    self._mode = mode
-    self._keys = keys
+    super().__init__(compiled, mode, keys)
     self._launch = _launch_lock.LaunchSite()
 
   @property
