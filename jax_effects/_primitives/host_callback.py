@@ -69,9 +69,7 @@ def on_chain(host_callback: HostCallback, chain) -> HostCallback:
   """``host_callback`` with ``chain`` set (one object per chain)."""
   if host_callback.chain is chain:
     return host_callback
-  by_chain = host_callback.__dict__.get("_on_chains")
-  if by_chain is None:
-    by_chain = host_callback.__dict__.setdefault("_on_chains", {})
+  by_chain = host_callback.__dict__.setdefault("_on_chains", {})
   found = by_chain.get(chain)
   if found is None:
     found = by_chain.setdefault(
