@@ -150,41 +150,32 @@ _CHILD_200 = textwrap.dedent("""
 
 
 def _run_child(variant: str, steps: int, cache_dir: str) -> dict:
-  if variant.endswith("200"):
-    return _run_200(variant, steps, cache_dir)
+  """One child of ``variant``; ``steps``: its function's steps (prints of
+  ``o_200``'s)."""
+  many = variant.endswith("200")
   proc = subprocess.run(
-      [sys.executable, "-c", _CHILD, variant, str(steps), cache_dir],
+      [sys.executable, "-c", _CHILD_200 if many else _CHILD, variant,
+       str(steps), cache_dir],
       capture_output=True, text=True, timeout=600,
       env={k: v for k, v in os.environ.items()
            if not k.startswith("JAX_COMPILATION_CACHE")})
   if proc.returncode != 0:
     raise RuntimeError(f"bench (o) child {variant} failed: "
                        f"{proc.stderr[-2000:]}")
-  result = json.loads(proc.stderr.strip().splitlines()[-1])
-  lines = [line for line in proc.stdout.splitlines()
-           if line.startswith("step")]   # (an array's text may wrap)
-  expected = ([f"step {i} x" for i in (0, steps // 2, steps - 1)]
-              if variant in ("prints", "slices", "jaxprint") else [])
-  if len(lines) != len(expected) or not all(
-      line.startswith(e) for line, e in zip(lines, expected)):
-    raise RuntimeError(f"bench (o) child {variant} printed {lines!r}")
-  return result
-
-
-def _run_200(variant: str, n: int, cache_dir: str) -> dict:
-  proc = subprocess.run(
-      [sys.executable, "-c", _CHILD_200, variant, str(n), cache_dir],
-      capture_output=True, text=True, timeout=600,
-      env={k: v for k, v in os.environ.items()
-           if not k.startswith("JAX_COMPILATION_CACHE")})
-  if proc.returncode != 0:
-    raise RuntimeError(f"bench (o) child {variant} failed: "
-                       f"{proc.stderr[-2000:]}")
-  lines = [line.split(" x = ")[0] for line in proc.stdout.splitlines()
-           if line.startswith("print ")]
-  if lines != [f"print {i}" for i in range(n)]:
-    raise RuntimeError(f"bench (o) child {variant} printed {lines[:5]!r}..."
-                       f" ({len(lines)} lines)")
+  if many:
+    lines = [line.split(" x = ")[0] for line in proc.stdout.splitlines()
+             if line.startswith("print ")]
+    fits = lines == [f"print {i}" for i in range(steps)]
+  else:
+    lines = [line for line in proc.stdout.splitlines()
+             if line.startswith("step")]   # (an array's text may wrap)
+    expected = ([f"step {i} x" for i in (0, steps // 2, steps - 1)]
+                if variant in ("prints", "slices", "jaxprint") else [])
+    fits = len(lines) == len(expected) and all(
+        line.startswith(e) for line, e in zip(lines, expected))
+  if not fits:
+    raise RuntimeError(f"bench (o) child {variant} printed {lines[:5]!r} "
+                       f"({len(lines)} lines)")
   return json.loads(proc.stderr.strip().splitlines()[-1])
 
 
