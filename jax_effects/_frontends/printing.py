@@ -199,7 +199,12 @@ def _format_known(fmt: str, args, kwargs, run_time_only: set[int]) -> None:
 def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
   """Formats zero-valued stand-ins (broadcast views of one zero) of the
   operands, so that a spec not fitting them (``"{:d}"`` of a float) fails
-  at trace time, naming ``fmt``."""
+  at trace time, naming ``fmt``. Without a spec (``"{}"``, ``"{!r}"``)
+  every field fits (:func:`check_format` checked the names): nothing is
+  formatted."""
+  if not any(spec for _, name, spec, _ in _FORMATTER.parse(fmt)
+             if name is not None):
+    return
   samples = []
   for x in fa.operands:
     dtype = getattr(x, "dtype", None)
@@ -252,7 +257,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
   spec = text_spec(fmt, fa, args, kwargs, options, edges)
   if isinstance(spec, dict):
-    jit = text_from_spec(spec)
+    jit = text_from_spec(spec, checked=True)
   else:
     jit = _texts(fmt, fa.rebuild, options, edges)
   fmt_values = _formatted(fmt, fa.rebuild, options)
@@ -515,10 +520,13 @@ def check_text_spec(what: str, spec) -> None:
     raise _host_specs.NotData(str(err)) from None
 
 
-def text_from_spec(spec: dict, what: str = "jax_effects.print"):
+def text_from_spec(spec: dict, what: str = "jax_effects.print",
+                   checked: bool = False):
   """``jit(*np_operands)`` of a :func:`text_spec` (checked first,
-  :func:`check_text_spec`)."""
-  check_text_spec(what, spec)
+  :func:`check_text_spec`, unless ``checked``: made by :func:`text_spec`
+  from arguments :func:`formatter` checked)."""
+  if not checked:
+    check_text_spec(what, spec)
   edges = spec_edges(spec)
   return (_flat_texts(spec["fmt"], spec["args"], spec["options"], edges)
           or _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),

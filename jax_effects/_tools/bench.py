@@ -51,7 +51,9 @@ Measurements (per call unless noted):
     after each dispatch: how much of it the device work hides;
 (o) the first call in a fresh process from a warm persistent compilation
     cache, a ~2,000-equation function with three prints against the
-    print-free one (``bench_cache``);
+    print-free one; and a function of 200 prints from the process's start
+    to its first result against the same with ``jax.debug.print`` under
+    ``jax.jit`` (``bench_cache``);
 (p) under plain ``jax.jit``: a step with a ``jax_effects.print`` against
     the same with ``jax.debug.print(ordered=True)``, and a print-free step
     with and without ``import jax_effects`` (``bench_plain``);

@@ -254,6 +254,49 @@ def test_a_call_made_inside_a_call_is_joined(effects_capture):
       "outer before 1", "inner 101", "outer after 1", "later 2"]
 
 
+def test_a_plain_jit_call_made_inside_a_call_is_waited_for_by_warm_calls(
+    mesh, effects_capture):
+  # A plain jax.jit call from a host callback of the thread's call, over
+  # 8 devices (launched, still running when the outer call returns), is
+  # joined; the thread's next call waits for it, also from its fast hook
+  # (rounds 1 and 2). Mutation this catches: the outer call's store making
+  # the fast hook usable again while a joined token is pending
+  # (TokenStore._refresh_fast without `joined`): `later` then printed
+  # before the plain call's line in the warm rounds.
+  def slow(block):
+    time.sleep(0.3)   # (each device slow: the plain call's print waits)
+    return block
+
+  stage = helpers.per_device_stage(mesh, slow)
+
+  @jax.jit
+  def plain(x, r):
+    je.print("plain {} {}", r, stage(x).sum())
+    return x
+
+  x = helpers.sharded(mesh, jnp.arange(8, dtype=jnp.int32))
+
+  def call_plain(r):
+    plain(x, r)
+
+  @je.jit
+  def outer(r):
+    je.callback(call_plain, None, r)
+    return r
+
+  @je.jit
+  def later(r):
+    je.print("later {}", r)
+    return r
+
+  for r in range(3):   # (the first calls compile; then the fast hooks)
+    outer(jnp.int32(r))
+    later(jnp.int32(r))
+  je.effects_barrier()
+  assert effects_capture.printed == [
+      line for r in range(3) for line in (f"plain {r} 28", f"later {r}")]
+
+
 def test_the_runtime_token_of_a_chain_is_never_a_failed_one(devices):
   # After any failure the thread's stored tokens are good once it
   # dispatches again: nothing failed stays in its state.

@@ -31,10 +31,14 @@ runtime state in :data:`STATES`, the modules that store to it: an
 assignment, augmented assignment or ``del`` of the name or field (also of a
 subscript or attribute of it), or a mutating method call on it
 (``.append``, ``.pop``, ``.clear``, ``.update``, ...). Module globals are
-matched through the owner's import aliases; class fields by attribute name
-(on any object but another class's ``self``). Good enough to count writer
-modules; it follows a local alias (``runtime = state.runtime``), not
-``setattr`` nor an object handed to another function.
+matched through the owner's import aliases; a class's fields are derived,
+not listed: its own and those of its base classes in the package (followed
+through imports), each matched by attribute name (on any object but the
+``self`` of a class outside that hierarchy). Good enough to count writer
+modules; it follows a local alias (``runtime = state.runtime``) and a field
+handed to a function of the same module, directly or as the arguments of a
+callable also handed on (``weakref.finalize(obj, fn, state.runtime)``: a
+store to ``fn``'s parameter writes the field); not ``setattr``.
 """
 from __future__ import annotations
 
@@ -47,8 +51,8 @@ import os
 import pathlib
 import sys
 
-#: state -> (owner module, module globals, (class, fields or None: its
-#: ``__slots__``/``self.x`` stores)). Names that no longer exist are skipped
+#: state -> (owner module, module globals, (class, fields or None: the
+#: ``__slots__``/``self.x`` stores of it and its base classes)). Names that no longer exist are skipped
 #: (the report says which were found).
 STATES = {
     "ThreadTokens fields": ("jax_effects._runtime.threads", (),
@@ -174,18 +178,62 @@ def _package_files(root: pathlib.Path):
     yield ".".join(rel.parts).removesuffix(".__init__"), path
 
 
+def _class_def(tree: ast.Module, cls: str) -> ast.ClassDef | None:
+  return next((n for n in tree.body
+               if isinstance(n, ast.ClassDef) and n.name == cls), None)
+
+
+def _base_of(trees: dict, module: str, base: ast.expr) -> tuple | None:
+  """``(module, class)`` of the base class expression ``base`` written in
+  ``module``, where that class is the package's (else None)."""
+  tree = trees[module]
+  if isinstance(base, ast.Name):
+    if _class_def(tree, base.id) is not None:
+      return module, base.id
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module in trees:
+        for a in node.names:
+          if (a.asname or a.name) == base.id:
+            return node.module, a.name
+  elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        for a in node.names:
+          if (a.asname or a.name) == base.value.id:
+            owner = f"{node.module}.{a.name}"
+            if owner in trees:
+              return owner, base.attr
+  return None
+
+
+def _hierarchy(trees: dict, owner: str, cls: str) -> set:
+  """``(module, class)`` of ``cls`` and of its base classes in the
+  package, followed through the imports."""
+  found, todo = set(), [(owner, cls)]
+  while todo:
+    module, name = todo.pop()
+    node = _class_def(trees[module], name)
+    if node is None or (module, name) in found:
+      continue
+    found.add((module, name))
+    for base in node.bases:
+      resolved = _base_of(trees, module, base)
+      if resolved is not None:
+        todo.append(resolved)
+  return found
+
+
 def _class_fields(tree: ast.Module, cls: str) -> set:
   fields = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.ClassDef) and node.name == cls:
-      for item in ast.walk(node):
-        if (isinstance(item, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__slots__"
-            for t in item.targets)):
-          fields.update(ast.literal_eval(item.value))
-        elif (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
-              and isinstance(item.value, ast.Name) and item.value.id == "self"):
-          fields.add(item.attr)
+  node = _class_def(tree, cls)
+  for item in ast.walk(node) if node is not None else ():
+    if (isinstance(item, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "__slots__"
+        for t in item.targets)):
+      fields.update(ast.literal_eval(item.value))
+    elif (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
+          and isinstance(item.value, ast.Name) and item.value.id == "self"):
+      fields.add(item.attr)
   fields.discard("__weakref__")
   return fields
 
@@ -211,16 +259,23 @@ def _aliases(tree: ast.Module, owner: str, names: tuple) -> tuple[set, set]:
 class _Writes(ast.NodeVisitor):
   """Collects the state names a module writes."""
 
-  def __init__(self, is_owner, mods, direct, globals_, cls, fields, others):
+  def __init__(self, is_owner, mods, direct, globals_, classes, fields,
+               others, functions):
     self.is_owner, self.mods, self.direct = is_owner, mods, direct
-    self.globals, self.cls, self.fields = globals_, cls, fields
+    # classes: the names of the state's classes defined in this module
+    self.globals, self.classes, self.fields = globals_, classes, fields
     self.others = others   # module-level instances of the module's other classes
+    self.functions = functions   # module-level function name -> parameters
     self.found: set = set()
     self._class: list = []
     self._aliases: dict = {}   # local name -> the state it was read from
+    # function name -> {parameter: the state handed to it}
+    self.handed: dict = collections.defaultdict(dict)
 
   def visit_FunctionDef(self, node):
-    saved, self._aliases = self._aliases, {}
+    saved = self._aliases
+    self._aliases = (dict(self.handed.get(node.name, {}))
+                     if not self._class else {})
     self.generic_visit(node)
     self._aliases = saved
 
@@ -245,7 +300,7 @@ class _Writes(ast.NodeVisitor):
           and node.attr in self.globals):
         return node.attr
       if node.attr in self.fields:
-        in_other_class = (self._class and self._class[-1] != self.cls)
+        in_other_class = (self._class and self._class[-1] not in self.classes)
         if not (isinstance(base, ast.Name) and (
             (base.id == "self" and in_other_class) or base.id in self.others)):
           return node.attr
@@ -292,18 +347,56 @@ class _Writes(ast.NodeVisitor):
     func = node.func
     if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
       self._store(func.value)
+    self._hand_on(node)
     self.generic_visit(node)
 
+  def _hand_on(self, node):
+    """Records state handed to a module-level function of this module as
+    an argument: of the call itself (``fn(state.runtime)``), or after the
+    function among the arguments (``weakref.finalize(obj, fn, ...)``)."""
+    args = [node.func, *node.args]
+    for i, arg in enumerate(args):
+      if not (isinstance(arg, ast.Name) and arg.id in self.functions):
+        continue
+      for param, value in zip(self.functions[arg.id], args[i + 1:]):
+        name = self._ref(value)
+        if name is not None:
+          self.handed[arg.id][param] = name
 
-def _other_instances(tree: ast.Module, cls: str | None) -> set:
-  """Module-level names bound to an instance of a class of the module other
-  than ``cls`` (``_context = _Context()``): their fields are not ``cls``'s."""
-  classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+def _other_instances(tree: ast.Module, classes: set) -> set:
+  """Module-level names bound to an instance of a class of the module not
+  in ``classes`` (``_context = _Context()``): their fields are not the
+  state's."""
+  defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
   return {t.id for n in tree.body if isinstance(n, ast.Assign)
           and isinstance(n.value, ast.Call)
           and isinstance(n.value.func, ast.Name)
-          and n.value.func.id in classes - {cls}
+          and n.value.func.id in defined - classes
           for t in n.targets if isinstance(t, ast.Name)}
+
+
+def _functions(tree: ast.Module) -> dict:
+  """Module-level function name -> its positional parameters' names."""
+  return {n.name: [a.arg for a in (*n.args.posonlyargs, *n.args.args)]
+          for n in tree.body
+          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _module_writes(tree, module, owner, globals_, hierarchy, fields) -> set:
+  """The state names ``module`` writes (twice over: the second pass knows
+  which parameters the first found handed state)."""
+  mods, direct = _aliases(tree, owner, globals_)
+  classes = {c for m, c in hierarchy if m == module}
+  handed: dict = {}
+  for _ in range(2):
+    visitor = _Writes(module == owner, mods, direct, set(globals_), classes,
+                      fields, _other_instances(tree, classes),
+                      _functions(tree))
+    visitor.handed.update(handed)
+    visitor.visit(tree)
+    handed = visitor.handed
+  return visitor.found
 
 
 def writers_per_state(root: pathlib.Path, states: dict = STATES) -> dict:
@@ -316,17 +409,15 @@ def writers_per_state(root: pathlib.Path, states: dict = STATES) -> dict:
       out[state] = {"owner": owner, "missing": True}
       continue
     cls, fields = cls_spec if cls_spec else (None, ())
+    hierarchy = _hierarchy(trees, owner, cls) if cls is not None else set()
     if cls is not None and fields is None:
-      fields = _class_fields(trees[owner], cls)
+      fields = set().union(*(_class_fields(trees[m], c) for m, c in hierarchy))
     fields = set(fields or ())
     writers = {}
     for module, tree in trees.items():
-      mods, direct = _aliases(tree, owner, globals_)
-      visitor = _Writes(module == owner, mods, direct, set(globals_), cls,
-                        fields, _other_instances(tree, cls))
-      visitor.visit(tree)
-      if visitor.found:
-        writers[module] = sorted(visitor.found)
+      found = _module_writes(tree, module, owner, globals_, hierarchy, fields)
+      if found:
+        writers[module] = sorted(found)
     out[state] = {"owner": owner, "writers": len(writers),
                   "by_module": writers}
   return out

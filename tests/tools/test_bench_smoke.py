@@ -4,9 +4,10 @@ Timings are never asserted here (README, "Benchmark"): this checks that the
 command runs in a fresh process, with ``--quick``, for the rows that need no
 simulated devices of their own (dispatch (a)-(d), the progress bar's loop
 (k), which checks that XLA kept its floor's host calls, the warm-cache
-first call (o), whose children check their own output and their cache hits,
-and a print per step of a loop against Python's (q), batched or not, which
-checks that the text is Python's own), and
+first call (o), whose children check their own output and their cache hits
+(also the 200 prints' program, from its process's start), and a print per
+step of a loop against Python's (q), batched or not, which checks that the
+text is Python's own), and
 that its JSON report has a finite value for each of their targets and says
 which FFI entry it measured.
 """
@@ -23,7 +24,8 @@ def test_bench_quick_reports_its_targets(tmp_path):
   report = json.loads(proc.stdout)
   targets = report["targets"]
   for name in ("c/i", "d/c", "b/a", "o_prints/jax", "o_plain/jax",
-               "o_slices/jax", "k_ours/plain", "k_iii/plain", "k_ours/iii",
+               "o_slices/jax", "o_200/jaxprint", "k_ours/plain",
+               "k_iii/plain", "k_ours/iii",
                "q_print/python", "q_log/python", "q_callback/python",
                "q_batched128/python", "q_batched1024/python"):
     assert math.isfinite(targets[name]["value"]), (name, targets[name])

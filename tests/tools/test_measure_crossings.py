@@ -2,8 +2,8 @@
 ``design/architecture.md``, "Measuring the layout") counts what it says, on
 small packages made for the test: the crossings of a call, there and back,
 directly and through a frame outside the package; the writer modules of a
-state, through import aliases and local aliases, not another class's
-fields."""
+state, through import aliases and local aliases, its base classes' methods
+and a field handed to a function, not another class's fields."""
 import importlib.util
 import sys
 import textwrap
@@ -62,14 +62,46 @@ def test_writers_per_state(tmp_path):
   _write(tmp_path / "pkg", {
       "__init__.py": "",
       "owner.py": """
+          from pkg import base as _base
           queue = []
-          class Tokens:
+          class Tokens(_base.Store):
             __slots__ = ("runtime", "slot")
             def __init__(self):
+              super().__init__()
               self.runtime = {}
               self.slot = 0
           def push(x):
             queue.append(x)
+          """,
+      "base.py": """
+          from pkg.root import Root
+          class Store(Root):   # a base class's fields are the state's too
+            __slots__ = ("joined",)
+            def __init__(self):
+              self.joined = []
+          class Unrelated:
+            __slots__ = ("seen",)
+            def __init__(self):
+              self.seen = 0
+          """,
+      "root.py": """
+          class Root:
+            __slots__ = ("seqs",)
+            def bump(self):
+              self.seqs += 1
+          """,
+      "slots.py": """
+          import weakref
+          def register(state):
+            weakref.finalize(state, _exited, state.joined, 3)
+          def _exited(joined, n):
+            joined.clear()         # the field, handed on
+          def _drop(seqs):
+            seqs.clear()           # never handed a field
+          def clear_later(state):
+            _also(state.runtime)
+          def _also(runtime):
+            runtime.pop("k")
           """,
       "writer.py": """
           from pkg import owner as _owner
@@ -98,8 +130,9 @@ def test_writers_per_state(tmp_path):
             "queue": ("pkg.owner", ("queue",), None)}
   out = mc.writers_per_state(tmp_path / "pkg", states)
   assert out["tokens"]["by_module"] == {
-      "pkg.augmented": ["slot"], "pkg.owner": ["runtime", "slot"],
-      "pkg.writer": ["runtime"]}
+      "pkg.augmented": ["slot"], "pkg.base": ["joined"],
+      "pkg.owner": ["runtime", "slot"], "pkg.root": ["seqs"],
+      "pkg.slots": ["joined", "runtime"], "pkg.writer": ["runtime"]}
   assert out["queue"]["by_module"] == {
       "pkg.owner": ["queue"], "pkg.writer": ["queue"]}
-  assert (out["tokens"]["writers"], out["queue"]["writers"]) == (3, 2)
+  assert (out["tokens"]["writers"], out["queue"]["writers"]) == (6, 2)
