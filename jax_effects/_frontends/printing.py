@@ -256,10 +256,8 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   key_impls = fa.key_impls
   edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
   spec = text_spec(fmt, fa, args, kwargs, options, edges)
-  if isinstance(spec, dict):
-    jit = text_from_spec(spec, checked=True)
-  else:
-    jit = _texts(fmt, fa.rebuild, options, edges)
+  jit = (text_from_spec(spec, checked=True) if isinstance(spec, dict)
+         else _texts(fmt, fa.rebuild, options, edges))
   fmt_values = _formatted(fmt, fa.rebuild, options)
 
   def eager(*operands):
@@ -334,10 +332,8 @@ def _texts(fmt: str, rebuild, options: dict, edges: tuple):
 
 def _conversions(fmt: str) -> bool:
   """Whether a field of ``fmt`` (nested ones too) has a conversion (``!r``)."""
-  for _, name, spec, conversion in _FORMATTER.parse(fmt):
-    if name is not None and (conversion or (spec and _conversions(spec))):
-      return True
-  return False
+  return any(name is not None and (conversion or (spec and _conversions(spec)))
+             for _, name, spec, conversion in _FORMATTER.parse(fmt))
 
 
 def _one_field(fmt: str) -> tuple[str, str, str] | None:
