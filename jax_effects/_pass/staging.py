@@ -49,17 +49,14 @@ class _Stages(threading.local):
     self.by_key: dict = {}
 
 
-_stages = _Stages()
-
-
-def stage_of(key) -> Stage | None:
-  """The stage of chain ``key`` in force here, or None."""
-  return _stages.by_key.get(key)
+#: Read by ``token_pass`` before it calls in here: where no stage is in
+#: force (a program without ``batched``), the pass never enters this module.
+stages = _Stages()
 
 
 def keys() -> list:
   """The chains with a stage in force here."""
-  return list(_stages.by_key)
+  return list(stages.by_key)
 
 
 class hidden:
@@ -67,15 +64,15 @@ class hidden:
   ``while_loop`` with a batched predicate, a whole program)."""
 
   def __enter__(self):
-    self.saved, _stages.by_key = _stages.by_key, {}
+    self.saved, stages.by_key = stages.by_key, {}
 
   def __exit__(self, *exc):
-    _stages.by_key = self.saved
+    stages.by_key = self.saved
 
 
 def flush_for(keys, chains) -> None:
   """Flushes the stages of chains ``keys`` (something else on them comes)."""
-  by_key = _stages.by_key
+  by_key = stages.by_key
   if by_key:
     for key in keys:
       stage = by_key.get(key)
@@ -207,7 +204,7 @@ class Loop:
 
   def __init__(self, body, keys, mode: str, masked: bool,
                flush_call: FlushCall):
-    by_key = _stages.by_key
+    by_key = stages.by_key
     self.new: list[Stage] = []
     if not masked:
       for key, found in _staged(body, mode, {}).items():
@@ -262,7 +259,7 @@ class Loop:
 
   def close(self) -> None:
     """Its own stages go (also where its trace failed)."""
-    by_key = _stages.by_key
+    by_key = stages.by_key
     for s in self.new:
       if by_key.get(s.key) is s:
         del by_key[s.key]

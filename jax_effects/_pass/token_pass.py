@@ -140,6 +140,14 @@ def in_region(kind: str | None = None, mask=None):
 
 # --- the interpreter ---------------------------------------------------------
 
+def _no_stages():
+  """A region that starts with no stage (``staging.hidden``); nothing to do
+  where none is in force, the common case, which never enters
+  ``staging``."""
+  return (_staging.hidden() if _staging.stages.by_key
+          else contextlib.nullcontext())
+
+
 def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any], chains: Chains, mode: str) -> list:
   """Evaluates ``jaxpr`` in the current trace, threading ``chains``."""
@@ -150,7 +158,8 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
       host_callback = _adopted.adopt(eqn)
       if host_callback is not None:   # JAX's own callback: threaded like ours
         (key,) = _effects.chain_keys(eqn.effects, mode)
-        _staging.flush_for((key,), chains)
+        if _staging.stages.by_key:
+          _staging.flush_for((key,), chains)
         return _bind_threaded(key, host_callback, invals, chains)
     effects = eqn.effects
     if (effects and _effects.has_chain(effects) and (
@@ -160,7 +169,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
-      if eqn.primitive not in KEEPS_STAGES:
+      if eqn.primitive not in KEEPS_STAGES and _staging.stages.by_key:
         _staging.flush_for(_effects.chain_keys(effects, mode) if effects
                            else _staging.keys(), chains)
       return rule(eqn, invals, chains, mode)
@@ -184,7 +193,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   host_callback = eqn.params["host_callback"]
   if host_callback.traced_in_branch and _context.kind != "branch":
     raise _effect.branch_vmapped_error(host_callback)
-  stage = _staging.stage_of(key)
+  stage = _staging.stages.by_key.get(key)
   if stage is not None:
     if stage.holds(eqn) and not _context.masks:
       stage.write(eqn, _host_callback.on_chain(host_callback, key), invals,
@@ -267,7 +276,7 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
     # (a loop carries its stages; other regions hide them)
-    stages = contextlib.nullcontext() if kind == "loop" else _staging.hidden()
+    stages = contextlib.nullcontext() if kind == "loop" else _no_stages()
     with in_region(kind), stages:
       outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
@@ -398,7 +407,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   chains = Chains(runtime_tokens, entered=True)
   saved, _context.shard_map_chains = _context.shard_map_chains, shard_map_chains
   try:
-    with _staging.hidden():
+    with _no_stages():
       outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     _context.shard_map_chains = saved
@@ -431,7 +440,7 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   c.kind, c.masks, c.shard_map_chains = "top", (), shard_map_chains
   c.host_counters = True
   try:
-    with _staging.hidden():
+    with _no_stages():
       outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     c.kind, c.masks, c.shard_map_chains, c.host_counters = saved

@@ -36,8 +36,9 @@ class _Requested(threading.local):
   request: Request | None = None
 
 
-#: The request of the innermost ``batched`` block being traced, per thread.
-_requested = _Requested()
+#: The request of the innermost ``batched`` block being traced, per thread
+#: (read by ``effect.bind_effect`` before it calls in here).
+requested = _Requested()
 
 #: An offered effect (its ``HostCallback.origin``, kept by every form made
 #: of it) -> the request in force where it was bound.
@@ -46,18 +47,18 @@ _offered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def current() -> Request | None:
   """The request of the ``batched`` block the calling thread is in."""
-  return _requested.request
+  return requested.request
 
 
 def set_current(request: Request | None) -> Request | None:
   """Makes ``request`` current; returns the one it replaces."""
-  previous, _requested.request = _requested.request, request
+  previous, requested.request = requested.request, request
   return previous
 
 
 def offer(host_callback: _host_callback.HostCallback) -> None:
   """Offers a just-bound effect for batching, where a request is current."""
-  request = _requested.request
+  request = requested.request
   if request is not None:
     _offered[host_callback.origin] = request
 

@@ -257,7 +257,7 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
       reads_placement=reads_placement, batch_once=batch_once,
       edges=tuple(edges), counts_elements=counts_elements,
       cleanup=cleanup, spec=spec, user_code=user_code)
-  if batchable:
+  if batchable and _batching.requested.request is not None:
     _batching.offer(host_callback)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)
