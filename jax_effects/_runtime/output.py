@@ -215,6 +215,13 @@ def deliver_line(text: str, ordered: bool) -> None:
     site.running = running
 
 
+def _prefix_at(running: tuple) -> str:
+  """The prefix of the lines of a host function that runs at ``running``
+  (``placement.running``): its per-device placement's, or none."""
+  p = running[0]
+  return p.prefix() if p is not None and p.shard_index is not None else ""
+
+
 def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
   """``deliver(text)``: :func:`deliver_line` from a host function that runs
   at ``running`` (``placement.running``) and has not set
@@ -223,9 +230,7 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
   made once. The common case (no deterministic view, no outer site) goes
   straight to :func:`_write_line` (a line in a compiled loop pays for every
   frame, issue 48)."""
-  p = running[0]
-  prefix = (p.prefix() if p is not None and p.shard_index is not None
-            else "")
+  prefix = _prefix_at(running)
   site = _placement.site
 
   def deliver(text: str) -> None:
@@ -257,9 +262,7 @@ def lines_at(ordered: bool, running: tuple) -> Callable[[list], None]:
   view, no bars drawn, no listener, a stream of :func:`_whole_lines`, no
   outer site) writes them in one write: the same text, each line whole."""
   deliver = line_at(ordered, running)
-  p = running[0]
-  prefix = (p.prefix() if p is not None and p.shard_index is not None
-            else "")
+  prefix = _prefix_at(running)
   site = _placement.site
 
   def deliver_all(texts: list) -> None:
