@@ -310,8 +310,21 @@ def deliver(thunk: Callable[[], None], ordered: bool) -> None:
 
 def deliver_jax_line(text: str) -> None:
   """Delivers a line of an adopted ``jax.debug.print`` as JAX writes it
-  (no placement prefix), as an ordered line."""
-  _hold_or_run(True, lambda: _write_line(text))
+  (no placement prefix), as an ordered line; the common case (no
+  deterministic view) in this frame, as :func:`deliver_line`'s."""
+  if _hold_depth:
+    _hold_or_run(True, lambda: _write_line(text))
+    return
+  site = _placement.site
+  running = site.running
+  if running[0] is None:
+    _write_line(text)
+    return
+  site.running = _CLEARED
+  try:
+    _write_line(text)
+  finally:
+    site.running = running
 
 
 def deliver_jax_record(logger: logging.Logger,
