@@ -207,36 +207,13 @@ def _numpy_text(params: dict, edges: tuple):
                                edges or (None,) * (n - len(static)))
 
 
-def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
-  ``_format_print_callback``, delivered through ``_output``. ``edges``:
-  :func:`print_edges`."""
+def _values_text(params: dict, edges: tuple, from_numpy: bool):
+  """``text(*np_operands)`` where :func:`_numpy_text` has none: JAX's
+  ``_format_print_callback`` of ``Value``s (``from_numpy``) or of real
+  ``jax.Array``s."""
   fmt = params["fmt"]
   options = dict(params["np_printoptions"])
   has_placeholders = params["has_placeholders"]
-  record = params["logging_record"]
-  from_numpy = _formats_only_values(params)
-  deliver_line = _output.deliver_jax_line
-  deliver_record = _output.deliver_jax_record
-  logger = _compat.debugging_logger
-  message = (_numpy_text(params, edges) if has_placeholders and from_numpy
-             else None)
-
-  if message is not None and record is None:
-    # The common case: jax_effects.print's formatter and a line, in this
-    # frame (a line in a compiled loop pays for every frame, issue 48).
-    def host(*operands):
-      try:
-        try:
-          deliver_line(message(*operands))
-        except BaseException:
-          logger.exception("jax.debug.callback failed")   # as JAX's impl
-          raise
-      except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-        raise _jc.jax_error(exc) from exc
-      return ()
-    return host
-
   rebuild = _jc.rebuilder(params["in_tree"], params["static_args"])
   get_printoptions = np.get_printoptions
   printoptions = np.printoptions
@@ -251,7 +228,7 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     with printoptions(**options):
       return fmt.format(*args, **kwargs)
 
-  if message is None and from_numpy:   # (static arguments not data)
+  if from_numpy:
     Value = _printing.Value
     if edges:
       Summarized = _edges.Summarized
@@ -263,36 +240,51 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     else:
       def message(*operands) -> str:
         return text([Value(x) for x in operands])
-  elif message is None:
-    aval_of = _jc.avals()
-    put = _compat.batched_device_put
-    default_device = _compat.default_device_setting
-    (concrete, no_concrete), (abstract, no_abstract) = (
-        _compat.NO_MESH_SETTINGS)
+    return message
+  aval_of = _jc.avals()
+  put = _compat.batched_device_put
+  default_device = _compat.default_device_setting
+  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
 
-    def message(*operands) -> str:
-      device, sharding = _jc.cpu()
-      values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
-      d = default_device.swap_local(device)
-      c = concrete.swap_local(no_concrete)
-      a = abstract.swap_local(no_abstract)
-      try:
-        return text(values)
-      finally:
-        abstract.set_local(a)
-        concrete.set_local(c)
-        default_device.set_local(d)
+  def message(*operands) -> str:
+    device, sharding = _jc.cpu()
+    values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
+    d = default_device.swap_local(device)
+    c = concrete.swap_local(no_concrete)
+    a = abstract.swap_local(no_abstract)
+    try:
+      return text(values)
+    finally:
+      abstract.set_local(a)
+      concrete.set_local(c)
+      default_device.set_local(d)
+  return message
+
+
+def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
+  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
+  ``_format_print_callback``, delivered through ``_output``. ``edges``:
+  :func:`print_edges`."""
+  record = params["logging_record"]
+  from_numpy = _formats_only_values(params)
+  message = ((params["has_placeholders"] and from_numpy
+              and _numpy_text(params, edges))
+             or _values_text(params, edges, from_numpy))
+  deliver_line = _output.deliver_line
+  deliver_record = _output.deliver_jax_record
+  logger = _compat.debugging_logger
 
   def host(*operands):
     try:
       try:
-        msg = message(*operands)
-        if record is not None:
-          rec = copy.copy(record)
-          rec.msg = msg
-          deliver_record(logger, rec)
+        # (the text, then the line, in this frame: a line in a compiled
+        # loop pays for every frame, issue 48)
+        if record is None:
+          deliver_line(message(*operands), True, False)   # (no prefix)
         else:
-          deliver_line(msg)
+          rec = copy.copy(record)
+          rec.msg = message(*operands)
+          deliver_record(logger, rec)
       except BaseException:
         logger.exception("jax.debug.callback failed")   # as JAX's impl
         raise
