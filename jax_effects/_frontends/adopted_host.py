@@ -27,6 +27,7 @@ from jax_effects._frontends import printing as _printing
 from jax_effects._pass import adopted as _adopted
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 
@@ -187,23 +188,35 @@ def _formats_only_values(params: dict) -> bool:
       _plain_structure(a) for a in (*args_, *kwargs_.values()))
 
 
-def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
-  ``_format_print_callback``, delivered through ``_output``. ``edges``:
-  :func:`print_edges`."""
+def _numpy_text(params: dict, edges: tuple):
+  """``text(*np_operands)`` of a print whose values NumPy can stand for
+  (:func:`_formats_only_values`) and whose static arguments are data
+  (``host_specs.encode_tree``): ``jax_effects.print``'s formatter
+  (``_printing.numpy_texts``, one frame for leaf arguments); else None."""
+  in_tree = params["in_tree"]
+  static = dict(params["static_args"])
+  n = in_tree.num_leaves
+  tree = tree_util.tree_unflatten(
+      in_tree, [static[i] if i in static else _jc.Slot(i) for i in range(n)])
+  try:
+    args_data = _host_specs.encode_tree(tree, set(range(n)) - static.keys())
+  except _host_specs.NotData:
+    return None
+  return _printing.numpy_texts(params["fmt"], args_data,
+                               dict(params["np_printoptions"]),
+                               edges or (None,) * (n - len(static)))
+
+
+def _values_text(params: dict, edges: tuple, from_numpy: bool):
+  """``text(*np_operands)`` where :func:`_numpy_text` has none: JAX's
+  ``_format_print_callback`` of ``Value``s (``from_numpy``) or of real
+  ``jax.Array``s."""
   fmt = params["fmt"]
   options = dict(params["np_printoptions"])
   has_placeholders = params["has_placeholders"]
-  record = params["logging_record"]
-  in_tree = params["in_tree"]
-  rebuild = _jc.rebuilder(in_tree, params["static_args"])
-  from_numpy = _formats_only_values(params)
-  Value = _printing.Value
+  rebuild = _jc.rebuilder(params["in_tree"], params["static_args"])
   get_printoptions = np.get_printoptions
   printoptions = np.printoptions
-  deliver_line = _output.deliver_jax_line
-  deliver_record = _output.deliver_jax_record
-  logger = _compat.debugging_logger
 
   def text(values) -> str:
     args, kwargs = rebuild(values)
@@ -215,46 +228,63 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     with printoptions(**options):
       return fmt.format(*args, **kwargs)
 
-  if edges:   # (only where from_numpy)
-    Summarized = _edges.Summarized
-    shapes = [None if e is None else e.shape for e in edges]
+  if from_numpy:
+    Value = _printing.Value
+    if edges:
+      Summarized = _edges.Summarized
+      shapes = [None if e is None else e.shape for e in edges]
 
-    def message(operands) -> str:
-      return text([Value(x) if s is None else Summarized(x, s)
-                   for x, s in zip(operands, shapes)])
-  elif from_numpy:
-    def message(operands) -> str:
-      return text([Value(x) for x in operands])
-  else:
-    aval_of = _jc.avals()
-    put = _compat.batched_device_put
-    default_device = _compat.default_device_setting
-    (concrete, no_concrete), (abstract, no_abstract) = (
-        _compat.NO_MESH_SETTINGS)
+      def message(*operands) -> str:
+        return text([Value(x) if s is None else Summarized(x, s)
+                     for x, s in zip(operands, shapes)])
+    else:
+      def message(*operands) -> str:
+        return text([Value(x) for x in operands])
+    return message
+  aval_of = _jc.avals()
+  put = _compat.batched_device_put
+  default_device = _compat.default_device_setting
+  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
 
-    def message(operands) -> str:
-      device, sharding = _jc.cpu()
-      values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
-      d = default_device.swap_local(device)
-      c = concrete.swap_local(no_concrete)
-      a = abstract.swap_local(no_abstract)
-      try:
-        return text(values)
-      finally:
-        abstract.set_local(a)
-        concrete.set_local(c)
-        default_device.set_local(d)
+  def message(*operands) -> str:
+    device, sharding = _jc.cpu()
+    values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
+    d = default_device.swap_local(device)
+    c = concrete.swap_local(no_concrete)
+    a = abstract.swap_local(no_abstract)
+    try:
+      return text(values)
+    finally:
+      abstract.set_local(a)
+      concrete.set_local(c)
+      default_device.set_local(d)
+  return message
+
+
+def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
+  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
+  ``_format_print_callback``, delivered through ``_output``. ``edges``:
+  :func:`print_edges`."""
+  record = params["logging_record"]
+  from_numpy = _formats_only_values(params)
+  message = ((params["has_placeholders"] and from_numpy
+              and _numpy_text(params, edges))
+             or _values_text(params, edges, from_numpy))
+  deliver_line = _output.deliver_line
+  deliver_record = _output.deliver_jax_record
+  logger = _compat.debugging_logger
 
   def host(*operands):
     try:
       try:
-        msg = message(operands)
-        if record is not None:
-          rec = copy.copy(record)
-          rec.msg = msg
-          deliver_record(logger, rec)
+        # (the text, then the line, in this frame: a line in a compiled
+        # loop pays for every frame, issue 48)
+        if record is None:
+          deliver_line(message(*operands), True, False)   # (no prefix)
         else:
-          deliver_line(msg)
+          rec = copy.copy(record)
+          rec.msg = message(*operands)
+          deliver_record(logger, rec)
       except BaseException:
         logger.exception("jax.debug.callback failed")   # as JAX's impl
         raise

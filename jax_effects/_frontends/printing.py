@@ -523,10 +523,19 @@ def text_from_spec(spec: dict, what: str = "jax_effects.print",
   from arguments :func:`formatter` checked)."""
   if not checked:
     check_text_spec(what, spec)
-  edges = spec_edges(spec)
-  return (_flat_texts(spec["fmt"], spec["args"], spec["options"], edges)
-          or _texts(spec["fmt"], _host_specs.tree_decoder(spec["args"]),
-                    spec["options"], edges))
+  return numpy_texts(spec["fmt"], spec["args"], spec["options"],
+                     spec_edges(spec))
+
+
+def numpy_texts(fmt: str, args_data, options: dict, edges: tuple):
+  """``jit(*np_operands)``: the text of ``fmt`` formatted with the arguments
+  ``args_data`` (``host_specs.encode_tree``'s) under the NumPy print
+  ``options``, an operand ``i`` shown whole (``Value``) or summarized by
+  ``edges[i]``; in one frame where the arguments are all leaves
+  (:func:`_flat_texts`). Also an adopted ``jax.debug.print``'s text
+  (``_frontends.adopted_host``)."""
+  return (_flat_texts(fmt, args_data, options, edges)
+          or _texts(fmt, _host_specs.tree_decoder(args_data), options, edges))
 
 
 def _emit_line(jit, ordered: bool):

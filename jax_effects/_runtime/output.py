@@ -2,8 +2,9 @@
 
 Host callbacks hand every line of :func:`jax_effects.print` and record of
 :func:`jax_effects.log` (and of JAX's own adopted ``jax.debug.print``/
-``log``: :func:`deliver_jax_line`, :func:`deliver_jax_record`) over here, on
-whichever thread runs them; a per-device line gets its placement prefix.
+``log``: :func:`deliver_line` not ``placed``, :func:`deliver_jax_record`)
+over here, on whichever thread runs them; a per-device line gets its
+placement prefix.
 Lines go to ``sys.stdout`` (each whole: one write, under one lock unless
 the stream is one of Python's own that keeps it whole), records to their
 logger; listeners (``effects_capture``) see both in delivery order, and
@@ -189,19 +190,22 @@ def _handle_record(logger: logging.Logger, record: logging.LogRecord,
 _CLEARED = (None, False)
 
 
-def deliver_line(text: str, ordered: bool) -> None:
-  """Delivers a printed line; per-device lines get their placement prefix.
+def deliver_line(text: str, ordered: bool, placed: bool = True) -> None:
+  """Delivers a printed line; per-device lines get their placement prefix
+  (``placed``; an adopted ``jax.debug.print``'s line, as JAX writes it, is
+  not ``placed``).
 
   The common case (no deterministic view) is :func:`_hold_or_run` and
   :func:`_run` in this frame, then :func:`_write_line`: a line in a
   compiled loop pays for every Python frame (issue 48)."""
   site = _placement.site
   running = site.running
-  p = running[0]
-  if p is None:
-    p = _placement.current()
-  if p is not None and p.shard_index is not None:   # (p.per_device)
-    text = p.prefix() + text
+  if placed:
+    p = running[0]
+    if p is None:
+      p = _placement.current()
+    if p is not None and p.shard_index is not None:   # (p.per_device)
+      text = p.prefix() + text
   if _hold_depth:
     _hold_or_run(ordered, lambda: _write_line(text))
     return
@@ -306,12 +310,6 @@ def deliver(thunk: Callable[[], None], ordered: bool) -> None:
   """Runs an output action of a host callback (``progress`` drawing its
   bar), held in the deterministic view like lines."""
   _hold_or_run(ordered, thunk)
-
-
-def deliver_jax_line(text: str) -> None:
-  """Delivers a line of an adopted ``jax.debug.print`` as JAX writes it
-  (no placement prefix), as an ordered line."""
-  _hold_or_run(True, lambda: _write_line(text))
 
 
 def deliver_jax_record(logger: logging.Logger,
