@@ -1052,7 +1052,7 @@ def main(argv=None) -> int:
       ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
       ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
-      ("k", lambda: bench_progress(3, progress_steps)),
+      ("k", lambda: bench_progress(7, progress_steps)),
       ("n", lambda: bench_async(max(6, rounds // 2))),
       ("m", lambda: bench_big.ratios(
           *bench_big.bench_big_arrays(interleave, _quiet_output,
