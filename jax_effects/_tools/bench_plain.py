@@ -54,15 +54,14 @@ def _child(with_import: bool, calls: int, rounds: int) -> float:
   return min(json.loads(out.stdout.splitlines()[-1]))   # (the least loaded)
 
 
-def bench_plain(interleave, quiet_output, ratio, summary, rounds: int,
-                calls: int, pairs: int) -> tuple[dict, dict]:
+def steps():
+  """``(x, ours, theirs)``: the row's argument and its two steps under
+  JAX's own ``jit`` (also ``tests/tools/measure_plain_dispatch.py``'s)."""
   import jax
   import jax.numpy as jnp
 
   import jax_effects
   from jax_effects import _jax_api
-
-  x = jnp.arange(8, dtype=jnp.float32)
 
   def ours(v):
     jax_effects.print("v {}", v[0])
@@ -72,7 +71,13 @@ def bench_plain(interleave, quiet_output, ratio, summary, rounds: int,
     jax.debug.print("v {}", v[0], ordered=True)
     return v * 2.0 + 1.0
 
-  fo, ft = _jax_api.jit(ours), _jax_api.jit(theirs)   # (JAX's own jit)
+  return (jnp.arange(8, dtype=jnp.float32), _jax_api.jit(ours),
+          _jax_api.jit(theirs))
+
+
+def bench_plain(interleave, quiet_output, ratio, summary, rounds: int,
+                calls: int, pairs: int) -> tuple[dict, dict]:
+  x, fo, ft = steps()
   with quiet_output():
     samples = interleave({"p_ours_plain": (lambda: fo(x), calls),
                           "p_jax_print": (lambda: ft(x), calls)}, rounds)
