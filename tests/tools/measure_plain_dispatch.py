@@ -94,12 +94,11 @@ def main(rounds: int) -> None:
   m = {k: statistics.median(v) for k, v in times.items()}
   part = {k: statistics.median(v) * 1e6 for k, v in parts.items()}
   path = m["ours"] - m["ours_raw"]
-  # JAX's own, whatever the effect: its dispatch path, its argument and
-  # token handling around the execution (our hooks are in "token in" and
-  # "tokens set": left out), and the execution of the step's computation
-  # without a print (its input already sharded: bare_execute - in_handler).
-  floor = (path + part["in_handler"] + part["tokens out"] + part["outputs"]
-           + m["bare_execute"] - part["in_handler"])
+  # JAX's own, whatever the effect: its dispatch path, its token results
+  # and outputs (our hooks are in "token in" and "tokens set": left out),
+  # and its argument handling with the computation without a print
+  # (bare_execute: in_handler, then the execution).
+  floor = path + part["tokens out"] + part["outputs"] + m["bare_execute"]
   print(f"JAX {jax.__version__}, per call (us): " + ", ".join(
       f"{k} {v:.1f}" for k, v in m.items()))
   print("ours_raw's parts (us, medians): " + ", ".join(
