@@ -109,12 +109,9 @@ class Traceable:
 
 def names_of(fun) -> dict:
   """The attributes a :class:`Traceable` copies from ``fun``."""
-  out = {}
-  for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-    try:
-      out[name] = getattr(fun, name)
-    except AttributeError:
-      pass
+  out = {name: getattr(fun, name) for name in
+         ("__module__", "__name__", "__qualname__", "__doc__")
+         if hasattr(fun, name)}
   if "__name__" not in out:   # (callable objects, partials)
     out["__name__"] = type(fun).__name__
   return out
