@@ -315,8 +315,6 @@ def _freeze(value):
 
 def options_key(jit_kwargs: dict):
   """Equal for equal ``jit`` options; None where one cannot be hashed."""
-  if not jit_kwargs:
-    return ()
   try:
     return frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
   except TypeError:
