@@ -329,14 +329,14 @@ def _one_field(fmt: str) -> tuple[str, str, str] | None:
   ``before + format(v, spec) + after`` (what ``str.format`` does for it),
   without parsing ``fmt`` per line; else None."""
   parts = list(_FORMATTER.parse(fmt))
-  fields = [p for p in parts if p[1] is not None]
-  if (len(fields) != 1 or fields[0][1] not in ("", "0") or fields[0][3]
-      or "{" in fields[0][2]):
+  named = [p for p in parts if p[1] is not None]
+  if (len(named) != 1 or named[0][1] not in ("", "0") or named[0][3]
+      or "{" in named[0][2]):
     return None
-  at = parts.index(fields[0])
+  at = parts.index(named[0])
   before = "".join(p[0] for p in parts[:at + 1])
   after = "".join(p[0] for p in parts[at + 1:])
-  return before, fields[0][2], after
+  return before, named[0][2], after
 
 
 def _single_text(fmt: str, scalars: bool, current, same, match,
