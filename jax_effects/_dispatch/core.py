@@ -86,16 +86,15 @@ class Core:
 
   def enter(self, state: str, mode: str | None = None) -> None:
     """Switches to ``state`` (FAST: ``mode``'s hook); under :attr:`lock`."""
-    if state is PURE:
-      call = self.plain
-    elif state is FAST:
-      call = self.modes[mode].fast
-    elif state is FIRST:
-      call = self.first_call
-    else:   # THREADED, FALLBACK
-      call = self.call_threaded
     self.state = state
-    self.call = call
+    if state is PURE:
+      self.call = self.plain
+    elif state is FAST:
+      self.call = self.modes[mode].fast
+    elif state is FIRST:
+      self.call = self.first_call
+    else:   # THREADED, FALLBACK
+      self.call = self.call_threaded
 
   def threaded(self, mode: str) -> _Threaded:
     return self.modes.get(mode) or self.modes.setdefault(mode, _Threaded())
@@ -316,8 +315,6 @@ def _freeze(value):
 
 def options_key(jit_kwargs: dict):
   """Equal for equal ``jit`` options; None where one cannot be hashed."""
-  if not jit_kwargs:
-    return ()
   try:
     return frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
   except TypeError:

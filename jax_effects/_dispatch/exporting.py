@@ -51,21 +51,17 @@ def lower(traced, lowering_platforms, private_parameters):
         f"with effects needs its host target ({TARGET!r}) allowed: "
         f"jax.export.export(f, disabled_checks=[jax.export."
         f"DisabledSafetyCheck.custom_call(jax_effects.HOST_TARGET)])")
-  function = traced._function
-  core = function._core
-  args, kwargs = traced._args, traced._kwargs
-  keys, jitted = core.keys_and_jit(traced._mode, args)
-  k = len(keys)
-  user = function._fun
+  core = traced._function._core
+  keys, jitted = core.keys_and_jit(traced._mode, traced._args)
 
-  @functools.wraps(user)
+  @functools.wraps(traced._function._fun)
   def exported(*a, **kw):
     carrier = _exported.entry()
-    out, token = jitted(*([carrier] * k), *a, **kw)
+    out, token = jitted(*([carrier] * len(keys)), *a, **kw)
     _exported.exit(token)
     return out
 
-  inner = _jax_api.jit(exported, **core.jit_kwargs).trace(*args, **kwargs)
+  inner = _jax_api.jit(exported, **core.jit_kwargs).trace(*traced._args, **traced._kwargs)
   traced._export_traced = inner
   return inner.lower(lowering_platforms=lowering_platforms,
                      _private_parameters=private_parameters)

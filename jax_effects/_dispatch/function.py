@@ -82,18 +82,35 @@ class PjitFunction(Generic[_P, _R]):
 
   def __get__(self, instance: Any, owner: Any = None) -> Any:
     # As jax.jit objects: a bound method when looked up on an instance.
-    if instance is None:
-      return self
-    return types.MethodType(self, instance)
+    return self if instance is None else types.MethodType(self, instance)
 
   @_compat.api_boundary
   def trace(self, *args: Any, **kwargs: Any) -> Traced:
     """Traces for the given arguments (arrays or ``jax.ShapeDtypeStruct``).
 
     As ``jax.jit(f).trace``; the returned ``jax.stages.Traced`` shows the
-    user's arguments and outputs (not the runtime-token argument and result).
+    user's arguments and outputs (not the runtime-token argument and result):
+    the stage of whichever ``jax.jit`` a call would use, learning as a call
+    does.
     """
-    return _trace(self._core, self, args, kwargs)
+    core = self._core
+    mode = _effects.get_ordering()
+    if core.state in (_core.FIRST, _core.PURE):
+      traced = core.plain.trace(*args, **kwargs)
+      keys = _core.chains(traced.jaxpr.effects, mode)
+      if keys is None:
+        return Traced(self, traced, None, ())
+      core.learn(mode, keys)
+    while True:
+      keys, jitted = core.keys_and_jit(mode, args)
+      tokens = tuple(jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE)
+                     for _ in keys)
+      try:
+        traced = jitted.trace(*tokens, *args, **kwargs)
+      except _call_path.NeedsTokens as err:
+        core.learn(mode, err.keys)
+        continue
+      return Traced(self, traced, mode, keys, args, kwargs)
 
   @_compat.api_boundary
   def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -178,6 +195,16 @@ def describe(function: PjitFunction) -> Description:
 
 # --- stages ------------------------------------------------------------------
 
+def _inputs(name: str) -> property:
+  """The inner stage's ``name`` (of the arguments), minus the token ones."""
+  return property(lambda self: self._strip_in(getattr(self._inner, name)))
+
+
+def _outputs(name: str) -> property:
+  """The inner stage's ``name`` (of the outputs), minus the token."""
+  return property(lambda self: self._strip_out(getattr(self._inner, name)))
+
+
 class _Stage:
   """What a JAX stage shows about inputs and outputs, minus our token.
 
@@ -199,26 +226,18 @@ class _Stage:
   def _strip_out(self, tree):
     return tree if self._mode is None else tree[0]
 
-  @property
-  def args_info(self):
-    return self._strip_in(self._inner.args_info)
+  args_info = _inputs("args_info")
+  in_avals = _inputs("in_avals")
+  out_info = _outputs("out_info")
 
   @property
   def in_tree(self):
     return tree_util.tree_structure(self.args_info)
 
   @property
-  def in_avals(self):
-    return self._strip_in(self._inner.in_avals)
-
-  @property
   def donate_argnums(self):
     n = 0 if self._mode is None else len(self._keys)
     return tuple(i - n for i in self._inner.donate_argnums if i >= n)
-
-  @property
-  def out_info(self):
-    return self._strip_out(self._inner.out_info)
 
   @property
   def out_tree(self):
@@ -264,9 +283,7 @@ class Traced(_Stage, jax.stages.Traced):
       return self._export_traced.jaxpr
     return self._inner.jaxpr
 
-  @property
-  def out_avals(self):
-    return self._strip_out(self._inner.out_avals)
+  out_avals = _outputs("out_avals")
 
   def __call__(self, *args, **kwargs):
     """Runs the function (with its effects, through the dispatch hook)."""
@@ -292,8 +309,7 @@ class Lowered(_Stage, jax.stages.Lowered):
   def compile(self, *args, **kwargs) -> "Compiled":
     compiled = Compiled(self._inner.compile(*args, **kwargs), self._mode,
                         self._keys)
-    core = getattr(self._function, "_core", None)
-    if core is not None and core.traces.user_code:   # (launch_lock.finish)
+    if self._function._core.traces.user_code:   # (launch_lock.finish)
       _launch_lock.wait_for_user_code(compiled._launch)
     return compiled
 
@@ -306,48 +322,14 @@ class Compiled(_Stage, jax.stages.Compiled):
     super().__init__(compiled, mode, keys)
     self._launch = _launch_lock.LaunchSite()
 
-  @property
-  def input_shardings(self):
-    return self._strip_in(self._inner.input_shardings)
-
-  @property
-  def input_formats(self):
-    return self._strip_in(self._inner.input_formats)
-
-  @property
-  def output_shardings(self):
-    return self._strip_out(self._inner.output_shardings)
-
-  @property
-  def output_formats(self):
-    return self._strip_out(self._inner.output_formats)
+  input_shardings = _inputs("input_shardings")
+  input_formats = _inputs("input_formats")
+  output_shardings = _outputs("output_shardings")
+  output_formats = _outputs("output_formats")
 
   def __call__(self, *args, **kwargs):
     if self._mode is None:
       return self._inner(*args, **kwargs)
     # compiled for scalar tokens (see PjitFunction.lower): no per-device sharding
-    out, _ = _call_path.dispatch(_threads.thread_state(), self._mode, self._keys,
-                       None, self._inner, args, kwargs, self._launch)
-    return out
-
-
-def _trace(core: _core.Core, function, args, kwargs) -> Traced:
-  """``function.trace(*args, **kwargs)``: the stage of whichever
-  ``jax.jit`` a call would use, learning as a call does."""
-  mode = _effects.get_ordering()
-  if core.state in (_core.FIRST, _core.PURE):
-    traced = core.plain.trace(*args, **kwargs)
-    keys = _core.chains(traced.jaxpr.effects, mode)
-    if keys is None:
-      return Traced(function, traced, None, ())
-    core.learn(mode, keys)
-  while True:
-    keys, jitted = core.keys_and_jit(mode, args)
-    tokens = tuple(jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE)
-                   for _ in keys)
-    try:
-      traced = jitted.trace(*tokens, *args, **kwargs)
-    except _call_path.NeedsTokens as err:
-      core.learn(mode, err.keys)
-      continue
-    return Traced(function, traced, mode, keys, args, kwargs)
+    return _call_path.dispatch(_threads.thread_state(), self._mode, self._keys,
+                               None, self._inner, args, kwargs, self._launch)[0]

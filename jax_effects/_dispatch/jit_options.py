@@ -64,12 +64,10 @@ def threaded_jit_kwargs(jit_kwargs: dict, n_dynamic: int | None,
     if kwargs.get(name) is not None:
       kwargs[name] = tuple(n + k if n >= 0 else n
                            for n in argnums(kwargs[name]))
-  if kwargs.get("in_shardings") is not None:
-    s = kwargs["in_shardings"]
-    if isinstance(s, (tuple, list)):
-      kwargs["in_shardings"] = (*([None] * k), *s)
-    else:
-      kwargs["in_shardings"] = (*([None] * k), *([s] * n_dynamic))
+  s = kwargs.get("in_shardings")
+  if s is not None:
+    per_argument = s if isinstance(s, (tuple, list)) else [s] * n_dynamic
+    kwargs["in_shardings"] = (*([None] * k), *per_argument)
   if "out_shardings" in kwargs:
     kwargs["out_shardings"] = (kwargs["out_shardings"], None)
   return kwargs
@@ -109,12 +107,9 @@ class Traceable:
 
 def names_of(fun) -> dict:
   """The attributes a :class:`Traceable` copies from ``fun``."""
-  out = {}
-  for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-    try:
-      out[name] = getattr(fun, name)
-    except AttributeError:
-      pass
+  out = {name: getattr(fun, name) for name in
+         ("__module__", "__name__", "__qualname__", "__doc__")
+         if hasattr(fun, name)}
   if "__name__" not in out:   # (callable objects, partials)
     out["__name__"] = type(fun).__name__
   return out

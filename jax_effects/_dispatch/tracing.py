@@ -260,10 +260,9 @@ def replay(traces: TraceCache, mode: str | None, keys: tuple,
   token and carrier unchanged and zeros. ``mode`` None: the plain body."""
   closed, dyn, out_tree = traces.trace(args, kwargs, keep=False)
   mode_ = _effects.get_ordering() if mode is None else mode
-  if mode is None:
-    keys = _effects.runtime_chain_keys(closed.effects, mode_)
   with jax.disable_jit(), _threaded_primitive.already_ran():
     if mode is None:
+      keys = _effects.runtime_chain_keys(closed.effects, mode_)
       runtime = [jnp.zeros((), _token_value.TOKEN_DTYPE) for _ in keys]
     outs, token = _token_pass.thread_program(
         closed, dyn, dict(zip(keys, runtime)), mode_)

@@ -14,7 +14,6 @@ around it (``_primitives.host_functions``) handles the carrier.
 from __future__ import annotations
 
 import copy
-import string
 from typing import Callable
 
 import jax
@@ -147,14 +146,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
 def _reaches_into_arguments(fmt: str) -> bool:
   """Whether a field of ``fmt`` reaches into its argument (``{x.shape}``)."""
   try:
-    for _, name, spec, _ in string.Formatter().parse(fmt):
-      if name is not None and ("." in name or "[" in name):
-        return True
-      if spec and _reaches_into_arguments(spec):
-        return True
+    return any("." in name or "[" in name for name in _printing.fields(fmt))
   except ValueError:   # JAX formats it and reports the error
     return True
-  return False
 
 
 def _plain_structure(node) -> bool:
@@ -229,17 +223,11 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
       return fmt.format(*args, **kwargs)
 
   if from_numpy:
-    Value = _printing.Value
-    if edges:
-      Summarized = _edges.Summarized
-      shapes = [None if e is None else e.shape for e in edges]
+    edges = edges or (None,) * (params["in_tree"].num_leaves
+                                - len(params["static_args"]))
 
-      def message(*operands) -> str:
-        return text([Value(x) if s is None else Summarized(x, s)
-                     for x, s in zip(operands, shapes)])
-    else:
-      def message(*operands) -> str:
-        return text([Value(x) for x in operands])
+    def message(*operands) -> str:
+      return text(_edges.host_values(operands, edges))
     return message
   aval_of = _jc.avals()
   put = _compat.batched_device_put

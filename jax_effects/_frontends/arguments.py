@@ -149,12 +149,8 @@ def split_for_format(what: str, args: tuple, kwargs: dict, *,
     if kind == "static":
       continue
     positions.append(i)
-    if kind == "key":
-      key_impls.append(jax.random.key_impl(leaf))
-      operands.append(jax.random.key_data(leaf))
-    else:
-      key_impls.append(None)
-      operands.append(leaf)
+    key_impls.append(jax.random.key_impl(leaf) if kind == "key" else None)
+    operands.append(jax.random.key_data(leaf) if kind == "key" else leaf)
 
   if (not kwargs and len(positions) == len(args)
       and all(a is leaf for a, leaf in zip(args, leaves))):

@@ -187,9 +187,7 @@ def _named_spec(what: str, name: str, args, kwargs, n_operands: int,
   args_tree = _host_specs.encode_tree((args, kwargs), set(range(n_operands)))
   results = None
   if result_shape_dtypes is not None:
-    n = len(avals)
-    results = {"tree": _host_specs.encode_tree(result_shape_dtypes,
-                                               set(range(n))),
+    results = {"tree": _host_specs.encode_tree(result_shape_dtypes, set(range(len(avals)))),
                "avals": [_host_specs.encode_aval(a) for a in avals]}
   return {"kind": "callback", "what": what, "name": name, "args": args_tree,
           "results": results}
@@ -229,19 +227,16 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
       spec = f"its arguments have {err}"
   else:
     spec = "its host side is a Python function of this process"
+  host = calling(fn)
   if isinstance(spec, dict):
     call = _named_host(spec).fn
   elif result_shape_dtypes is None:
-    host = calling(fn)
-
     def call(*np_operands):
       _output.before_user_code()
       out = host(*np_operands)
       if out is not None and tree_util.tree_leaves(out):
         raise _no_result_expected(what, out)
   else:
-    host = calling(fn)
-
     def call(*np_operands):
       _output.before_user_code()
       return _flatten_results(what, host(*np_operands), out_tree,

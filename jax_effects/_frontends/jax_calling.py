@@ -9,6 +9,7 @@ Part in the token calling convention: none (it runs inside a host function;
 """
 from __future__ import annotations
 
+import functools
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -24,8 +25,10 @@ from jax_effects import _compat
 JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
 
 
-def traceback_text(exc: BaseException) -> str:
-  """``exc`` as jaxlib puts it in the status message (nanobind's
+def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
+  """The error ``jax.jit`` raises when a host callback raised ``exc`` (its
+  ``__cause__``); built where ``exc`` is caught, while its frames are live.
+  Its text: ``exc`` as jaxlib puts it in the status message (nanobind's
   ``python_error::what()``)."""
   parts = []
   tb = exc.__traceback__
@@ -42,35 +45,25 @@ def traceback_text(exc: BaseException) -> str:
     parts.append(str(exc))
   except Exception:  # noqa: BLE001 - as jaxlib does
     parts.append("<exception str() failed>")
-  return "".join(parts)
-
-
-def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
-  """The error ``jax.jit`` raises when a host callback raised ``exc`` (its
-  ``__cause__``); built where ``exc`` is caught, while its frames are live."""
-  err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + traceback_text(exc))
+  err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + "".join(parts))
   err.__cause__ = exc
   return err
 
 
 # --- arguments as JAX's impls give them --------------------------------------
 
-_cpu_sharding: list = []
-
-
+@functools.cache
 def cpu():
   """``(device, sharding)``: the first local CPU device (where JAX's impls
   put the operands) and its ``SingleDeviceSharding``."""
-  if not _cpu_sharding:
-    try:
-      device = jax.local_devices(backend="cpu")[0]
-    except RuntimeError as e:
-      raise RuntimeError(
-          "jax.debug.callback failed to find a local CPU device to place the"
-          " inputs on. Make sure \"cpu\" is listed in --jax_platforms or the"
-          " JAX_PLATFORMS environment variable.") from e
-    _cpu_sharding.append((device, jax.sharding.SingleDeviceSharding(device)))
-  return _cpu_sharding[0]
+  try:
+    device = jax.local_devices(backend="cpu")[0]
+  except RuntimeError as e:
+    raise RuntimeError(
+        "jax.debug.callback failed to find a local CPU device to place the"
+        " inputs on. Make sure \"cpu\" is listed in --jax_platforms or the"
+        " JAX_PLATFORMS environment variable.") from e
+  return device, jax.sharding.SingleDeviceSharding(device)
 
 
 def avals() -> Callable[[np.ndarray], Any]:
@@ -186,13 +179,6 @@ def caller(fn, in_tree, static_args) -> Callable[..., Any]:
 
 # --- results as JAX checks them ----------------------------------------------
 
-def canonical(x: np.ndarray) -> np.ndarray:
-  """``x`` with JAX's canonical dtype, as JAX converts a callback's results
-  before it compares dtypes."""
-  dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-  return x if x.dtype == dtype else np.asarray(x, dtype)
-
-
 def check_results(out, result_avals: tuple, n_results: int) -> tuple:
   """JAX's checks of a callback's flat results, with its messages."""
   out = tuple(out)
@@ -200,7 +186,9 @@ def check_results(out, result_avals: tuple, n_results: int) -> tuple:
     raise RuntimeError(
         "Mismatched number of outputs from callback. "
         f"Expected: {n_results}, Actual: {len(out)}")
-  out = tuple(canonical(np.asarray(a)) for a in out)
+  # (with JAX's canonical dtypes, as JAX converts them before it compares)
+  out = [np.asarray(a) for a in out]
+  out = tuple(np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype)) for x in out)
   for i, (value, aval) in enumerate(zip(out, result_avals)):
     if value.shape != aval.shape:
       raise RuntimeError(

@@ -296,8 +296,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
   levelno = _resolve_level(what, level)
   pathname, lineno, func, sinfo = _caller(what, stacklevel, stack_info)
   exc = _resolve_exc_info(exc_info)
-  operands, eager, jit, edges, text = _printing.formatter(what, fmt, args,
-                                                          kwargs)
+  operands, eager, jit, edges, text = _printing.formatter(what, fmt, args, kwargs)
   extra_operands, extra_values, extra_spec = _split_extra(what, extra)
   n = len(operands)
   record = _Record(lg=lg, adapters=adapters, levelno=levelno,
@@ -306,10 +305,7 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
                    extra_values=extra_values, ordered=ordered,
                    process_index=jax.process_index())
   spec = _log_spec(what, record, text, extra_spec, len(extra_operands))
-  if isinstance(spec, dict):
-    host = _log_host(spec).fn
-  else:
-    host = record.jit_side(jit, n)
+  host = _log_host(spec).fn if isinstance(spec, dict) else record.jit_side(jit, n)
 
   def emit_eager(*all_operands):
     if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():

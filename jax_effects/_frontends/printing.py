@@ -8,6 +8,7 @@ every effect (one ``effect_p``; the pass adds the token and carrier).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import string
@@ -47,13 +48,13 @@ class _Probe:
 _FORMATTER = string.Formatter()
 
 
-def _fields(fmt: str):
+def fields(fmt: str):
   """Yields every replacement field's name, nested ones (``{:{w}}``) too."""
   for _, name, spec, _ in _FORMATTER.parse(fmt):
     if name is not None:
       yield name
       if spec:
-        yield from _fields(spec)
+        yield from fields(spec)
 
 
 def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
@@ -62,10 +63,10 @@ def check_format(what: str, fmt: Any, args: tuple, kwargs: dict) -> None:
   if not isinstance(fmt, str):
     raise TypeError(f"{what}: the format must be a str, got {type(fmt).__name__}")
   try:
-    fields = list(_fields(fmt))
+    names = list(fields(fmt))
   except ValueError as err:
     raise ValueError(f"{what}: bad format string {fmt!r}: {err}") from None
-  for name in fields:
+  for name in names:
     cut = min((i for i in (name.find("."), name.find("[")) if i >= 0),
               default=-1)
     if cut >= 0:
@@ -116,9 +117,7 @@ _TRACER_TEXT = re.compile(r"\b\w*Tracer\([^)]*\)|Traced<")
 
 def _tracer_text(what: str, fmt: str) -> str | None:
   """The warning where ``fmt`` holds the text of a traced value, or None."""
-  if "Trace" not in fmt:
-    return None
-  found = _TRACER_TEXT.search(fmt)
+  found = _TRACER_TEXT.search(fmt) if "Trace" in fmt else None
   if found is None:
     return None
   return (f"{what}: the format string holds {found.group(0)!r}, the text of "
@@ -128,14 +127,6 @@ def _tracer_text(what: str, fmt: str) -> str | None:
           f"(\"loss={{}}\", loss)")
 
 
-def warn_tracer_text(what: str, fmt: str, stacklevel: int) -> None:
-  """Warns (once per call site) where the format string holds the text of a
-  traced value (``f"loss={loss}"`` under ``jit``)."""
-  message = _tracer_text(what, fmt)
-  if message is not None:
-    warnings.warn(message, TracedTextWarning, stacklevel=stacklevel + 1)
-
-
 # file name -> the registry of warn_tracer_text_at's warnings from its lines
 # (``warnings``' ``__warningregistry__`` of a module: once per line under
 # the default filter).
@@ -143,8 +134,9 @@ _registries: dict[str, dict] = {}
 
 
 def warn_tracer_text_at(what: str, fmt: str, where) -> None:
-  """:func:`warn_tracer_text` for a call traced earlier (an adopted
-  ``jax.debug.print``, seen by the pass): at ``where``, ``(file name,
+  """Warns, as :func:`formatter` does for ``print``, where the format
+  string of a call traced earlier (an adopted ``jax.debug.print``, seen by
+  the pass) holds the text of a traced value: at ``where``, ``(file name,
   line)`` of the call, or here where None."""
   message = _tracer_text(what, fmt)
   if message is None:
@@ -205,11 +197,8 @@ def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
   if not any(spec for _, name, spec, _ in _FORMATTER.parse(fmt)
              if name is not None):
     return
-  samples = []
-  for x in fa.operands:
-    dtype = getattr(x, "dtype", None)
-    dtype = np.dtype(np.asarray(x).dtype if dtype is None else dtype)
-    samples.append(Value(np.broadcast_to(np.zeros((), dtype), np.shape(x))))
+  samples = [Value(np.broadcast_to(np.zeros((), x.dtype), np.shape(x)))
+             for x in fa.operands]
   a, k = fa.rebuild(samples)
   try:
     _format_known(fmt, a, k, {id(v) for v in samples})
@@ -221,18 +210,14 @@ def check_format_specs(what: str, fmt: str, fa: _arguments.Formatting) -> None:
 
 # --- run-time formatting -----------------------------------------------------
 
-_cpu_device: list = []
-
-
+@functools.cache
 def _cpu():
   """The first local CPU device (where ``jax.debug.print`` puts values), or
   None where JAX has no CPU backend."""
-  if not _cpu_device:
-    try:
-      _cpu_device.append(jax.local_devices(backend="cpu")[0])
-    except RuntimeError:
-      _cpu_device.append(None)
-  return _cpu_device[0]
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
 
 
 #: An array operand as the host callback formats it (``_edges.Value``).
@@ -249,21 +234,22 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   to them), or None. ``spec``: :func:`text_spec`.
   """
   check_format(what, fmt, args, kwargs)
-  warn_tracer_text(what, fmt, stacklevel=3)   # (the caller of print/log)
+  message = _tracer_text(what, fmt)
+  if message is not None:   # (at the caller of print/log)
+    warnings.warn(message, TracedTextWarning, stacklevel=3)
   fa = _arguments.split_for_format(what, args, kwargs)
   check_format_specs(what, fmt, fa)
   options = np.get_printoptions()
-  key_impls = fa.key_impls
   edges = tuple(_edges.plan(np.shape(x), options) for x in fa.operands)
   spec = text_spec(fmt, fa, args, kwargs, options, edges)
-  jit = (text_from_spec(spec, checked=True) if isinstance(spec, dict)
-         else _texts(fmt, fa.rebuild, options, edges))
+  jit = (numpy_texts(fmt, spec["args"], options, edges)
+         if isinstance(spec, dict) else _texts(fmt, fa.rebuild, options, edges))
   fmt_values = _formatted(fmt, fa.rebuild, options)
 
   def eager(*operands):
     cpu = _cpu()
     values = []
-    for x, impl in zip(operands, key_impls):
+    for x, impl in zip(operands, fa.key_impls):
       if impl is not None:
         x = jax.random.wrap_key_data(x, impl=impl)
       values.append(jax.device_put(x, cpu))
@@ -343,14 +329,14 @@ def _one_field(fmt: str) -> tuple[str, str, str] | None:
   ``before + format(v, spec) + after`` (what ``str.format`` does for it),
   without parsing ``fmt`` per line; else None."""
   parts = list(_FORMATTER.parse(fmt))
-  fields = [p for p in parts if p[1] is not None]
-  if (len(fields) != 1 or fields[0][1] not in ("", "0") or fields[0][3]
-      or "{" in fields[0][2]):
+  named = [p for p in parts if p[1] is not None]
+  if (len(named) != 1 or named[0][1] not in ("", "0") or named[0][3]
+      or "{" in named[0][2]):
     return None
-  at = parts.index(fields[0])
+  at = parts.index(named[0])
   before = "".join(p[0] for p in parts[:at + 1])
   after = "".join(p[0] for p in parts[at + 1:])
-  return before, fields[0][2], after
+  return before, named[0][2], after
 
 
 def _single_text(fmt: str, scalars: bool, current, same, match,
@@ -493,8 +479,8 @@ def check_text_spec(what: str, spec) -> None:
     raise _host_specs.NotData(f"{what}: a text spec without a format string")
   n = _host_specs.check_tree(spec.get("args"), f"{what}: its arguments")
   tree = _host_specs.decode_tree(spec["args"], [0] * n)
-  args, kwargs = tree if type(tree) is tuple and len(tree) == 2 else (None,
-                                                                      None)
+  args, kwargs = (tree if type(tree) is tuple and len(tree) == 2
+                  else (None, None))
   if type(args) is not tuple or type(kwargs) is not dict:
     raise _host_specs.NotData(f"{what}: arguments that are not (args, "
                               f"kwargs)")
@@ -516,13 +502,10 @@ def check_text_spec(what: str, spec) -> None:
     raise _host_specs.NotData(str(err)) from None
 
 
-def text_from_spec(spec: dict, what: str = "jax_effects.print",
-                   checked: bool = False):
-  """``jit(*np_operands)`` of a :func:`text_spec` (checked first,
-  :func:`check_text_spec`, unless ``checked``: made by :func:`text_spec`
-  from arguments :func:`formatter` checked)."""
-  if not checked:
-    check_text_spec(what, spec)
+def text_from_spec(spec: dict, what: str = "jax_effects.print"):
+  """``jit(*np_operands)`` of a :func:`text_spec`, checked first
+  (:func:`check_text_spec`)."""
+  check_text_spec(what, spec)
   return numpy_texts(spec["fmt"], spec["args"], spec["options"],
                      spec_edges(spec))
 
@@ -542,13 +525,9 @@ def _emit_line(jit, ordered: bool):
   def emit(*np_operands):
     _output.deliver_line(jit(*np_operands), ordered)
     return ()
-  line_at = getattr(jit, "line_at", None)
-  if line_at is not None:
-    setattr(emit, _host_functions.PLACED,
-            lambda running: line_at(ordered, running))
-    lines_at = jit.lines_at
-    setattr(emit, _batching.PLACED_ROWS,
-            lambda running: lines_at(ordered, running))
+  if hasattr(jit, "line_at"):
+    setattr(emit, _host_functions.PLACED, functools.partial(jit.line_at, ordered))
+    setattr(emit, _batching.PLACED_ROWS, functools.partial(jit.lines_at, ordered))
   elif getattr(jit, "runs_no_user_code", False):
     # (nothing of the user's runs before the write, which clears the site:
     # the placement can be given instead of set)

@@ -52,12 +52,6 @@ class _OutOfRange(TypeError, ValueError):
   """A numeric argument out of range (a ``TypeError`` as every refusal)."""
 
 
-def _static_int(x) -> bool:
-  """Whether ``x`` is a Python or NumPy integer (not a bool, not traced)."""
-  return (isinstance(x, (int, np.integer))
-          and not isinstance(x, (bool, np.bool_)))
-
-
 class Progress:
   """A progress bar of a compiled loop (see :func:`progress`)."""
 
@@ -85,7 +79,8 @@ class Progress:
           f"{jax.typeof(total).str_short()}")
     if desc is not None and not isinstance(desc, str):
       raise TypeError(f"{self._what}: desc must be a str or None, got {desc!r}")
-    if not _static_int(every):
+    if (not isinstance(every, (int, np.integer))
+        or isinstance(every, (bool, np.bool_))):   # (a Python or NumPy int)
       raise TypeError(
           f"{self._what}: every must be an int >= 1 (one host call per that "
           f"many updates), got {every!r} of type {type(every).__name__}")
@@ -223,10 +218,8 @@ class Progress:
       if not _is_traced(self._id):   # eager: the bar was drawn; close it
         self._spec.close(self._id, 0)
       return
-    if self._counter is not None:
-      pending = _counters.add_count(self._counter, 0)
-    else:
-      pending = jnp.zeros((), np.int32)
+    pending = (jnp.zeros((), np.int32) if self._counter is None
+               else _counters.add_count(self._counter, 0))
     # (a cleanup effect: closes the bar after a failed effect too, as tqdm)
     self._bind(self._spec.close, f"{self._what} closing", [self._id, pending],
                cleanup=True)
