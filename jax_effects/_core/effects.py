@@ -25,13 +25,6 @@ import numpy as np
 
 from jax_effects import _compat
 
-__all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
-           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "EXPORTED_ORDER",
-           "marker",
-           "jax_effects_of", "register_chain_kind", "chain_key", "chain_keys",
-           "runtime_chain_keys", "crosses_dispatch", "has_chain",
-           "has_own_marker"]
-
 ORDERING_MODES = ("per_effect", "global")
 
 

@@ -29,8 +29,6 @@ from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import plain_bars as _plain_bars
 
-__all__ = ["BarSpec", "check_options", "open_bars"]
-
 
 class _TqdmBar:
   """A bar drawn by tqdm."""

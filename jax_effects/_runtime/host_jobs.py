@@ -32,9 +32,6 @@ from typing import Callable
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import token_value as _token_value
 
-__all__ = ["queues", "waits", "submit", "drain", "wait_turn", "wait_idle",
-           "cancel", "Job", "Pieces"]
-
 #: One lock for the lanes, the jobs and the pieces they wait for.
 lock = threading.Condition()
 

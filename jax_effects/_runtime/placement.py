@@ -22,8 +22,6 @@ from jax_effects import _compat
 from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import token_value as _token_value
 
-__all__ = ["Placement", "current", "at_lowering"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:

@@ -26,9 +26,6 @@ from typing import Any, Callable, TextIO
 
 from jax_effects._runtime import fork as _fork
 
-__all__ = ["OPTIONS", "DRAWN", "PlainBar", "format_meter", "format_postfix",
-           "around_write", "lock"]
-
 #: tqdm's keyword arguments (tqdm 4.x) besides ``total``, ``desc`` and
 #: ``file`` (``progress``'s own): the options a bar takes, whichever renderer
 #: draws it.
