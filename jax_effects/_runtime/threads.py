@@ -174,10 +174,6 @@ class ThreadTokens(_token_store.TokenStore):
     self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
     self._refresh_fast()
 
-  def clear_fast(self) -> None:
-    """The thread's mode changed: its next dispatch takes the general path."""
-    self.fast_mode = None
-
 
 local = threading.local()
 
@@ -234,7 +230,7 @@ def mode_changed(all_threads: bool) -> None:
   """The calling thread's ordering mode (every thread's, with
   ``all_threads``) changed: their next dispatch takes the general path."""
   for state in states(all_threads):
-    state.clear_fast()
+    state.fast_mode = None
 
 
 @_fork.reset_in_child
