@@ -232,8 +232,7 @@ def marker(effect: Effect, ordered: bool) -> TraceEffect:
   return TraceEffect(effect if ordered else None)
 
 
-def jax_effects_of(effect: Effect, ordered: bool,
-                   user_code: bool = False) -> set:
+def jax_effects_of(effect: Effect, ordered: bool, user_code: bool = False) -> set:
   """The JAX effects of an effect equation: its marker, and
   PLAIN_JIT_ORDER if ordered or if it runs the user's own code (under
   plain ``jax.jit`` its launch then waits for the thread's previous one,
