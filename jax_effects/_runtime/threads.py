@@ -146,8 +146,7 @@ class ThreadTokens(_token_store.TokenStore):
 
   def _wait_joined(self) -> None:
     joined, self.joined = self.joined, []
-    for token in joined:
-      _token_store.settled(token)   # (a failure is the joined call's own)
+    _token_store.wait_quietly(joined)   # (a failure is the joined call's own)
 
   def switch_mode(self, mode: str) -> None:
     """Before a dispatch in another mode than the thread's last: waits for
