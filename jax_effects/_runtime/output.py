@@ -108,8 +108,9 @@ def _whole_lines(out) -> bool:
   stream (a Python-level one: pytest's, IPython's, a user's) is written
   under it. Remembers ``out`` when it is one, or that it is not."""
   global _keeps_lines_whole, _needs_lock
-  whole = type(out) is io.StringIO
-  if type(out) is io.TextIOWrapper and _TEXTIO_THREAD_SAFE:
+  kind = type(out)
+  whole = kind is io.StringIO
+  if kind is io.TextIOWrapper and _TEXTIO_THREAD_SAFE:
     try:
       buffer = out.buffer
       whole = (type(buffer) in (io.BufferedWriter, io.BufferedRandom)
