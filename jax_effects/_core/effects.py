@@ -25,13 +25,6 @@ import numpy as np
 
 from jax_effects import _compat
 
-__all__ = ["Effect", "DEFAULT", "GLOBAL", "UNORDERED", "get_ordering",
-           "resolve", "TraceEffect", "PLAIN_JIT_ORDER", "EXPORTED_ORDER",
-           "marker",
-           "jax_effects_of", "register_chain_kind", "chain_key", "chain_keys",
-           "runtime_chain_keys", "crosses_dispatch", "has_chain",
-           "has_own_marker"]
-
 ORDERING_MODES = ("per_effect", "global")
 
 
@@ -239,8 +232,7 @@ def marker(effect: Effect, ordered: bool) -> TraceEffect:
   return TraceEffect(effect if ordered else None)
 
 
-def jax_effects_of(effect: Effect, ordered: bool,
-                   user_code: bool = False) -> set:
+def jax_effects_of(effect: Effect, ordered: bool, user_code: bool = False) -> set:
   """The JAX effects of an effect equation: its marker, and
   PLAIN_JIT_ORDER if ordered or if it runs the user's own code (under
   plain ``jax.jit`` its launch then waits for the thread's previous one,

@@ -54,17 +54,13 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
   """Evaluates ``jaxpr`` in the current trace; ``handle(eqn, invals)``
   returns each equation's output(s). One for which ``unchanged(eqn)``
   holds is copied where it can be (no abstract evaluation: cheaper)."""
-  env: dict = {}
-  copy = (_compat.equation_copier(jaxpr) if unchanged is not None
-          else None)
+  env: dict = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  copy = _compat.equation_copier(jaxpr) if unchanged is not None else None
 
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     outs = None

@@ -61,15 +61,13 @@ def _wait(all_threads: bool, states: list, own=None) -> None:
       state.settle()
     else:   # (another thread's state is written by that thread only)
       _token_store.wait_quietly(pending)
-  for token in orphans:
-    _token_store.settled(token)
+  _token_store.wait_quietly(orphans)
   if all_threads:
     _wait_later_dispatches(waited + orphans)
   _wait_host_jobs(all_threads, states)
-  for token in _compat.jax_runtime_tokens(all_threads):
-    # (raising nothing: a plain jax.jit call's failure stays for
-    # jax.effects_barrier, as JAX keeps it)
-    _token_store.settled(token)
+  # (raising nothing: a plain jax.jit call's failure stays for
+  # jax.effects_barrier, as JAX keeps it)
+  _token_store.wait_quietly(_compat.jax_runtime_tokens(all_threads))
 
 
 def check_not_in_callback(call: str) -> None:
@@ -85,8 +83,7 @@ def check_not_in_callback(call: str) -> None:
 def quiet_barrier(all_threads: bool) -> None:
   """Blocks on this thread's tokens (every thread's, exited ones included,
   with ``all_threads``) and reports nothing."""
-  states = (_thread_slots.all_states() if all_threads
-            else [_threads.thread_state()])
+  states = _thread_slots.all_states() if all_threads else [_threads.thread_state()]
   _wait(all_threads, states)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import difflib
+import functools
 import inspect
 import itertools
 import numbers
@@ -29,16 +30,13 @@ from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import plain_bars as _plain_bars
 
-__all__ = ["BarSpec", "check_options", "open_bars"]
-
 
 class _TqdmBar:
   """A bar drawn by tqdm."""
 
   def __init__(self, tqdm_class, total: int | None, desc: str | None,
                file: TextIO | None, options: dict):
-    self.make = lambda: tqdm_class(total=total, desc=desc, file=file,
-                                   **options)
+    self.make = lambda: tqdm_class(total=total, desc=desc, file=file, **options)
     self.bar = None
 
   def open(self) -> None:
@@ -71,30 +69,24 @@ def _tqdm_class(file: TextIO | None):
 
 # --- options ---------------------------------------------------------------
 
-_tqdm_known: dict[type, frozenset] = {}
-
-
+@functools.cache
 def _tqdm_options(tqdm_class) -> frozenset:
   """The keyword arguments ``tqdm_class`` takes but ``progress``'s own."""
-  known = _tqdm_known.get(tqdm_class)
-  if known is None:
-    names = set()
-    for klass in tqdm_class.__mro__:
-      init = vars(klass).get("__init__")
-      if init is None:
-        continue
-      init = getattr(init, "func", init)   # (a functools.partialmethod)
-      try:
-        params = inspect.signature(init).parameters.values()
-      except (TypeError, ValueError):
-        continue
-      names.update(p.name for p in params
-                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-      if klass.__module__ == "tqdm.notebook":
-        names.add("display")
-    known = _tqdm_known[tqdm_class] = frozenset(
-        names - {"self", "total", "desc", "file"})
-  return known
+  names = set()
+  for klass in tqdm_class.__mro__:
+    init = vars(klass).get("__init__")
+    if init is None:
+      continue
+    init = getattr(init, "func", init)   # (a functools.partialmethod)
+    try:
+      params = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):
+      continue
+    names.update(p.name for p in params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if klass.__module__ == "tqdm.notebook":
+      names.add("display")
+  return frozenset(names - {"self", "total", "desc", "file"})
 
 
 def _real(x) -> bool:
@@ -106,8 +98,7 @@ def _value_problem(name: str, value) -> str | None:
   if name in ("leave", "disable", "dynamic_ncols", "write_bytes", "gui"):
     if value is not None and not isinstance(value, (bool, np.bool_)):
       return "must be True, False or None"
-  elif name in ("mininterval", "maxinterval", "delay", "smoothing",
-                "initial"):
+  elif name in ("mininterval", "maxinterval", "delay", "smoothing", "initial"):
     if not _real(value) or value < 0:
       return "must be a number >= 0"
   elif name == "miniters":
@@ -152,8 +143,7 @@ def check_options(what: str, file: TextIO | None, options: dict) -> None:
   """Refuses, at the call (tqdm would refuse it inside the computation), an
   option the bar's renderer does not know or a value it cannot draw."""
   tqdm_class = _tqdm_class(file)
-  known = (_plain_bars.OPTIONS if tqdm_class is None
-           else _tqdm_options(tqdm_class))
+  known = _plain_bars.OPTIONS if tqdm_class is None else _tqdm_options(tqdm_class)
   unknown = [k for k in options if k not in known]
   if unknown:
     hints = []

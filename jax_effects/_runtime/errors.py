@@ -68,8 +68,7 @@ def defer(exc: BaseException, slot: int = 0, inline: bool = False) -> None:
   """Keeps ``exc`` (a user's exception) for thread ``slot`` to raise.
   ``inline``: the callback may run inline in the dispatching thread's
   jax_effects call, which then raises it (:func:`raise_own`)."""
-  if inline and own.slot == slot and _dispatching is not None and (
-      _dispatching()):
+  if inline and own.slot == slot and _dispatching():
     own.errors.append(exc)
     return
   with _lock:
@@ -97,32 +96,16 @@ def pop_deferred(slots=None) -> BaseException | None:
     return None
   with _lock:
     slots = list(deferred) if slots is None else slots
-    errors: list[BaseException] = []
-    dropped = 0
-    for slot in slots:
-      errors.extend(deferred.pop(slot, ()))
-      dropped += _dropped.pop(slot, 0)
+    errors = [exc for slot in slots for exc in deferred.pop(slot, ())]
+    dropped = sum(_dropped.pop(slot, 0) for slot in slots)
   if not errors:
     return None
-  if len(errors) == 1 and not dropped:
-    return errors[0]
-  return group(errors, dropped)
-
-
-def raise_pending(slots=None) -> None:
-  """Raises the report of ``slots`` (:func:`pop_deferred`), if any."""
-  report = pop_deferred(slots)
-  if report is not None:
-    try:
-      raise report
-    finally:
-      del report
+  return errors[0] if len(errors) == 1 and not dropped else group(errors, dropped)
 
 
 def count(report: BaseException) -> int:
   """How many callback errors ``report`` stands for (dropped ones included)."""
-  return (len(flat_errors(report))
-          + getattr(report, "jax_effects_dropped", 0))
+  return len(flat_errors(report)) + getattr(report, "jax_effects_dropped", 0)
 
 
 def group(errors: list[BaseException], dropped: int = 0) -> BaseException:
@@ -175,7 +158,7 @@ def plain_jit_slot() -> int:
   inline), 0 (unknown) on one of XLA's threads (``design/errors.md``)."""
   if not _placement.python_thread():
     return 0
-  if own.slot < 0 and _thread_slot is not None:
+  if own.slot < 0:
     _thread_slot()   # (the thread's state is made: it sets own.slot)
   return own.slot if own.slot > 0 else 0
 
@@ -198,7 +181,12 @@ def raise_deferred(state) -> None:
   if state.slot not in deferred:
     return
   state.settle()
-  raise_pending((state.slot,))
+  report = pop_deferred((state.slot,))
+  if report is not None:
+    try:
+      raise report
+    finally:
+      del report   # (no reference cycle through this frame)
 
 
 def dispatch_failed(err: BaseException) -> None:

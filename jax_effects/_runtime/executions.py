@@ -65,11 +65,10 @@ def watch(token, on_end, early: bool = False) -> None:
   ``token`` has ended on every device, from the watcher thread (or
   :func:`settle`); with ``early``, as soon as one device's part failed."""
   global _thread
-  if isinstance(token, jax.Array):
-    shards = [s.data for s in token.addressable_shards]
-  else:   # (a NumPy initial token: ended)
+  if not isinstance(token, jax.Array):   # (a NumPy initial token: ended)
     on_end(False, False)
     return
+  shards = [s.data for s in token.addressable_shards]
   with _lock:
     _watched.append(_Watch(shards, on_end, early))
     if _thread is None and not _stopping:
@@ -88,8 +87,7 @@ def watch(token, on_end, early: bool = False) -> None:
 def _state(item: _Watch):
   """``(failed, running)`` of ``item``'s devices; None while it runs (and
   did not fail, or fails but not ``early``)."""
-  running = False
-  failed = False
+  running = failed = False
   for shard in item.shards:
     try:
       if not shard.is_ready():
@@ -98,9 +96,7 @@ def _state(item: _Watch):
       shard.block_until_ready()
     except Exception:  # noqa: BLE001 - that device's part failed
       failed = True
-  if running and not (failed and item.early):
-    return None
-  return failed, running
+  return None if running and not (failed and item.early) else (failed, running)
 
 
 def _look(items) -> bool:

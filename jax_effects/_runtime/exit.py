@@ -9,6 +9,7 @@ ended (``executions.stop``). ``design/errors.md``, "Interpreter exit".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import traceback
@@ -24,9 +25,11 @@ from jax_effects._runtime import token_store as _token_store
 _MAX_REPORTS = 16
 
 
-def _unreported() -> list[BaseException]:
-  """Waits for every thread's effects; returns every report of callback
-  errors not raised yet."""
+def _wait_and_report() -> None:
+  """Waits for every thread's effects; if callback errors were not raised
+  yet, reports them (:func:`_report_and_exit`). Then ends the watcher
+  thread (none of ours may be inside jaxlib at finalization; after the
+  exit handler, the one a dispatch may have started)."""
   reports = []
   while len(reports) < _MAX_REPORTS:
     try:
@@ -34,18 +37,19 @@ def _unreported() -> list[BaseException]:
       break
     except BaseException as exc:  # noqa: BLE001 - reported here, as uncaught
       reports.append(exc)
-  return reports
+  if reports:
+    _report_and_exit(reports)
+  _executions.stop()
 
 
 def _report_and_exit(reports: list[BaseException]) -> None:
   """Prints ``reports`` to stderr after a line that counts the failures;
   ends the process with status 1 (``os._exit``: nothing else can, at exit).
   """
-  try:
+  with contextlib.suppress(Exception):  # (a broken stdout)
     sys.stdout.flush()
-  except Exception:  # noqa: BLE001 - a broken stdout
-    pass
-  try:
+  # (a broken stderr, or a hostile __str__: nothing more to do)
+  with contextlib.suppress(Exception):
     n = sum(_errors.count(r) for r in reports)
     what = ("a host callback failed and its error was" if n == 1 else
             f"{n} host callbacks failed and their errors were")
@@ -54,8 +58,6 @@ def _report_and_exit(reports: list[BaseException]) -> None:
     for report in reports:
       traceback.print_exception(report, file=sys.stderr)
     sys.stderr.flush()
-  except Exception:  # noqa: BLE001 - a broken stderr, or a hostile __str__
-    pass
   os._exit(1)
 
 
@@ -65,10 +67,7 @@ def _wait_at_exit() -> None:
   JAX's backend started."""
   if _fork.forked_after_backend:
     return
-  reports = _unreported()
-  if reports:
-    _report_and_exit(reports)
-  _executions.stop()   # (none of ours may be inside jaxlib at finalization)
+  _wait_and_report()
   _token_store.after_exit_handler = True
   _threads.mode_changed(all_threads=True)   # (later dispatches: general path)
 
@@ -79,7 +78,4 @@ def report_late(state: _threads.ThreadTokens) -> None:
   the exit handler (no later point exists to raise the errors)."""
   del state
   _errors.move_own_errors()
-  reports = _unreported()
-  if reports:
-    _report_and_exit(reports)
-  _executions.stop()   # (the one this dispatch may have started)
+  _wait_and_report()

@@ -32,9 +32,6 @@ from typing import Callable
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import token_value as _token_value
 
-__all__ = ["queues", "waits", "submit", "drain", "wait_turn", "wait_idle",
-           "cancel", "Job", "Pieces"]
-
 #: One lock for the lanes, the jobs and the pieces they wait for.
 lock = threading.Condition()
 
@@ -100,8 +97,7 @@ def waits(slot: int, chain, seq: int) -> bool:
   wait here: not on the thread running that chain's jobs, nor before every
   lane, nor after the chain's memo (which it ends)."""
   key = (slot, chain)
-  lanes = queues.get(key)
-  if lanes is None or local.lane == key:
+  if key not in queues or local.lane == key:
     return False
   with lock:
     lanes = queues.get(key)
@@ -187,8 +183,7 @@ def wait_turn(slot: int, chain, seq: int) -> bool:
         return False
       if not lanes:
         return True
-      before = [lane for lane in lanes
-                if _token_value.seq_after(seq, lane.seq)]
+      before = [lane for lane in lanes if _token_value.seq_after(seq, lane.seq)]
       if (key not in _draining and not _busy(before)
           and (own is None or not own.jobs)):
         return True

@@ -13,6 +13,7 @@ computation in XLA; the host function raises it); the call then raises it
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -53,11 +54,10 @@ def _install_sigint_handler() -> None:
   default SIGINT handler is installed."""
   if threading.current_thread() is not threading.main_thread():
     return
-  try:
+  # (ValueError, OSError: not the main interpreter, no signals)
+  with contextlib.suppress(ValueError, OSError):
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
       signal.signal(signal.SIGINT, _on_sigint)
-  except (ValueError, OSError):  # not the main interpreter, no signals
-    pass
 
 
 def entry_frame(function) -> None:

@@ -50,12 +50,10 @@ def launched(site: LaunchSite, sharding) -> None:
   if sharding is not site.sharding:
     site.sharding = sharding
     devices = sharding.device_set
-    site.serialize = (len(devices) > 1
-                      and next(iter(devices)).platform == "cpu")
+    site.serialize = len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
-def serialize_launch(site: LaunchSite, outside_callback: bool = False
-                     ) -> bool:
+def serialize_launch(site: LaunchSite, outside_callback: bool = False) -> bool:
   """Whether ``site``'s next launch takes ``launch_lock``: not from inside
   a host callback, which ``outside_callback`` (a thread Python started, not
   inside a call of its own: ``design/errors.md``) rules out without

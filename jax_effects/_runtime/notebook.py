@@ -38,8 +38,7 @@ def after_cell(*_result) -> None:
 def install() -> bool:
   """Registers :func:`after_cell` with the active IPython shell, once;
   True if it registered now."""
-  ipython = sys.modules.get("IPython")
-  get = getattr(ipython, "get_ipython", None)
+  get = getattr(sys.modules.get("IPython"), "get_ipython", None)
   if get is None:
     return False
   try:

@@ -69,8 +69,7 @@ def remove_record_listener(fn: Callable) -> None:
   global _record_listeners, _all_record_listeners
   with _lock:
     _record_listeners = tuple(f for f in _record_listeners if f != fn)
-    _all_record_listeners = tuple(
-        f for f in _all_record_listeners if f != fn)
+    _all_record_listeners = tuple(f for f in _all_record_listeners if f != fn)
 
 
 def capturing_all_records() -> bool:
@@ -110,17 +109,14 @@ def _whole_lines(out) -> bool:
   under it. Remembers ``out`` when it is one, or that it is not."""
   global _keeps_lines_whole, _needs_lock
   kind = type(out)
-  if kind is io.StringIO:
-    whole = True
-  elif kind is io.TextIOWrapper and _TEXTIO_THREAD_SAFE:
+  whole = kind is io.StringIO
+  if kind is io.TextIOWrapper and _TEXTIO_THREAD_SAFE:
     try:
       buffer = out.buffer
       whole = (type(buffer) in (io.BufferedWriter, io.BufferedRandom)
                and type(buffer.raw) is io.FileIO)
     except (AttributeError, ValueError):   # (detached: its write raises)
       return False
-  else:
-    whole = False
   if whole:
     _keeps_lines_whole = out
   else:
@@ -132,8 +128,7 @@ def _whole_lines(out) -> bool:
 _around: Callable[[Any, Callable[[], None]], None] | None = None
 
 
-def write_around(around: Callable[[Any, Callable[[], None]], None] | None
-                 ) -> None:
+def write_around(around: Callable[[Any, Callable[[], None]], None] | None) -> None:
   """Routes the lines and records written from now on through
   ``around(stream, write)``, which runs ``write()`` with the bars drawn in
   place on ``stream`` (None: a record's handlers) cleared and redrawn;
@@ -151,8 +146,7 @@ def _write_line(line: str) -> None:
   if out is not None:
     around = _around
     if around is None:
-      if out is _keeps_lines_whole or (out is not _needs_lock
-                                       and _whole_lines(out)):
+      if out is _keeps_lines_whole or (out is not _needs_lock and _whole_lines(out)):
         out.write(line + "\n")
       else:
         with _write_lock:
@@ -312,8 +306,7 @@ def deliver(thunk: Callable[[], None], ordered: bool) -> None:
   _hold_or_run(ordered, thunk)
 
 
-def deliver_jax_record(logger: logging.Logger,
-                       record: logging.LogRecord) -> None:
+def deliver_jax_record(logger: logging.Logger, record: logging.LogRecord) -> None:
   """Delivers a record of an adopted ``jax.debug.log`` as JAX hands it over
   (handled whatever the logger's level), as an ordered record."""
   _hold_or_run(True, lambda: _handle_record(logger, record, True))
@@ -365,8 +358,7 @@ def _run(thunk: Callable[[], None]) -> None:
 def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
   if _hold_depth:
     p = _placement.current()
-    if (ordered and p is not None and p.per_device
-        and _placement.threaded()):
+    if ordered and p is not None and p.per_device and _placement.threaded():
       key = (p.device_id if p.device_id is not None else -1, p.shard_index)
       with _hold_lock:
         if _hold_depth:
@@ -431,11 +423,8 @@ def release_in_callback() -> None:
   is deferred for the running computation's dispatching thread."""
   if not _held and not _releasing:
     return
-  failures = release_held()
-  if failures:
-    slot = _placement.carrier_slot()
-    for exc in failures:
-      _errors.defer(exc, slot)
+  for exc in release_held():
+    _errors.defer(exc, _placement.carrier_slot())
 
 
 @_fork.reset_in_child

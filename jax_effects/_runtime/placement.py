@@ -22,8 +22,6 @@ from jax_effects import _compat
 from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import token_value as _token_value
 
-__all__ = ["Placement", "current", "at_lowering"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -67,8 +65,7 @@ RUNNING_LOCAL = "running"
 def register_host_code(code) -> None:
   """Marks the code of a host function (``frames.HOST``); refuses code
   without a :data:`RUNNING_LOCAL` (which would hide every placement)."""
-  if RUNNING_LOCAL not in (*code.co_varnames, *code.co_freevars,
-                           *code.co_cellvars):
+  if RUNNING_LOCAL not in (*code.co_varnames, *code.co_freevars, *code.co_cellvars):
     raise AssertionError(
         f"jax_effects: host function {code.co_name} ({code.co_filename}:"
         f"{code.co_firstlineno}) has no variable {RUNNING_LOCAL!r} for "
@@ -81,19 +78,11 @@ def running(placement: Placement | None, threaded: bool) -> tuple:
   return (placement, threaded)
 
 
-def host_local(name: str):
-  """The local ``name`` of the innermost host-function frame on this
-  thread's stack (None: none, or no such local)."""
-  return _frames.local_of_innermost(_frames.HOST, name)
-
-
 def carrier_slot() -> int:
   """The slot of the thread that dispatched the running execution (its
   carrier's, ``token_value``; 0 outside one)."""
-  carrier = host_local("carrier")
-  if carrier is None:
-    return 0
-  return _token_value.slot_of(int(np.max(carrier)))
+  carrier = _frames.local_of_innermost(_frames.HOST, "carrier")
+  return 0 if carrier is None else _token_value.slot_of(int(np.max(carrier)))
 
 
 def current() -> Placement | None:
@@ -101,7 +90,7 @@ def current() -> Placement | None:
   placement = site.running[0]
   if placement is not None:
     return placement
-  found = host_local(RUNNING_LOCAL)
+  found = _frames.local_of_innermost(_frames.HOST, RUNNING_LOCAL)
   return None if found is None else found[0]
 
 
@@ -137,16 +126,12 @@ def at_lowering(ctx, operands: list, avals_in: list):
   the partition id appended to the operands in the per-device case."""
   axis_ctx = ctx.module_context.axis_context
   if isinstance(axis_ctx, _compat.SPMDAxisContext):
-    table, operands, avals_in = _per_device_table(axis_ctx.mesh, operands,
-                                                  avals_in)
+    table, operands, avals_in = _per_device_table(axis_ctx.mesh, operands, avals_in)
     return Where(None, table), operands, avals_in
-  device = None
-  if isinstance(axis_ctx, _compat.ShardingContext):
-    if axis_ctx.device_assignment:
-      device = axis_ctx.device_assignment[0]
-  placement = (Placement(device.id, None, device.process_index)
-               if device is not None
-               else Placement(None, None, jax.process_index()))
+  placement = Placement(None, None, jax.process_index())
+  if isinstance(axis_ctx, _compat.ShardingContext) and axis_ctx.device_assignment:
+    device = axis_ctx.device_assignment[0]
+    placement = Placement(device.id, None, device.process_index)
   return Where(placement, None), operands, avals_in
 
 
@@ -155,21 +140,19 @@ def _per_device_table(mesh, operands, avals_in):
 
   sizes = tuple(mesh.axis_sizes)
   try:
-    devices = mesh.devices
+    flat = list(np.asarray(mesh.devices).flat)
   except (AttributeError, ValueError):
     # An AbstractMesh (``jax.shard_map`` without ``mesh=`` under
     # ``jax.set_mesh``): no devices known here.
-    devices = None
-  flat = list(np.asarray(devices).flat) if devices is not None else None
+    flat = None
   table = []
   for pid in range(int(np.prod(sizes, dtype=np.int64))):
     index = tuple(int(i) for i in np.unravel_index(pid, sizes))
     shard = index[0] if len(index) == 1 else index
-    if flat is not None:
-      d = flat[pid]
-      table.append(Placement(d.id, shard, d.process_index))
-    else:
+    if flat is None:
       table.append(Placement(None, shard, jax.process_index()))
+    else:
+      table.append(Placement(flat[pid].id, shard, flat[pid].process_index))
   pid_value = stablehlo.partition_id()
   pid_aval = jax.core.ShapedArray((), np.uint32)
   return tuple(table), [*operands, pid_value], [*avals_in, pid_aval]

@@ -26,9 +26,6 @@ from typing import Any, Callable, TextIO
 
 from jax_effects._runtime import fork as _fork
 
-__all__ = ["OPTIONS", "DRAWN", "PlainBar", "format_meter", "format_postfix",
-           "around_write", "lock"]
-
 #: tqdm's keyword arguments (tqdm 4.x) besides ``total``, ``desc`` and
 #: ``file`` (``progress``'s own): the options a bar takes, whichever renderer
 #: draws it.
@@ -70,7 +67,10 @@ def _sizeof(num: float, divisor: float = 1000) -> str:
 
 
 def _format_num(n) -> str:
-  """``tqdm.format_num``."""
+  """A value of a ``postfix`` mapping as ``set_postfix`` writes it: a
+  number as ``tqdm.format_num``, anything else as ``str``."""
+  if not isinstance(n, Number):
+    return str(n)
   f = f"{n:.3g}".replace("e+0", "e+").replace("e-0", "e-")
   n = str(n)
   return f if len(f) < len(n) else n
@@ -81,13 +81,8 @@ def format_postfix(postfix) -> str | None:
   for a mapping: keys sorted, numbers shortened; else as given)."""
   if not isinstance(postfix, Mapping) or not postfix:
     return postfix
-  parts = []
-  for key in sorted(postfix):
-    value = postfix[key]
-    value = (_format_num(value) if isinstance(value, Number)
-             else value if isinstance(value, str) else str(value))
-    parts.append(f"{key}={value.strip()}")
-  return ", ".join(parts)
+  return ", ".join(f"{key}={_format_num(postfix[key]).strip()}"
+                   for key in sorted(postfix))
 
 
 class _Probe:
@@ -135,27 +130,22 @@ def format_meter(n: float, total: float | None, elapsed: float, *,
   draws ``" #"``)."""
   if total and n >= total + 0.5:
     total = None
-  rate = None
   if unit_scale and unit_scale not in (True, 1):
     if total:
       total *= unit_scale
     n *= unit_scale
     unit_scale = False
   elapsed_str = _interval(elapsed)
-  if elapsed:
-    rate = (n - initial) / elapsed
+  rate = (n - initial) / elapsed if elapsed else None
   inv_rate = 1 / rate if rate else None
   rate_noinv_fmt = ((_sizeof(rate) if unit_scale else f"{rate:5.2f}")
                     if rate else "?") + unit + "/s"
   rate_inv_fmt = ((_sizeof(inv_rate) if unit_scale else f"{inv_rate:5.2f}")
                   if inv_rate else "?") + "s/" + unit
   rate_fmt = rate_inv_fmt if inv_rate and inv_rate > 1 else rate_noinv_fmt
-  if unit_scale:
-    n_fmt = _sizeof(n, unit_divisor)
-    total_fmt = _sizeof(total, unit_divisor) if total is not None else "?"
-  else:
-    n_fmt = str(n)
-    total_fmt = str(total) if total is not None else "?"
+  n_fmt = _sizeof(n, unit_divisor) if unit_scale else str(n)
+  total_fmt = ("?" if total is None else _sizeof(total, unit_divisor)
+               if unit_scale else str(total))
   postfix = ", " + postfix if postfix else ""
   remaining = (total - n) / rate if rate and total else 0
   remaining_str = _interval(remaining) if rate else "?"
@@ -165,9 +155,7 @@ def format_meter(n: float, total: float | None, elapsed: float, *,
            else datetime.datetime.fromtimestamp(0, datetime.timezone.utc))
   except OverflowError:
     eta = datetime.datetime.max
-  l_bar = ""
-  if prefix:
-    l_bar = prefix if prefix[-2:] == ": " else prefix + ": "
+  l_bar = (prefix if prefix[-2:] == ": " else prefix + ": ") if prefix else ""
   r_bar = (f"| {n_fmt}/{total_fmt} [{elapsed_str}<{remaining_str}, "
            f"{rate_fmt}{postfix}]")
   fields = {
@@ -205,11 +193,10 @@ def format_meter(n: float, total: float | None, elapsed: float, *,
             f"[{elapsed_str}, {rate_fmt}{postfix}]")
     return text[:ncols] if ncols else text
   probe = _Probe()
-  nobar = bar_format.format(bar=probe, **fields)
-  if not probe.called:
-    return nobar[:ncols] if ncols else nobar
-  bar = _Bar(frac, max(1, ncols - len(nobar)) if ncols else 10, charset)
-  text = bar_format.format(bar=bar, **fields)
+  text = bar_format.format(bar=probe, **fields)
+  if probe.called:   # (the bar fills what the rest leaves of ncols)
+    bar = _Bar(frac, max(1, ncols - len(text)) if ncols else 10, charset)
+    text = bar_format.format(bar=bar, **fields)
   return text[:ncols] if ncols else text
 
 
@@ -261,7 +248,6 @@ class PlainBar:
                on_live: Callable[[bool], None]):
     o = options
     self.total = total
-    self.desc = desc
     self.file = file
     self.on_live = on_live
     self.leave = o.get("leave", True)
@@ -269,12 +255,11 @@ class PlainBar:
     self.mininterval = float(o.get("mininterval", 0.1))
     self.miniters = o.get("miniters") or 0
     self.delay = float(o.get("delay", 0))
-    self.initial = o.get("initial", 0)
-    self.n = self.initial
+    self.n = self.initial = o.get("initial", 0)
     self.meter = dict(
         ncols=o.get("ncols"), ascii=o.get("ascii"), unit=o.get("unit", "it"),
         unit_scale=o.get("unit_scale", False), bar_format=o.get("bar_format"),
-        postfix=format_postfix(o.get("postfix")),
+        prefix=desc or "", postfix=format_postfix(o.get("postfix")),
         unit_divisor=o.get("unit_divisor", 1000), initial=self.initial)
     self.stream: TextIO | None = None
     self.tty = False
@@ -284,8 +269,7 @@ class PlainBar:
 
   def open(self) -> None:
     global _open
-    stream = self.file if self.file is not None else sys.stderr
-    self.stream = stream
+    stream = self.stream = self.file if self.file is not None else sys.stderr
     try:
       self.tty = bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -322,10 +306,6 @@ class PlainBar:
         self.clear()
         self._end_live()
 
-  def text(self, now: float) -> str:
-    return format_meter(self.n, self.total, now - self.start,
-                        prefix=self.desc or "", **self.meter)
-
   def _write(self, text: str) -> None:
     self.stream.write(text)
     self.stream.flush()
@@ -351,7 +331,7 @@ class PlainBar:
       if end and shown and not self.tty:
         return
       self.drawn_n = self.n
-      text = self.text(now)
+      text = format_meter(self.n, self.total, now - self.start, **self.meter)
       if not self.tty:
         self._write(text + "\n")
         return

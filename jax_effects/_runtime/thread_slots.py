@@ -57,7 +57,7 @@ def take_slot() -> int:
   global _next_slot
   with _all_lock:
     if not _free_slots and _next_slot > _token_value.MAX_SLOT:
-      _sweep_locked(force=True)
+      sweep()
     if _free_slots:
       return _free_slots.pop()
     if _next_slot > _token_value.MAX_SLOT:
@@ -130,18 +130,14 @@ def sweep() -> None:
   if not _ended:
     return
   with _all_lock:
-    _sweep_locked(force=False)
-
-
-def _sweep_locked(force: bool) -> None:
-  for slot, tokens in list(_ended.items()):
-    tokens[:] = [t for t in tokens if not _token_store.is_done(t)]
-    if tokens or _errors.has_deferred(slot):
-      continue   # (pending computations, unreported errors: kept)
-    del _ended[slot]
-    _slot_base[slot] = _ended_base.pop(slot, 0)
-    _executions.slot_freed(slot)
-    _free_slots.append(slot)
+    for slot, tokens in list(_ended.items()):
+      tokens[:] = [t for t in tokens if not _token_store.is_done(t)]
+      if tokens or _errors.has_deferred(slot):
+        continue   # (pending computations, unreported errors: kept)
+      del _ended[slot]
+      _slot_base[slot] = _ended_base.pop(slot, 0)
+      _executions.slot_freed(slot)
+      _free_slots.append(slot)
 
 
 @_fork.reset_in_child

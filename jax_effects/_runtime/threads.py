@@ -146,8 +146,7 @@ class ThreadTokens(_token_store.TokenStore):
 
   def _wait_joined(self) -> None:
     joined, self.joined = self.joined, []
-    for token in joined:
-      _token_store.settled(token)   # (a failure is the joined call's own)
+    _token_store.wait_quietly(joined)   # (a failure is the joined call's own)
 
   def switch_mode(self, mode: str) -> None:
     """Before a dispatch in another mode than the thread's last: waits for
@@ -173,10 +172,6 @@ class ThreadTokens(_token_store.TokenStore):
     (learnt by its trace, after its dispatch)."""
     self.at_risk.update(k for k in keys if k is not _effects.UNORDERED)
     self._refresh_fast()
-
-  def clear_fast(self) -> None:
-    """The thread's mode changed: its next dispatch takes the general path."""
-    self.fast_mode = None
 
 
 local = threading.local()
@@ -234,7 +229,7 @@ def mode_changed(all_threads: bool) -> None:
   """The calling thread's ordering mode (every thread's, with
   ``all_threads``) changed: their next dispatch takes the general path."""
   for state in states(all_threads):
-    state.clear_fast()
+    state.fast_mode = None
 
 
 @_fork.reset_in_child

@@ -88,14 +88,11 @@ class OutputTokens:
 
   def devices(self) -> dict[Any, jax.Array]:
     """Device -> the latest output token covering it (this process's)."""
-    out = {}
     items = list(self.output.items())
     if self.last_token is not None:
       items.append((self.last_sharding, self.last_token))
-    for sharding, token in items:
-      for device in sharding.addressable_devices:
-        out[device] = token
-    return out
+    return {device: token for sharding, token in items
+            for device in sharding.addressable_devices}
 
   def outputs(self) -> list[jax.Array]:
     last = [] if self.last_token is None else [self.last_token]
@@ -170,16 +167,12 @@ class TokenStore(OutputTokens):
     (:attr:`base` before its first)."""
     return self.seqs.get(key, self.base)
 
-  def execution_seqs(self, keys) -> dict:
-    """Chain -> the sequence number of the next execution of ``keys`` (read
-    before its dispatch)."""
-    return {k: (self.last_seq(k) + 1) & _token_value.SEQ_MASK
-            for k in keys if k is not _effects.UNORDERED}
-
   def execution(self, keys) -> tuple:
-    """``(seqs, seq)`` of the next execution of ``keys``: its identity and
-    its returned token's sequence number (its carriers' maximum)."""
-    seqs = self.execution_seqs(keys)
+    """``(seqs, seq)`` of the next execution of ``keys`` (read before its
+    dispatch): its identity (chain -> the sequence number) and its returned
+    token's sequence number (its carriers' maximum)."""
+    seqs = {k: (self.last_seq(k) + 1) & _token_value.SEQ_MASK
+            for k in keys if k is not _effects.UNORDERED}
     return seqs, max(seqs.values(), default=None)
 
   def update(self, keys, token: jax.Array, read: tuple = (),
@@ -197,8 +190,7 @@ class TokenStore(OutputTokens):
           runtime = token
           self.device_tokens = True
       else:
-        runtime = (_compat.uncommitted(token) if _compat.committed(token)
-                   else token)
+        runtime = _compat.uncommitted(token) if _compat.committed(token) else token
       store, seqs, risky = self.runtime, self.seqs, self.at_risk
       if seq is None:
         seq = self.execution(keys)[1]
@@ -300,8 +292,7 @@ class TokenStore(OutputTokens):
       if token is not None and _device_tokens.kept_on_devices(token):
         ended = False
     self.fast_mode = None
-    _executions.failed(self.slot, {k: self.last_seq(k) for k in keys},
-                       ended)
+    _executions.failed(self.slot, {k: self.last_seq(k) for k in keys}, ended)
 
   def reset(self) -> None:
     super().reset()
