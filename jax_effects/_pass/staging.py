@@ -72,19 +72,9 @@ class hidden:
 
 def flush_for(keys, chains) -> None:
   """Flushes the stages of chains ``keys`` (something else on them comes)."""
-  by_key = stages.by_key
-  if by_key:
-    for key in keys:
-      stage = by_key.get(key)
-      if stage is not None:
-        stage.flush(chains)
-
-
-def _varying(x, aval):
-  """``x`` varying over the manual axes ``aval`` varies over (the carry of
-  a loop inside ``shard_map`` keeps its type)."""
-  axes = tuple(_compat.varying_axes(aval))
-  return lax.pcast(x, axes, to="varying") if axes else x
+  for key in keys:
+    if key in stages.by_key:
+      stages.by_key[key].flush(chains)
 
 
 class Stage:
@@ -134,8 +124,9 @@ class Stage:
 
   def initial(self) -> tuple:
     return (jnp.zeros((), jnp.int32), jnp.zeros((self.k,), jnp.int32),
-            tuple(_varying(jnp.zeros((self.k, *a.shape), a.dtype), a)
-                  for a in self.avals))
+            # (varying as its operand: a loop's carry inside shard_map keeps its type)
+            tuple(_compat.to_varying(jnp.zeros((self.k, *a.shape), a.dtype),
+                                     _compat.varying_axes(a)) for a in self.avals))
 
   def holds(self, eqn) -> bool:
     return id(eqn) in self.slots
@@ -246,8 +237,7 @@ class Loop:
     the states after)``."""
     for s, state in zip(self.carried, states):
       s.state = state
-    out = fn(*args)
-    return out, self.states()
+    return fn(*args), self.states()
 
   def exit(self, states, chains) -> None:
     """After the loop: the stages at its final ``states``; its own stages
