@@ -93,8 +93,7 @@ class Chains:
     return tuple(self.carrier(k) for k in keys)
 
   def put(self, keys, carriers) -> None:
-    for k, c in zip(keys, carriers):
-      self.carriers[k] = c
+    self.carriers.update(zip(keys, carriers))
 
 
 class _Context(threading.local):
@@ -165,7 +164,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if (effects and _effects.has_chain(effects) and (
         eqn.primitive in RULES or _effects.has_own_marker(effects)
         or eqn.primitive.name in _compat.FEATURE_OF_PRIMITIVE)) or (
-        eqn.primitive.name in HIDES_EFFECTS and _markers.effects_inside(eqn)):
+        eqn.primitive.name in _markers.HIDES_EFFECTS and _markers.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
@@ -185,7 +184,7 @@ def unchanged(eqn) -> bool:
       eqn.primitive is _effect.effect_p
       or eqn.primitive in _adopted.PRIMITIVES
       or (effects and _effects.has_chain(effects))
-      or eqn.primitive.name in HIDES_EFFECTS)
+      or eqn.primitive.name in _markers.HIDES_EFFECTS)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
@@ -226,9 +225,7 @@ def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
   enter as their max and leave broadcast, where ``from_first`` taken from
   the device that ran it (``design/placement.md``, "Tokens across
   devices")."""
-  token = chains.tokens.get(key)
-  if token is None:
-    token = lax.create_token()
+  token = chains.tokens[key] if key in chains.tokens else lax.create_token()
   carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:
@@ -268,10 +265,7 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
   (closed over, so JAX's control-flow APIs hoist them as their own consts).
   ``kind`` ("branch", "loop"; None: as the caller) is what the region is.
   """
-  if isinstance(closed, jex_core.ClosedJaxpr):
-    jaxpr, jaxpr_consts = closed.jaxpr, closed.consts
-  else:
-    jaxpr, jaxpr_consts = closed, ()
+  jaxpr, jaxpr_consts = _jaxpr_eval.split(closed)
 
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
@@ -299,8 +293,6 @@ def _counter_rule(eqn, invals, chains: Chains, mode: str):
 
 register_rule(_counters.counter_p, _counter_rule)
 
-
-HIDES_EFFECTS = _markers.HIDES_EFFECTS
 
 _REDUCTION = (
     "its sub-computation is the combiner of a reduction, which XLA calls as "
@@ -346,15 +338,11 @@ _MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
 def may_fail(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) runs one of :data:`_MAY_FAIL`: its
   computation may fail as a whole (``ThreadTokens.tokens_for``)."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in _MAY_FAIL or (name == "debug_callback"
-                             and eqn.params.get("partitioned")):
-      return True
-    for sub in _compat.jaxprs_in_params(eqn.params):
-      if may_fail(sub):
-        return True
-  return False
+  return any(
+      eqn.primitive.name in _MAY_FAIL
+      or (eqn.primitive.name == "debug_callback" and eqn.params.get("partitioned"))
+      or any(may_fail(sub) for sub in _compat.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns)
 
 
 #: JAX's own primitives that run the user's function on the host.
@@ -365,16 +353,11 @@ def runs_user_code(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) runs the user's own function on the
   host, which may dispatch or block: its call waits for the computation
   (``launch_lock.finish``)."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _USER_CODE:
-      return True
-    host_callback = eqn.params.get("host_callback")
-    if getattr(host_callback, "user_code", False):
-      return True
-    for sub in _compat.jaxprs_in_params(eqn.params):
-      if runs_user_code(sub):
-        return True
-  return False
+  return any(
+      eqn.primitive.name in _USER_CODE
+      or getattr(eqn.params.get("host_callback"), "user_code", False)
+      or any(runs_user_code(sub) for sub in _compat.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns)
 
 
 def _shard_map_chain_keys(jaxpr, mode: str) -> set:
@@ -385,7 +368,7 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
     if eqn.primitive is _compat.shard_map_p:
       keys.update(_effects.chain_keys(eqn.effects, mode))
     elif ((eqn.effects and _effects.has_chain(eqn.effects))
-          or eqn.primitive.name in HIDES_EFFECTS):
+          or eqn.primitive.name in _markers.HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
         keys |= _shard_map_chain_keys(sub, mode)
   return keys
@@ -444,9 +427,8 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
       outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
-  finals = [jnp.max(c) if jnp.shape(c) else c
-            for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)]
-  return outs, _final_token(finals)
+  return outs, _final_token([jnp.max(c) if jnp.shape(c) else c for k, c in chains.carriers.items()
+                             if _effects.crosses_dispatch(k)])
 
 
 def _final_token(finals: list):
