@@ -245,15 +245,10 @@ if _compat.call_hi_primitive_p is not None:
 def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   """``custom_linear_solve``: as its impl, the ``solve`` jaxpr (the other
   jaxprs' effects are in what differentiation made of them)."""
-  p = eqn.params
-  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
-  consts, start = {}, 0
-  for name, n in zip(jaxprs._fields, lengths):
-    consts[name] = invals[start:start + n]
-    start += n
-  solve = jaxprs.solve
-  return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts,
-                      [*consts["solve"], *invals[start:]], chains, mode)
+  solve, lengths = eqn.params["jaxprs"].solve, eqn.params["const_lengths"]
+  start = lengths.matvec + lengths.vecmat   # (the consts: matvec, vecmat, solve, ...)
+  args = [*invals[start:start + lengths.solve], *invals[sum(lengths):]]
+  return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts, args, chains, mode)
 
 
 _token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,
