@@ -75,7 +75,6 @@ def encode_tree(tree, operand_leaves: set) -> Any:
   leaves = tree_util.tree_leaves(tree)
   order = sorted(operand_leaves)
   index = {pos: j for j, pos in enumerate(order)}
-  counter = [0]
   walked = []
 
   def walk(x):
@@ -90,8 +89,7 @@ def encode_tree(tree, operand_leaves: set) -> Any:
       return {"d": [[k, walk(x[k])] for k in sorted(x)]}
     if not tree_util.all_leaves([x]):
       raise NotData(f"a pytree node of type {t.__name__}")
-    pos = counter[0]
-    counter[0] += 1
+    pos = len(walked)   # (its flat position)
     walked.append(x)
     if pos in index:
       return {"op": index[pos]}
@@ -116,9 +114,7 @@ def decode_tree(data, values) -> Any:
     return tuple(decode_tree(d, values) for d in data["t"])
   if "l" in data:
     return [decode_tree(d, values) for d in data["l"]]
-  if "d" in data:
-    return {k: decode_tree(d, values) for k, d in data["d"]}
-  return None
+  return {k: decode_tree(d, values) for k, d in data["d"]} if "d" in data else None
 
 
 _MAKERS = {"t": tuple, "l": list, "d": dict}
