@@ -53,9 +53,7 @@ def _one(value):
 
 
 def _token_in(ctx, order):
-  if order is EXPORTED_ORDER:
-    return ctx.tokens_in.get(order)
-  return _plain_order.join(ctx, order)
+  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _plain_order.join(ctx, order)
 
 
 def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:

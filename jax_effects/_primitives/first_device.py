@@ -45,8 +45,7 @@ def on_first_device(ctx, side, operands) -> list:
     return (carrier, *(jnp.zeros(a.shape, a.dtype) for a in avals_out[1:]))
 
   def per_device(*ops):
-    first = jax.lax.axis_index(names) == 0
-    return jax.lax.cond(first, call, pass_through, *ops)
+    return jax.lax.cond(jax.lax.axis_index(names) == 0, call, pass_through, *ops)
 
   mapped = _jax_api.shard_map(per_device, mesh=mesh,
                               in_specs=(P(),) * len(kept),

@@ -124,13 +124,11 @@ class Layout:
     lead = len(shape) - (len(edges.shape) if edges is not None else 0)
     summarized = set() if edges is None else {lead + d for d in edges.axes}
     rows = tuple(math.gcd(n, num_devices) if n else 1 for n in shape)
-    cols, cut = [], []
     e = edges.edgeitems if edges is not None else 0
-    for d, (n, m) in enumerate(zip(shape, rows)):
-      length = n // m if m else 0
-      cut.append(d in summarized)
-      cols.append(2 * e if d in summarized and length > 2 * e else length)
-    return cls(shape, np.dtype(dtype), edges, rows, tuple(cols), tuple(cut))
+    cut = tuple(d in summarized for d in range(len(shape)))
+    lengths = [n // m if m else 0 for n, m in zip(shape, rows)]
+    cols = tuple(2 * e if c and n > 2 * e else n for c, n in zip(cut, lengths))
+    return cls(shape, np.dtype(dtype), edges, rows, cols, cut)
 
   @property
   def words(self) -> int:

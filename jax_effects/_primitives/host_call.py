@@ -71,8 +71,7 @@ def _refuse_export(ctx, side) -> None:
   ``NotImplementedError`` after lowering)."""
   if not (_compat.lowering_for_export(ctx) and once_across_devices(ctx)):
     return
-  host_callback = getattr(side, "host_callback", None)
-  what = getattr(host_callback, "description", None) or "an effect"
+  what = getattr(getattr(side, "host_callback", None), "description", None) or "an effect"
   raise NotImplementedError(
       f"jax.export cannot export {what} over several devices as it is "
       f"lowered here (under plain jax.jit, automatic partitioning): its "
