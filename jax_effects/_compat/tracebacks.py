@@ -63,6 +63,4 @@ def user_line(source_info) -> tuple[str, int] | None:
   ``source_info`` this is, or None where unknown."""
   frame = _source_info_util.user_frame(getattr(source_info, "traceback",
                                                None))
-  if frame is None:
-    return None
-  return frame.file_name, frame.start_line
+  return None if frame is None else (frame.file_name, frame.start_line)

@@ -132,9 +132,7 @@ def unsupported_reason(feature: str) -> str | None:
   if feature not in FEATURES:
     return None
   unavailable, reason = FEATURES[feature]
-  if not unavailable():
-    return None
-  return f"{reason} (installed: JAX {jax.__version__})"
+  return f"{reason} (installed: JAX {jax.__version__})" if unavailable() else None
 
 
 def require(feature: str, call: str = "jax_effects") -> None:
