@@ -69,19 +69,15 @@ class UnsupportedFeature(NotImplementedError):
   message names the feature, the installed JAX, what supports it, a fix."""
 
 
-def _pmap_shmap_merge_off() -> bool:
-  # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only (default True:
-  # pmap staged as jit(shard_map)); JAX 0.10 removed it (always so).
-  return not getattr(jax.config, "jax_pmap_shmap_merge", True)
-
-
 # name -> (is it unavailable now?, why and the fix): one entry per limit of a
 # supported line (``design/versions.md``); the tests skip with the same text
 # (marker ``jax_feature``).
 FEATURES = {
-    # (0.8/0.9's legacy xla_pmap primitive refuses ordered effects)
+    # (0.8/0.9's legacy xla_pmap primitive refuses ordered effects;
+    # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only, default True:
+    # pmap staged as jit(shard_map); JAX 0.10 removed it, always so)
     "effects in jax.pmap": (
-        _pmap_shmap_merge_off,
+        lambda: not getattr(jax.config, "jax_pmap_shmap_merge", True),
         "side effects inside jax.pmap need jax.pmap staged as shard_map: "
         "jax_pmap_shmap_merge=False (an option of JAX 0.8 and 0.9) is set. "
         "Fix: jax.config.update('jax_pmap_shmap_merge', True) (the default), "

@@ -165,12 +165,16 @@ def _exit_lowering(ctx, carrier, *, order=EXPORTED_ORDER):
 mlir.register_lowering(exported_exit_p, _exit_lowering, cacheable=False)
 
 
+def _params(order) -> dict:
+  """The entry's and exit's params for ``order``: none for the default,
+  ``EXPORTED_ORDER`` (its equations as they were)."""
+  return {} if order is EXPORTED_ORDER else {"order": order}
+
+
 def entry(order=EXPORTED_ORDER):
   """The carrier every chain of an exported function (of a region ordered
   by ``order``) starts from."""
-  if order is EXPORTED_ORDER:
-    return exported_entry_p.bind()
-  return exported_entry_p.bind(order=order)
+  return exported_entry_p.bind(**_params(order))
 
 
 def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's name
@@ -185,10 +189,7 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
     # before the module's effects have run; a plain-jit region's exit runs
     # on the first device only)
     token = _first_device.from_first_device_p.bind(token)
-  if order is EXPORTED_ORDER:
-    exported_exit_p.bind(token)
-  else:
-    exported_exit_p.bind(token, order=order)
+  exported_exit_p.bind(token, **_params(order))
 
 
 exported_call_p = Primitive("jax_effects_exported_call")
