@@ -93,8 +93,7 @@ def _module_of(exported):
 
 def call_exported_lowering(ctx, *args, exported):
   """JAX's lowering of ``call_exported_p``, of the screened module."""
-  return _jax_call_exported_lowering(ctx, *args,
-                                     exported=_screened(exported))
+  return _jax_call_exported_lowering(ctx, *args, exported=_screened(exported))
 
 
 if call_exported_p is not None:
@@ -117,8 +116,7 @@ def export_allowed_custom_calls() -> frozenset | None:
       checks = frame.f_locals.get("disabled_checks")
       if checks is None:
         return None
-      targets = {t for t in (c.is_custom_call() for c in checks)
-                 if t is not None}
+      targets = {t for t in (c.is_custom_call() for c in checks) if t is not None}
       if JAX_VERSION < (0, 10):   # (JAX 0.8, 0.9 take "ALL" as a name)
         targets.discard("ALL")
       return frozenset(targets)

@@ -82,8 +82,7 @@ def equation_copier(jaxpr):
       outs = [trace.new_const(c, source_info=src, aval=aval)
               for c, aval in zip(consts, out_avals)]
     else:
-      outs = emit(tracers, out_avals, eqn.primitive, eqn.params, effects,
-                  src, eqn.ctx)
+      outs = emit(tracers, out_avals, eqn.primitive, eqn.params, effects, src, eqn.ctx)
     return outs if eqn.primitive.multiple_results else outs[0]
 
   return copy
@@ -138,8 +137,7 @@ def _scan_known_hoisting(jaxpr_known, known_consts, num_res, *num_sres):
   # the number of hoistable ones on every line.
   if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
     return jaxpr_known, known_consts, [False] * num_res, []
-  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res,
-                                  *num_sres)
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res, *num_sres)
 
 
 def scan_counts(params) -> tuple[int, int]:

@@ -24,8 +24,7 @@ from jax_effects._compat.versions import JAX_VERSION
 # them. JAX 0.8-0.12.
 from jax._src import xla_bridge as _xla_bridge  # noqa: E402
 
-backends_are_initialized = backend_started = (
-    _xla_bridge.backends_are_initialized)
+backends_are_initialized = backend_started = _xla_bridge.backends_are_initialized
 
 
 def clear_jax_runtime_tokens() -> None:
@@ -89,8 +88,7 @@ TOP_LEVEL = (_trace_value, _axis_env_value, _eval_trace, _top_axis_env)
 
 def at_top_level() -> bool:
   """True when no JAX transformation or trace is active on this thread."""
-  return (_trace_value.value is _eval_trace
-          and _axis_env_value.value is _top_axis_env)
+  return _trace_value.value is _eval_trace and _axis_env_value.value is _top_axis_env
 
 
 def compiled_dispatch() -> bool:
@@ -229,8 +227,7 @@ def jax_runtime_tokens(all_threads: bool = False) -> list:
   for quietly; a token of a thread that ended is forgotten once ready."""
   if not all_threads:
     tokens = _dispatch.runtime_tokens
-    return [*tokens.current_tokens.values(),
-            *tokens.output_runtime_tokens.values()]
+    return [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]
   alive = {t.ident for t in threading.enumerate()}
   with _every_thread_lock:
     tokens = list(_every_thread.items())

@@ -12,8 +12,7 @@ import jax
 import jaxlib
 
 # (major, minor, patch) of the installed JAX; compared only in this module.
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
-                    if p.isdigit())
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
 def jax_caches_host_callbacks() -> bool:
@@ -113,8 +112,7 @@ def first_call_guard():
 def has_4bit_integers(avals) -> bool:
   """Whether any of ``avals`` (or values with ``.dtype``) is int4/uint4."""
   import jax.numpy as jnp
-  return any(getattr(a, "dtype", None) in (jnp.int4, jnp.uint4)
-             for a in avals)
+  return any(getattr(a, "dtype", None) in (jnp.int4, jnp.uint4) for a in avals)
 
 
 def unsupported_reason(feature: str) -> str | None:

@@ -48,8 +48,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
   # After an effect that ran once only device 0's copy is current.
-  after_once = [k in chains.carriers and not chains.still_entered(k)
-                for k in keys]
+  after_once = [k in chains.carriers and not chains.still_entered(k) for k in keys]
   carriers_in = []
   for c, once in zip(chains.take(keys), after_once):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh

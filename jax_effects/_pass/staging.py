@@ -89,8 +89,7 @@ class Stage:
     # Rows a step of the loop writes, where every staged equation is
     # directly in its body (none in a nested loop): strip-mining bounds the
     # count (``checked`` off), else None.
-    self.per_step = (None if any(nested for _, _, nested in found)
-                     else len(found))
+    self.per_step = None if any(nested for _, _, nested in found) else len(found)
     self.checked = True
     self.slots: dict[int, tuple] = {}
     self.avals: list = []
@@ -102,13 +101,11 @@ class Stage:
       self.slots[id(eqn)] = (len(flush.effects), columns)
       flush.effects.append((None, columns))
     self.flush_fn = flush
-    row = 4 + sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
-                  for a in self.avals)
+    row = 4 + sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in self.avals)
     k = min(r.k for _, r, _ in found)
     max_bytes = min(r.max_bytes for _, r, _ in found)
     self.k = min(k, max_bytes // row)
-    what = ", ".join(e.params["host_callback"].description
-                     for e in self.eqns)
+    what = ", ".join(e.params["host_callback"].description for e in self.eqns)
     if self.k < 1:
       raise ValueError(
           f"jax_effects.batched(max_bytes={max_bytes}): one staged row of "
@@ -161,8 +158,7 @@ class Stage:
     chains.carriers[key] = lax.cond(pred, run, lambda carrier, *_: carrier,
                                     chains.carrier(key), count, ids,
                                     *buffers)
-    self.state = (lax.select(pred, jnp.zeros_like(count), count), ids,
-                  buffers)
+    self.state = (lax.select(pred, jnp.zeros_like(count), count), ids, buffers)
 
 
 def _staged(jaxpr, mode: str, found: dict, nested: bool = False) -> dict:

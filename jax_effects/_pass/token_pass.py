@@ -143,8 +143,7 @@ def _no_stages():
   """A region that starts with no stage (``staging.hidden``); nothing to do
   where none is in force, the common case, which never enters
   ``staging``."""
-  return (_staging.hidden() if _staging.stages.by_key
-          else contextlib.nullcontext())
+  return _staging.hidden() if _staging.stages.by_key else contextlib.nullcontext()
 
 
 def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
@@ -195,8 +194,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   stage = _staging.stages.by_key.get(key)
   if stage is not None:
     if stage.holds(eqn) and not _context.masks:
-      stage.write(eqn, _host_callback.on_chain(host_callback, key), invals,
-                  chains)
+      stage.write(eqn, _host_callback.on_chain(host_callback, key), invals, chains)
       return []
     stage.flush(chains)   # (what was staged comes first)
   if _context.masks and not host_callback.batch_once:
@@ -252,8 +250,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     return token, carrier, results
   # (a chain with no per-device effect here keeps device 0's copy)
   per_device = _context.shard_map_chains
-  return bind_on_chain(chains, key, bind,
-                       per_device is None or key in per_device)
+  return bind_on_chain(chains, key, bind, per_device is None or key in per_device)
 
 
 def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
@@ -395,8 +392,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   finally:
     _context.shard_map_chains = saved
   # (Counters end here.)
-  carriers = {k: c for k, c in chains.carriers.items()
-              if _effects.crosses_dispatch(k)}
+  carriers = {k: c for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
   if any(jnp.shape(c) for c in finals):
     # A per-device token: a chain whose last effect ran once gives its
@@ -441,6 +437,5 @@ def _final_token(finals: list):
   if len(finals) == 1:
     return finals[0]
   ids = [c & _token_value.ID_MASK for c in finals]
-  failed = functools.reduce(
-      jnp.bitwise_or, [c & _token_value.FAILED for c in finals])
+  failed = functools.reduce(jnp.bitwise_or, [c & _token_value.FAILED for c in finals])
   return functools.reduce(jnp.maximum, ids) | failed

@@ -71,8 +71,7 @@ batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
 
 def _masked_effect(eqn, mask, invals):
   hc = eqn.params["host_callback"]
-  masked = _host_callback.in_branch(
-      hc, _host_callback.wrapped_spec(hc.spec, "masked"))
+  masked = _host_callback.in_branch(hc, _host_callback.wrapped_spec(hc.spec, "masked"))
   return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
 
 
@@ -91,14 +90,12 @@ def _eval_masked(jaxpr, consts, mask, args):
 def _closed_fn(closed, mask, leading=()):
   """``closed`` as a function evaluated by :func:`_eval_masked`."""
   jaxpr, consts = _jaxpr_eval.split(closed)
-  return lambda *args: _eval_masked(jaxpr, consts, mask,
-                                    [*leading, *args])
+  return lambda *args: _eval_masked(jaxpr, consts, mask, [*leading, *args])
 
 
 def _masked_cond(p, mask, invals):
   index, *ops = invals
-  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
-                        *ops)
+  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]], *ops)
 
 
 def _masked_while(p, mask, invals):

@@ -152,8 +152,7 @@ def _item_samples(dtype: np.dtype) -> list:
     values = [0.0, -0.0, 0.1, -2.5, 1234.5, 1e-3, float(info.max),
               float(info.tiny), float("nan"), float("inf"), float("-inf")]
   else:
-    values = [0j, 1 + 2j, -0.5 - 3j, complex(1e20, -1e-20),
-              complex(float("nan"), 1)]
+    values = [0j, 1 + 2j, -0.5 - 3j, complex(1e20, -1e-20), complex(float("nan"), 1)]
   return [np.array(v, dtype=dtype) for v in values]
 
 

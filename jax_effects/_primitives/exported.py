@@ -84,8 +84,7 @@ def _join_host(spec: dict) -> _host_callback.HostCallback:
       # (an identity of its own per execution: its pieces and lanes,
       # host_jobs, never meet another execution's)
       seq = next(_entries) & _token_value.SEQ_MASK
-      return (np.int32(_errors.plain_jit_slot()
-                       | (seq << _token_value.SEQ_SHIFT)),)
+      return (np.int32(_errors.plain_jit_slot() | (seq << _token_value.SEQ_SHIFT)),)
     return _host_callback.HostCallback(
         entry_identity, "the entry of a jax_effects region under jax.jit",
         (_CARRIER,), spec=spec)
@@ -224,6 +223,5 @@ def call(token, carrier, args, exported) -> tuple:
   # (over several devices every device joins the call: each takes device
   # 0's carrier, current after the caller's effects that ran once)
   carrier = _first_device.from_first_device_p.bind(carrier)
-  token, carrier, *outs = exported_call_p.bind(token, carrier, *args,
-                                               exported=exported)
+  token, carrier, *outs = exported_call_p.bind(token, carrier, *args, exported=exported)
   return token, carrier, outs

@@ -138,13 +138,11 @@ class Layout:
     """``x`` (traced, of ``shape``) as ``uint32[*rows, 1 + words]``."""
     ndim = len(self.shape)
     e = self.edges.edgeitems if self.edges is not None else 0
-    y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows)
-                        for v in (m, n // m)))
+    y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows) for v in (m, n // m)))
     for d, (n, m, c) in enumerate(zip(self.shape, self.rows, self.cols)):
       if c != n // m:   # keep the edgeitems at both ends of each row
         y = _edges.ends(y, e, 2 * d + 1)
-    y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2))
-                      + tuple(range(1, 2 * ndim, 2)))
+    y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2)) + tuple(range(1, 2 * ndim, 2)))
     words = _to_words(y).reshape(self.rows + (self.words,))
     ids = jnp.zeros(self.rows, jnp.int32)
     stride = 1
@@ -255,8 +253,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
   host = _assembling_host(inner, site, layouts, avals_out)
 
   target = _TARGETS[ctx.module_context.platforms[0]]
-  sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals,
-                                avals_out=avals_out)
+  sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals, avals_out=avals_out)
   new_carrier, *results = _host_call.emit(
       sub_ctx, host, operands, _compat.replicated_results(avals_out), target)
   return [new_carrier, *(_compat.on_first_device(sub_ctx, r, a)

@@ -213,8 +213,7 @@ def _rebuild_live(spec) -> HostCallback:
   if any(len(r) != len(inner.fn.batch_shape) for r in reshapes):
     raise _host_specs.NotData("a live-masked form whose masks do not fit "
                               "its batch")
-  return dataclasses.replace(inner, fn=LiveMasked(inner.fn, reshapes),
-                             spec=spec)
+  return dataclasses.replace(inner, fn=LiveMasked(inner.fn, reshapes), spec=spec)
 
 
 _host_specs.register_kind("batched", _rebuild_batched)

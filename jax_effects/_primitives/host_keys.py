@@ -41,8 +41,7 @@ class UnboundHostFunction(LookupError):
 #: secret of this process, so no module can carry one of its local keys
 #: (the cost: a local effect's module text, so JAX's persistent cache key,
 #: then differs between processes). Empty where modules are screened.
-_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(
-    16).hex()
+_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(16).hex()
 
 
 def local_hash(text: str) -> str:

@@ -31,8 +31,7 @@ class NotData(Exception):
 
 def dumps(spec: dict) -> str:
   """The canonical JSON text of a spec (sorted keys, no spaces)."""
-  return json.dumps(spec, sort_keys=True, separators=(",", ":"),
-                    allow_nan=True)
+  return json.dumps(spec, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
 def digest(text: str, n: int = 32) -> str:
@@ -154,8 +153,7 @@ def flat_arguments(data) -> tuple | None:
       or kwargs[0] is not dict):
     return None
   keys = kwargs[1]
-  return (args[2], args[3], keys, kwargs[2],
-          [(keys[i], j) for i, j in kwargs[3]])
+  return (args[2], args[3], keys, kwargs[2], [(keys[i], j) for i, j in kwargs[3]])
 
 
 def check_tree(data, what: str = "a tree") -> int:

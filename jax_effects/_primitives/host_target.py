@@ -52,8 +52,7 @@ def _register() -> None:
     try:
       capsule = _host_sites.ENTRY.configure(
           _sites, _cold, np.empty, _host_sites.SiteMismatch)
-      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
-                                  api_version=1)
+      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu", api_version=1)
     except Exception as err:  # noqa: BLE001 - XLA refused the handler
       _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
     _registered = True
@@ -119,8 +118,7 @@ def _not_exportable(host_callback, why) -> _keys.NotExportable:
     text = str(err)
     head, fix, rest = text.partition("Fix: ")
     use = f"use {host_callback.instead} instead, which exports"
-    err.args = (f"{head}{fix}{use}; or {rest}" if fix
-                else f"{text} Fix: {use}.",)
+    err.args = (f"{head}{fix}{use}; or {rest}" if fix else f"{text} Fix: {use}.",)
   return err
 
 
