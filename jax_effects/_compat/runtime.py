@@ -124,9 +124,7 @@ def enclosing_staging() -> str | None:
   """What the innermost jaxpr being traced is for ("cond", "jit", ...), or
   None when no jaxpr is being built."""
   trace = _staging_trace()
-  if trace is None:
-    return None
-  info = trace.frame.debug_info
+  info = None if trace is None else trace.frame.debug_info
   return None if info is None else info.traced_for
 
 

@@ -52,10 +52,9 @@ def plan(shape, options: dict) -> Edges | None:
   """The :class:`Edges` of an operand of ``shape`` if NumPy, with print
   ``options``, would summarize it (``design/formatting.md``), else None."""
   shape = tuple(int(n) for n in shape)
-  edgeitems = options.get("edgeitems", 3)
   threshold = options.get("threshold", 1000)
   try:
-    edgeitems = operator.index(edgeitems)
+    edgeitems = operator.index(options.get("edgeitems", 3))
   except TypeError:
     return None
   if (not shape or edgeitems < 1 or math.prod(shape) <= threshold

@@ -131,14 +131,10 @@ def _shallow(data) -> tuple | None:
   keys = [k for k, _ in children] if kind == "d" else None
   if keys is not None:
     children = [d for _, d in children]
-  items, slots = [], []
-  for i, child in enumerate(children):
-    if any(k in child for k in _MAKERS):
-      return None
-    if "op" in child:
-      slots.append((i, child["op"]))
-    items.append(child.get("v"))
-  return _MAKERS[kind], keys, items, slots
+  if any(k in child for child in children for k in _MAKERS):
+    return None
+  slots = [(i, child["op"]) for i, child in enumerate(children) if "op" in child]
+  return _MAKERS[kind], keys, [child.get("v") for child in children], slots
 
 
 def flat_arguments(data) -> tuple | None:
