@@ -385,12 +385,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                               else jnp.max(t))
       for k, t in runtime_tokens.items()}
   chains = Chains(runtime_tokens, entered=True)
-  saved, _context.shard_map_chains = _context.shard_map_chains, shard_map_chains
-  try:
-    with _no_stages():
-      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
-  finally:
-    _context.shard_map_chains = saved
+  outs = _thread_whole(closed, args, chains, mode, shard_map_chains)
   # (Counters end here.)
   carriers = {k: c for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
@@ -414,17 +409,26 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   keys = _effects.chain_keys(closed.effects, mode)
   chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},
                   entered=True)
+  outs = _thread_whole(closed, args, chains, mode, shard_map_chains, region=True)
+  return outs, _final_token([jnp.max(c) if jnp.shape(c) else c
+                             for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)])
+
+
+def _thread_whole(closed, args, chains: Chains, mode: str, shard_map_chains: set,
+                  region: bool = False) -> list:
+  """Threads the whole of ``closed``, no stage in force, the pass told
+  which chains have per-device effects; a ``region`` (:func:`thread_region`)
+  at the top, its counters on the host."""
   c = _context
   saved = c.kind, c.masks, c.shard_map_chains, c.host_counters
-  c.kind, c.masks, c.shard_map_chains = "top", (), shard_map_chains
-  c.host_counters = True
+  c.shard_map_chains = shard_map_chains
+  if region:
+    c.kind, c.masks, c.host_counters = "top", (), True
   try:
     with _no_stages():
-      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+      return thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
-  return outs, _final_token([jnp.max(c) if jnp.shape(c) else c for k, c in chains.carriers.items()
-                             if _effects.crosses_dispatch(k)])
 
 
 def _final_token(finals: list):
