@@ -75,9 +75,7 @@ def debug_callback_parts(flat_callback):
              cells["static_args"].cell_contents)
   except ValueError:   # an empty cell
     return None
-  if not isinstance(parts[2], dict):
-    return None
-  return parts
+  return parts if isinstance(parts[2], dict) else None
 
 
 def io_callback_parts(flat_callback):

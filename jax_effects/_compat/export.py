@@ -60,9 +60,7 @@ def _screened(exported):
     return exported
   import dataclasses
   from jax.interpreters import mlir
-  data = exported.mlir_module_serialized
-  if not isinstance(data, bytes):   # (a key: hashable)
-    data = bytes(data)
+  data = bytes(exported.mlir_module_serialized)   # (a key: hashable)
   with _screen_lock:
     found = data in _screened_bytes
     blob = _screened_bytes.get(data)
@@ -71,9 +69,7 @@ def _screened(exported):
   if not found:
     with mlir.make_ir_context():
       module = _module_of(exported)
-      changed = False
-      for screen in _screens:
-        changed = screen(module) or changed
+      changed = any([screen(module) for screen in _screens])   # (each runs)
       blob = export_module_bytes(module) if changed else None
     with _screen_lock:
       _screened_bytes[data] = blob
@@ -97,8 +93,7 @@ def _module_of(exported):
 
 def call_exported_lowering(ctx, *args, exported):
   """JAX's lowering of ``call_exported_p``, of the screened module."""
-  return _jax_call_exported_lowering(ctx, *args,
-                                     exported=_screened(exported))
+  return _jax_call_exported_lowering(ctx, *args, exported=_screened(exported))
 
 
 if call_exported_p is not None:
@@ -121,8 +116,7 @@ def export_allowed_custom_calls() -> frozenset | None:
       checks = frame.f_locals.get("disabled_checks")
       if checks is None:
         return None
-      targets = {t for t in (c.is_custom_call() for c in checks)
-                 if t is not None}
+      targets = {t for t in (c.is_custom_call() for c in checks) if t is not None}
       if JAX_VERSION < (0, 10):   # (JAX 0.8, 0.9 take "ALL" as a name)
         targets.discard("ALL")
       return frozenset(targets)
@@ -134,5 +128,4 @@ def export_module_bytes(module) -> bytes:
   """The bytes ``jax.export`` stores for an MLIR ``module`` (JAX 0.8-0.12:
   no public serializer; JAX 0.8 refuses plain MLIR bytecode): a screened
   module's (:func:`_screened`), and tests' forged ones."""
-  export = importlib.import_module("jax._src.export._export")
-  return export._module_to_bytecode(module)
+  return importlib.import_module("jax._src.export._export")._module_to_bytecode(module)

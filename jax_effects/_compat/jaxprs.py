@@ -82,8 +82,7 @@ def equation_copier(jaxpr):
       outs = [trace.new_const(c, source_info=src, aval=aval)
               for c, aval in zip(consts, out_avals)]
     else:
-      outs = emit(tracers, out_avals, eqn.primitive, eqn.params, effects,
-                  src, eqn.ctx)
+      outs = emit(tracers, out_avals, eqn.primitive, eqn.params, effects, src, eqn.ctx)
     return outs if eqn.primitive.multiple_results else outs[0]
 
   return copy
@@ -93,9 +92,15 @@ def varying_axes(aval) -> frozenset:
   """The manual mesh axes over which a value inside ``shard_map`` varies:
   ``aval.manual_axis_type.varying`` on JAX 0.10+, ``aval.vma`` on 0.8/0.9."""
   mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(aval.vma)
+  return frozenset(aval.vma if mat is None else mat.varying)
+
+
+def to_varying(x, axes):
+  """``x`` cast to varying over those of the manual mesh ``axes`` it does
+  not vary over yet (``jax.lax.pcast``; ``x`` as it is where none)."""
+  varying = varying_axes(jax.typeof(x))
+  missing = tuple(a for a in axes if a not in varying)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 # Effect-type registries, where our effect types are registered (no public
 # handle; JAX 0.8-0.12).
@@ -132,8 +137,7 @@ def _scan_known_hoisting(jaxpr_known, known_consts, num_res, *num_sres):
   # the number of hoistable ones on every line.
   if any(type(e) in _unhoisted_effect_types for e in jaxpr_known.effects):
     return jaxpr_known, known_consts, [False] * num_res, []
-  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res,
-                                  *num_sres)
+  return _jax_scan_known_hoisting(jaxpr_known, known_consts, num_res, *num_sres)
 
 
 def scan_counts(params) -> tuple[int, int]:
@@ -161,9 +165,8 @@ from jax._src.shard_map import shard_map_p  # noqa: E402
 def shard_map_manual_axes(params) -> frozenset:
   """The mesh axes a ``shard_map`` equation makes manual: param
   ``newly_manual_axes`` on JAX 0.10+, ``manual_axes`` on 0.8/0.9."""
-  if "newly_manual_axes" in params:
-    return frozenset(params["newly_manual_axes"])
-  return frozenset(params["manual_axes"])
+  return frozenset(params["newly_manual_axes"] if "newly_manual_axes" in params
+                   else params["manual_axes"])
 
 
 def in_cond_branch(name_stack) -> bool:

@@ -57,8 +57,7 @@ def on_first_device(ctx, value, aval):
   device only (as JAX's callbacks' results): the partitioner broadcasts it
   from there where other devices need it."""
   if _shardy():
-    sharding = SdyArray(mesh_shape=(), dim_shardings=(),
-                        logical_device_ids=(0,))
+    sharding = SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,))
   else:
     sharding = _xc.OpSharding()
     sharding.type = _xc.OpSharding.Type.MAXIMAL
@@ -126,8 +125,7 @@ def with_token_sharding(sharding, has_results: bool):
   if (sharding is None or not has_results or not _shardy()
       or not isinstance(sharding, SdyArrayList)):
     return sharding
-  ids = (sharding.shardings[0].logical_device_ids if JAX_VERSION >= (0, 10)
-         else ())
+  ids = sharding.shardings[0].logical_device_ids if JAX_VERSION >= (0, 10) else ()
   return SdyArrayList((SdyArray(mesh_shape=(), dim_shardings=(),
                                 logical_device_ids=ids),
                        *sharding.shardings))
@@ -213,8 +211,7 @@ def wrap_lowerings(primitives, wrap, cacheable: bool | None = None) -> None:
     # TypeError from its body is no reason to refuse)
     signature = _inspect.signature(_mlir.register_lowering)
     for prim, platform, rule, inline, keep in entries:
-      signature.bind(prim, rule, platform=platform, inline=inline,
-                     cacheable=keep)
+      signature.bind(prim, rule, platform=platform, inline=inline, cacheable=keep)
   except (AttributeError, TypeError, ValueError) as err:
     raise unsupported_jax(err) from err
   for prim, platform, rule, inline, keep in entries:

@@ -24,8 +24,7 @@ from jax_effects._compat.versions import JAX_VERSION
 # them. JAX 0.8-0.12.
 from jax._src import xla_bridge as _xla_bridge  # noqa: E402
 
-backends_are_initialized = backend_started = (
-    _xla_bridge.backends_are_initialized)
+backends_are_initialized = backend_started = _xla_bridge.backends_are_initialized
 
 
 def clear_jax_runtime_tokens() -> None:
@@ -89,8 +88,7 @@ TOP_LEVEL = (_trace_value, _axis_env_value, _eval_trace, _top_axis_env)
 
 def at_top_level() -> bool:
   """True when no JAX transformation or trace is active on this thread."""
-  return (_trace_value.value is _eval_trace
-          and _axis_env_value.value is _top_axis_env)
+  return _trace_value.value is _eval_trace and _axis_env_value.value is _top_axis_env
 
 
 def compiled_dispatch() -> bool:
@@ -126,9 +124,7 @@ def enclosing_staging() -> str | None:
   """What the innermost jaxpr being traced is for ("cond", "jit", ...), or
   None when no jaxpr is being built."""
   trace = _staging_trace()
-  if trace is None:
-    return None
-  info = trace.frame.debug_info
+  info = None if trace is None else trace.frame.debug_info
   return None if info is None else info.traced_for
 
 
@@ -229,8 +225,7 @@ def jax_runtime_tokens(all_threads: bool = False) -> list:
   for quietly; a token of a thread that ended is forgotten once ready."""
   if not all_threads:
     tokens = _dispatch.runtime_tokens
-    return [*tokens.current_tokens.values(),
-            *tokens.output_runtime_tokens.values()]
+    return [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]
   alive = {t.ident for t in threading.enumerate()}
   with _every_thread_lock:
     tokens = list(_every_thread.items())

@@ -61,8 +61,5 @@ from jax._src import source_info_util as _source_info_util  # noqa: E402
 def user_line(source_info) -> tuple[str, int] | None:
   """``(file name, line)`` of the user's code that bound the equation whose
   ``source_info`` this is, or None where unknown."""
-  frame = _source_info_util.user_frame(getattr(source_info, "traceback",
-                                               None))
-  if frame is None:
-    return None
-  return frame.file_name, frame.start_line
+  frame = _source_info_util.user_frame(getattr(source_info, "traceback", None))
+  return None if frame is None else (frame.file_name, frame.start_line)

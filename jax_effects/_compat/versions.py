@@ -12,8 +12,7 @@ import jax
 import jaxlib
 
 # (major, minor, patch) of the installed JAX; compared only in this module.
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3]
-                    if p.isdigit())
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
 def jax_caches_host_callbacks() -> bool:
@@ -69,19 +68,15 @@ class UnsupportedFeature(NotImplementedError):
   message names the feature, the installed JAX, what supports it, a fix."""
 
 
-def _pmap_shmap_merge_off() -> bool:
-  # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only (default True:
-  # pmap staged as jit(shard_map)); JAX 0.10 removed it (always so).
-  return not getattr(jax.config, "jax_pmap_shmap_merge", True)
-
-
 # name -> (is it unavailable now?, why and the fix): one entry per limit of a
 # supported line (``design/versions.md``); the tests skip with the same text
 # (marker ``jax_feature``).
 FEATURES = {
-    # (0.8/0.9's legacy xla_pmap primitive refuses ordered effects)
+    # (0.8/0.9's legacy xla_pmap primitive refuses ordered effects;
+    # jax_pmap_shmap_merge: an option of JAX 0.8 and 0.9 only, default True:
+    # pmap staged as jit(shard_map); JAX 0.10 removed it, always so)
     "effects in jax.pmap": (
-        _pmap_shmap_merge_off,
+        lambda: not getattr(jax.config, "jax_pmap_shmap_merge", True),
         "side effects inside jax.pmap need jax.pmap staged as shard_map: "
         "jax_pmap_shmap_merge=False (an option of JAX 0.8 and 0.9) is set. "
         "Fix: jax.config.update('jax_pmap_shmap_merge', True) (the default), "
@@ -117,8 +112,7 @@ def first_call_guard():
 def has_4bit_integers(avals) -> bool:
   """Whether any of ``avals`` (or values with ``.dtype``) is int4/uint4."""
   import jax.numpy as jnp
-  return any(getattr(a, "dtype", None) in (jnp.int4, jnp.uint4)
-             for a in avals)
+  return any(getattr(a, "dtype", None) in (jnp.int4, jnp.uint4) for a in avals)
 
 
 def unsupported_reason(feature: str) -> str | None:
@@ -132,9 +126,7 @@ def unsupported_reason(feature: str) -> str | None:
   if feature not in FEATURES:
     return None
   unavailable, reason = FEATURES[feature]
-  if not unavailable():
-    return None
-  return f"{reason} (installed: JAX {jax.__version__})"
+  return f"{reason} (installed: JAX {jax.__version__})" if unavailable() else None
 
 
 def require(feature: str, call: str = "jax_effects") -> None:

@@ -52,8 +52,7 @@ def adopt(eqn):
   host_side = _host_sides.get(eqn.primitive)
   if host_side is None or params.get("partitioned"):
     return None
-  return host_side(params, tuple(v.aval for v in eqn.invars),
-                   eqn.source_info)
+  return host_side(params, tuple(v.aval for v in eqn.invars), eqn.source_info)
 
 
 PRIMITIVES = frozenset({_compat.debug_callback_p, _compat.debug_print_p,

@@ -104,8 +104,7 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
       def loop_body(state):
         carriers, states, _, vals = state
-        (carriers, pred, vals), states = loop.run(states, step, carriers,
-                                                  *vals)
+        (carriers, pred, vals), states = loop.run(states, step, carriers, *vals)
         return carriers, states, pred, vals
 
       carriers, states, _, outs = lax.while_loop(
@@ -200,8 +199,7 @@ def _strip_mined(scan, loop, keys, carry, xs, length, steps, reverse):
         length=n, reverse=reverse)
     ys_parts.append([y.reshape(n * steps, *y.shape[2:]) for y in ys])
   if rest:
-    carry, ys = scan(carry, [x[:cut] if reverse else x[cut:] for x in xs],
-                     rest)
+    carry, ys = scan(carry, [x[:cut] if reverse else x[cut:] for x in xs], rest)
     ys_parts.append(ys)
   if reverse:
     ys_parts.reverse()
@@ -233,8 +231,7 @@ def _hi_primitive_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   """A high-level primitive (``call_hi_primitive``, JAX 0.11+): its
   expansion, threaded with the caller's chains (what lowering runs)."""
   closed = _compat.hi_primitive_expansion(eqn)
-  return _token_pass.thread_jaxpr(closed.jaxpr, closed.consts, invals,
-                                  chains, mode)
+  return _token_pass.thread_jaxpr(closed.jaxpr, closed.consts, invals, chains, mode)
 
 
 if _compat.call_hi_primitive_p is not None:
@@ -245,15 +242,10 @@ if _compat.call_hi_primitive_p is not None:
 def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   """``custom_linear_solve``: as its impl, the ``solve`` jaxpr (the other
   jaxprs' effects are in what differentiation made of them)."""
-  p = eqn.params
-  jaxprs, lengths = p["jaxprs"], p["const_lengths"]
-  consts, start = {}, 0
-  for name, n in zip(jaxprs._fields, lengths):
-    consts[name] = invals[start:start + n]
-    start += n
-  solve = jaxprs.solve
-  return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts,
-                      [*consts["solve"], *invals[start:]], chains, mode)
+  solve, lengths = eqn.params["jaxprs"].solve, eqn.params["const_lengths"]
+  start = lengths.matvec + lengths.vecmat   # (the consts: matvec, vecmat, solve, ...)
+  args = [*invals[start:start + lengths.solve], *invals[sum(lengths):]]
+  return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts, args, chains, mode)
 
 
 _token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,

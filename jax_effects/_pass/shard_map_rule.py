@@ -17,8 +17,9 @@ needed). No collective is added. ``jax.pmap`` is staged as
 """
 from __future__ import annotations
 
+import math
+
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -27,13 +28,6 @@ from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import first_device as _first_device
-
-
-def _to_varying(x, axes: tuple):
-  """Casts ``x`` to varying over ``axes`` (where it is not already)."""
-  varying = _compat.varying_axes(jax.typeof(x))
-  missing = tuple(a for a in axes if a not in varying)
-  return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _explicit(mesh, axes) -> bool:
@@ -48,16 +42,13 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   mesh = p["mesh"]
   manual = _compat.shard_map_manual_axes(p)
   axes = tuple(a for a in mesh.axis_names if a in manual)
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
+  n = math.prod(mesh.shape[a] for a in axes)
   check_vma = p["check_vma"]
   keys = _effects.chain_keys(eqn.effects, mode)
   body_fn = _token_pass.region(p["jaxpr"], keys, mode)
 
   # After an effect that ran once only device 0's copy is current.
-  after_once = [k in chains.carriers and not chains.still_entered(k)
-                for k in keys]
+  after_once = [k in chains.carriers and not chains.still_entered(k) for k in keys]
   carriers_in = []
   for c, once in zip(chains.take(keys), after_once):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh
@@ -69,10 +60,10 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   def body(carriers, *args):
     carriers = [c.reshape(()) for c in carriers]
     if check_vma:
-      carriers = [_to_varying(c, axes) for c in carriers]
+      carriers = [_compat.to_varying(c, axes) for c in carriers]
     carriers, outs = body_fn(carriers, *args)
     if check_vma:
-      carriers = [_to_varying(c, axes) for c in carriers]
+      carriers = [_compat.to_varying(c, axes) for c in carriers]
     return tuple(c.reshape((1,)) for c in carriers), list(outs)
 
   if _explicit(mesh, axes):
@@ -83,11 +74,10 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
                    else c for c in carriers_in]
   carrier_in = tuple(P(axes) if c.shape else P() for c in carriers_in)
   carrier_out = tuple(P(axes) for _ in keys)
-  mapped = _jax_api.shard_map(
+  carrier_vecs, outs = _jax_api.shard_map(
       body, mesh=mesh, in_specs=(carrier_in, *p["in_specs"]),
       out_specs=(carrier_out, list(p["out_specs"])),
-      axis_names=set(manual), check_vma=check_vma)
-  carrier_vecs, outs = mapped(tuple(carriers_in), *invals)
+      axis_names=set(manual), check_vma=check_vma)(tuple(carriers_in), *invals)
   # In a loop or branch the carrier keeps the shape it came in with (the
   # carry's type); at the top level it stays per device.
   at_top = _token_pass.region_kind() == "top"

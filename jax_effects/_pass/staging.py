@@ -72,19 +72,9 @@ class hidden:
 
 def flush_for(keys, chains) -> None:
   """Flushes the stages of chains ``keys`` (something else on them comes)."""
-  by_key = stages.by_key
-  if by_key:
-    for key in keys:
-      stage = by_key.get(key)
-      if stage is not None:
-        stage.flush(chains)
-
-
-def _varying(x, aval):
-  """``x`` varying over the manual axes ``aval`` varies over (the carry of
-  a loop inside ``shard_map`` keeps its type)."""
-  axes = tuple(_compat.varying_axes(aval))
-  return lax.pcast(x, axes, to="varying") if axes else x
+  for key in keys:
+    if key in stages.by_key:
+      stages.by_key[key].flush(chains)
 
 
 class Stage:
@@ -99,8 +89,7 @@ class Stage:
     # Rows a step of the loop writes, where every staged equation is
     # directly in its body (none in a nested loop): strip-mining bounds the
     # count (``checked`` off), else None.
-    self.per_step = (None if any(nested for _, _, nested in found)
-                     else len(found))
+    self.per_step = None if any(nested for _, _, nested in found) else len(found)
     self.checked = True
     self.slots: dict[int, tuple] = {}
     self.avals: list = []
@@ -112,13 +101,11 @@ class Stage:
       self.slots[id(eqn)] = (len(flush.effects), columns)
       flush.effects.append((None, columns))
     self.flush_fn = flush
-    row = 4 + sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
-                  for a in self.avals)
+    row = 4 + sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in self.avals)
     k = min(r.k for _, r, _ in found)
     max_bytes = min(r.max_bytes for _, r, _ in found)
     self.k = min(k, max_bytes // row)
-    what = ", ".join(e.params["host_callback"].description
-                     for e in self.eqns)
+    what = ", ".join(e.params["host_callback"].description for e in self.eqns)
     if self.k < 1:
       raise ValueError(
           f"jax_effects.batched(max_bytes={max_bytes}): one staged row of "
@@ -134,8 +121,9 @@ class Stage:
 
   def initial(self) -> tuple:
     return (jnp.zeros((), jnp.int32), jnp.zeros((self.k,), jnp.int32),
-            tuple(_varying(jnp.zeros((self.k, *a.shape), a.dtype), a)
-                  for a in self.avals))
+            # (varying as its operand: a loop's carry inside shard_map keeps its type)
+            tuple(_compat.to_varying(jnp.zeros((self.k, *a.shape), a.dtype),
+                                     _compat.varying_axes(a)) for a in self.avals))
 
   def holds(self, eqn) -> bool:
     return id(eqn) in self.slots
@@ -170,8 +158,7 @@ class Stage:
     chains.carriers[key] = lax.cond(pred, run, lambda carrier, *_: carrier,
                                     chains.carrier(key), count, ids,
                                     *buffers)
-    self.state = (lax.select(pred, jnp.zeros_like(count), count), ids,
-                  buffers)
+    self.state = (lax.select(pred, jnp.zeros_like(count), count), ids, buffers)
 
 
 def _staged(jaxpr, mode: str, found: dict, nested: bool = False) -> dict:
@@ -246,8 +233,7 @@ class Loop:
     the states after)``."""
     for s, state in zip(self.carried, states):
       s.state = state
-    out = fn(*args)
-    return out, self.states()
+    return fn(*args), self.states()
 
   def exit(self, states, chains) -> None:
     """After the loop: the stages at its final ``states``; its own stages

@@ -93,8 +93,7 @@ class Chains:
     return tuple(self.carrier(k) for k in keys)
 
   def put(self, keys, carriers) -> None:
-    for k, c in zip(keys, carriers):
-      self.carriers[k] = c
+    self.carriers.update(zip(keys, carriers))
 
 
 class _Context(threading.local):
@@ -144,8 +143,7 @@ def _no_stages():
   """A region that starts with no stage (``staging.hidden``); nothing to do
   where none is in force, the common case, which never enters
   ``staging``."""
-  return (_staging.hidden() if _staging.stages.by_key
-          else contextlib.nullcontext())
+  return _staging.hidden() if _staging.stages.by_key else contextlib.nullcontext()
 
 
 def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
@@ -165,7 +163,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if (effects and _effects.has_chain(effects) and (
         eqn.primitive in RULES or _effects.has_own_marker(effects)
         or eqn.primitive.name in _compat.FEATURE_OF_PRIMITIVE)) or (
-        eqn.primitive.name in HIDES_EFFECTS and _markers.effects_inside(eqn)):
+        eqn.primitive.name in _markers.HIDES_EFFECTS and _markers.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
@@ -185,7 +183,7 @@ def unchanged(eqn) -> bool:
       eqn.primitive is _effect.effect_p
       or eqn.primitive in _adopted.PRIMITIVES
       or (effects and _effects.has_chain(effects))
-      or eqn.primitive.name in HIDES_EFFECTS)
+      or eqn.primitive.name in _markers.HIDES_EFFECTS)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
@@ -196,8 +194,7 @@ def _thread_effect(eqn, invals, chains: Chains, mode: str):
   stage = _staging.stages.by_key.get(key)
   if stage is not None:
     if stage.holds(eqn) and not _context.masks:
-      stage.write(eqn, _host_callback.on_chain(host_callback, key), invals,
-                  chains)
+      stage.write(eqn, _host_callback.on_chain(host_callback, key), invals, chains)
       return []
     stage.flush(chains)   # (what was staged comes first)
   if _context.masks and not host_callback.batch_once:
@@ -226,9 +223,7 @@ def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
   enter as their max and leave broadcast, where ``from_first`` taken from
   the device that ran it (``design/placement.md``, "Tokens across
   devices")."""
-  token = chains.tokens.get(key)
-  if token is None:
-    token = lax.create_token()
+  token = chains.tokens[key] if key in chains.tokens else lax.create_token()
   carrier = chains.carrier(key)
   shape = jnp.shape(carrier)
   if shape:
@@ -255,8 +250,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
     return token, carrier, results
   # (a chain with no per-device effect here keeps device 0's copy)
   per_device = _context.shard_map_chains
-  return bind_on_chain(chains, key, bind,
-                       per_device is None or key in per_device)
+  return bind_on_chain(chains, key, bind, per_device is None or key in per_device)
 
 
 def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
@@ -268,10 +262,7 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
   (closed over, so JAX's control-flow APIs hoist them as their own consts).
   ``kind`` ("branch", "loop"; None: as the caller) is what the region is.
   """
-  if isinstance(closed, jex_core.ClosedJaxpr):
-    jaxpr, jaxpr_consts = closed.jaxpr, closed.consts
-  else:
-    jaxpr, jaxpr_consts = closed, ()
+  jaxpr, jaxpr_consts = _jaxpr_eval.split(closed)
 
   def fn(carriers, *args):
     chains = Chains(dict(zip(keys, carriers)))
@@ -299,8 +290,6 @@ def _counter_rule(eqn, invals, chains: Chains, mode: str):
 
 register_rule(_counters.counter_p, _counter_rule)
 
-
-HIDES_EFFECTS = _markers.HIDES_EFFECTS
 
 _REDUCTION = (
     "its sub-computation is the combiner of a reduction, which XLA calls as "
@@ -346,15 +335,11 @@ _MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
 def may_fail(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) runs one of :data:`_MAY_FAIL`: its
   computation may fail as a whole (``ThreadTokens.tokens_for``)."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in _MAY_FAIL or (name == "debug_callback"
-                             and eqn.params.get("partitioned")):
-      return True
-    for sub in _compat.jaxprs_in_params(eqn.params):
-      if may_fail(sub):
-        return True
-  return False
+  return any(
+      eqn.primitive.name in _MAY_FAIL
+      or (eqn.primitive.name == "debug_callback" and eqn.params.get("partitioned"))
+      or any(may_fail(sub) for sub in _compat.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns)
 
 
 #: JAX's own primitives that run the user's function on the host.
@@ -365,16 +350,11 @@ def runs_user_code(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a sub-jaxpr) runs the user's own function on the
   host, which may dispatch or block: its call waits for the computation
   (``launch_lock.finish``)."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _USER_CODE:
-      return True
-    host_callback = eqn.params.get("host_callback")
-    if getattr(host_callback, "user_code", False):
-      return True
-    for sub in _compat.jaxprs_in_params(eqn.params):
-      if runs_user_code(sub):
-        return True
-  return False
+  return any(
+      eqn.primitive.name in _USER_CODE
+      or getattr(eqn.params.get("host_callback"), "user_code", False)
+      or any(runs_user_code(sub) for sub in _compat.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns)
 
 
 def _shard_map_chain_keys(jaxpr, mode: str) -> set:
@@ -385,7 +365,7 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
     if eqn.primitive is _compat.shard_map_p:
       keys.update(_effects.chain_keys(eqn.effects, mode))
     elif ((eqn.effects and _effects.has_chain(eqn.effects))
-          or eqn.primitive.name in HIDES_EFFECTS):
+          or eqn.primitive.name in _markers.HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
         keys |= _shard_map_chain_keys(sub, mode)
   return keys
@@ -405,15 +385,9 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                               else jnp.max(t))
       for k, t in runtime_tokens.items()}
   chains = Chains(runtime_tokens, entered=True)
-  saved, _context.shard_map_chains = _context.shard_map_chains, shard_map_chains
-  try:
-    with _no_stages():
-      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
-  finally:
-    _context.shard_map_chains = saved
+  outs = _thread_whole(closed, args, chains, mode, shard_map_chains)
   # (Counters end here.)
-  carriers = {k: c for k, c in chains.carriers.items()
-              if _effects.crosses_dispatch(k)}
+  carriers = {k: c for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
   if any(jnp.shape(c) for c in finals):
     # A per-device token: a chain whose last effect ran once gives its
@@ -435,18 +409,26 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   keys = _effects.chain_keys(closed.effects, mode)
   chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},
                   entered=True)
+  outs = _thread_whole(closed, args, chains, mode, shard_map_chains, region=True)
+  return outs, _final_token([jnp.max(c) if jnp.shape(c) else c
+                             for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)])
+
+
+def _thread_whole(closed, args, chains: Chains, mode: str, shard_map_chains: set,
+                  region: bool = False) -> list:
+  """Threads the whole of ``closed``, no stage in force, the pass told
+  which chains have per-device effects; a ``region`` (:func:`thread_region`)
+  at the top, its counters on the host."""
   c = _context
   saved = c.kind, c.masks, c.shard_map_chains, c.host_counters
-  c.kind, c.masks, c.shard_map_chains = "top", (), shard_map_chains
-  c.host_counters = True
+  c.shard_map_chains = shard_map_chains
+  if region:
+    c.kind, c.masks, c.host_counters = "top", (), True
   try:
     with _no_stages():
-      outs = thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
+      return thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
     c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
-  finals = [jnp.max(c) if jnp.shape(c) else c
-            for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)]
-  return outs, _final_token(finals)
 
 
 def _final_token(finals: list):
@@ -459,6 +441,5 @@ def _final_token(finals: list):
   if len(finals) == 1:
     return finals[0]
   ids = [c & _token_value.ID_MASK for c in finals]
-  failed = functools.reduce(
-      jnp.bitwise_or, [c & _token_value.FAILED for c in finals])
+  failed = functools.reduce(jnp.bitwise_or, [c & _token_value.FAILED for c in finals])
   return functools.reduce(jnp.maximum, ids) | failed

@@ -69,19 +69,14 @@ def _while_batcher(axis_data, args, dims, **params):
 batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
 
 
-def _masked_effect(eqn, mask, invals):
-  hc = eqn.params["host_callback"]
-  masked = _host_callback.in_branch(
-      hc, _host_callback.wrapped_spec(hc.spec, "masked"))
-  return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
-
-
 def _eval_masked(jaxpr, consts, mask, args):
   """Evaluates ``jaxpr`` with ``mask`` (this element took the branch) as
   the first operand of every effect in it, at any depth."""
   def handle(eqn, invals):
     if eqn.primitive is effect_p:
-      return _masked_effect(eqn, mask, invals)
+      hc = eqn.params["host_callback"]
+      masked = _host_callback.in_branch(hc, _host_callback.wrapped_spec(hc.spec, "masked"))
+      return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
     if _markers.holds_effect(eqn):
       return _masked_higher_order(eqn, mask, invals)
     return _jaxpr_eval.rebind(eqn, invals)
@@ -91,14 +86,12 @@ def _eval_masked(jaxpr, consts, mask, args):
 def _closed_fn(closed, mask, leading=()):
   """``closed`` as a function evaluated by :func:`_eval_masked`."""
   jaxpr, consts = _jaxpr_eval.split(closed)
-  return lambda *args: _eval_masked(jaxpr, consts, mask,
-                                    [*leading, *args])
+  return lambda *args: _eval_masked(jaxpr, consts, mask, [*leading, *args])
 
 
 def _masked_cond(p, mask, invals):
   index, *ops = invals
-  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]],
-                        *ops)
+  return jax.lax.switch(index, [_closed_fn(b, mask) for b in p["branches"]], *ops)
 
 
 def _masked_while(p, mask, invals):

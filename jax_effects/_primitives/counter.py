@@ -148,10 +148,7 @@ def _as_count(x):
   x = jnp.asarray(x, COUNT_DTYPE)
   if jnp.shape(x):
     raise TypeError(f"a count must be a scalar, got shape {jnp.shape(x)}")
-  manual = jax.sharding.get_abstract_mesh().manual_axes
-  missing = tuple(a for a in manual
-                  if a not in _compat.varying_axes(jax.typeof(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return _compat.to_varying(x, jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def set_count(counter: Counter, value) -> jax.Array:

@@ -32,11 +32,6 @@ class Edges:
     e2 = 2 * self.edgeitems
     return tuple(d for d, n in enumerate(self.shape) if n > e2)
 
-  @property
-  def reduced_shape(self) -> tuple:
-    e2 = 2 * self.edgeitems
-    return tuple(min(n, e2) for n in self.shape)
-
   def take(self, x):
     """``x`` (traced, with leading axes) cut to its edges, by slices."""
     lead = x.ndim - len(self.shape)
@@ -57,10 +52,9 @@ def plan(shape, options: dict) -> Edges | None:
   """The :class:`Edges` of an operand of ``shape`` if NumPy, with print
   ``options``, would summarize it (``design/formatting.md``), else None."""
   shape = tuple(int(n) for n in shape)
-  edgeitems = options.get("edgeitems", 3)
   threshold = options.get("threshold", 1000)
   try:
-    edgeitems = operator.index(edgeitems)
+    edgeitems = operator.index(options.get("edgeitems", 3))
   except TypeError:
     return None
   if (not shape or edgeitems < 1 or math.prod(shape) <= threshold
@@ -87,8 +81,9 @@ def cut(ctx, args, edges, first: int):
     if e is None:
       continue
     aval = avals[first + i]
+    reduced = tuple(min(n, 2 * e.edgeitems) for n in e.shape)
     cut_aval = jax.core.ShapedArray(
-        aval.shape[:aval.ndim - len(e.shape)] + e.reduced_shape, aval.dtype)
+        aval.shape[:aval.ndim - len(e.shape)] + reduced, aval.dtype)
     (args[i],) = mlir.lower_fun(lambda x, e=e: [e.take(x)],
                                 multiple_results=True)(
         dataclasses.replace(ctx, avals_in=[aval], avals_out=[cut_aval]),
@@ -135,11 +130,8 @@ def formats_as_item(dtype: np.dtype) -> bool:
   formats one otherwise keeps its scalars."""
   found = _as_item.get(dtype)
   if found is None:
-    found = False
-    if dtype.type in _ITEM_TYPES:
-      found = all(_same_format(a, spec) for a in _item_samples(dtype)
-                  for spec in _ITEM_SPECS)
-    _as_item[dtype] = found
+    found = _as_item[dtype] = dtype.type in _ITEM_TYPES and all(
+        _same_format(a, spec) for a in _item_samples(dtype) for spec in _ITEM_SPECS)
   return found
 
 
@@ -159,8 +151,7 @@ def _item_samples(dtype: np.dtype) -> list:
     values = [0.0, -0.0, 0.1, -2.5, 1234.5, 1e-3, float(info.max),
               float(info.tiny), float("nan"), float("inf"), float("-inf")]
   else:
-    values = [0j, 1 + 2j, -0.5 - 3j, complex(1e20, -1e-20),
-              complex(float("nan"), 1)]
+    values = [0j, 1 + 2j, -0.5 - 3j, complex(1e20, -1e-20), complex(float("nan"), 1)]
   return [np.array(v, dtype=dtype) for v in values]
 
 
@@ -204,9 +195,8 @@ class Summarized:
     return np.array2string(self, None, None, None, " ", "")
 
   def __format__(self, spec):
-    if spec:   # as ndarray.__format__ (a TypeError, caught at trace time)
-      return format(self.edges, spec)
-    return str(self)
+    # (with a spec: as ndarray.__format__, a TypeError caught at trace time)
+    return format(self.edges, spec) if spec else str(self)
 
   def __repr__(self):
     return array_repr(self)
@@ -219,13 +209,9 @@ def array_repr(value) -> str:
   prefix = "Array("
   dtype_str = f"dtype={value.dtype.name}"
   line_width = np.get_printoptions()["linewidth"]
-  if value.size == 0:
-    s = f"[], shape={tuple(value.shape)}"
-  else:
-    s = np.array2string(value, prefix=prefix, suffix=",", separator=", ",
-                        max_line_width=line_width)
+  s = (np.array2string(value, prefix=prefix, suffix=",", separator=", ",
+                       max_line_width=line_width) if value.size
+       else f"[], shape={tuple(value.shape)}")
   last_line_len = len(s) - s.rfind("\n") + 1
-  sep = " "
-  if last_line_len + len(dtype_str) + 2 > line_width:
-    sep = " " * len(prefix)
+  sep = " " * len(prefix) if last_line_len + len(dtype_str) + 2 > line_width else " "
   return f"{prefix}{s},{sep}{dtype_str})"

@@ -60,11 +60,10 @@ def _effect_impl(*args, host_callback, effect, ordered):
     _errors.raise_deferred(_threads.thread_state())
   if ordered:
     state = _threads.thread_state()
-    marker = _effects.marker(effect, True)
     mode = _effects.get_ordering()
     if state.mode != mode:   # after a mode switch: follow earlier dispatches
       state.switch_mode(mode)
-    key = _effects.chain_key(marker, mode)
+    key = _effects.chain_key(_effects.marker(effect, True), mode)
     state.wait_for((key,))
     # ... for effects under plain jax.jit (incl. eager cond/while), and
     # for exported jax_effects functions called outside jax_effects.jit.
@@ -78,8 +77,7 @@ def _effect_impl(*args, host_callback, effect, ordered):
   # Python scalars take JAX's canonical dtypes, as they do under jit.
   np_args = [np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
              for a in args]
-  results = host_callback(*np_args)
-  return [jnp.asarray(r) for r in results]
+  return [jnp.asarray(r) for r in host_callback(*np_args)]
 
 
 effect_p.def_impl(_effect_impl)
@@ -93,8 +91,7 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     # A cond branch that vmap inlined (its predicate is batched).
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
-  ordered = marker in _effects.jax_effects_of(
-      effect, ordered, host_callback.user_code)
+  ordered = marker in _effects.jax_effects_of(effect, ordered, host_callback.user_code)
   # (in program order with JAX's own ordered callbacks: plain_order)
   token = _plain_order.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
@@ -103,10 +100,8 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     avals_in, args = _edges.cut(ctx, args, edges, first=0)
   args = _host_call.gathered(ctx, args, avals_in)
   # (may add the partition id as an operand)
-  where, operands, avals_in = _placement.at_lowering(
-      ctx, list(args), avals_in)
-  side = _host_call.HostSide(host_callback, where, passthrough=0,
-                             threaded=False)
+  where, operands, avals_in = _placement.at_lowering(ctx, list(args), avals_in)
+  side = _host_call.HostSide(host_callback, where, passthrough=0, threaded=False)
   results, token = _host_call.emit_ordered(
       ctx, side, token, operands, avals_in, ctx.avals_out,
       _compat.callback_op_sharding(
@@ -169,24 +164,21 @@ def _effect_batcher(axis_data, args, dims, *, host_callback, effect, ordered):
     outs = effect_p.bind(*args, host_callback=host_callback, effect=effect,
                          ordered=ordered)
     return outs, [None] * len(outs)
-  size = axis_data.size
   fn = host_callback.fn
   if isinstance(fn, _host_callback.BatchedHost):
     element, shape, levels = fn.element, fn.batch_shape, fn.levels
   else:
     element, shape, levels = host_callback, (), tuple(() for _ in args)
-  new_args = [x if d is None else jnp.moveaxis(x, d, 0)
-              for x, d in zip(args, dims)]
+  new_args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
   new_levels = tuple((d is not None, *lv) for d, lv in zip(dims, levels))
-  new_shape = (size, *shape)
+  new_shape = (axis_data.size, *shape)
   batched = _host_callback.batched(
       host_callback, element, new_shape, new_levels,
       # (the batched form as data: another key than the element's)
       _host_callback.wrapped_spec(element.spec, "batched",
                                   shape=list(new_shape),
                                   levels=[list(lv) for lv in new_levels]))
-  outs = effect_p.bind(*new_args, host_callback=batched, effect=effect,
-                       ordered=ordered)
+  outs = effect_p.bind(*new_args, host_callback=batched, effect=effect, ordered=ordered)
   return outs, [0] * len(outs)
 
 

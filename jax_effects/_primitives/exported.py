@@ -53,9 +53,7 @@ def _one(value):
 
 
 def _token_in(ctx, order):
-  if order is EXPORTED_ORDER:
-    return ctx.tokens_in.get(order)
-  return _plain_order.join(ctx, order)
+  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _plain_order.join(ctx, order)
 
 
 def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
@@ -86,8 +84,7 @@ def _join_host(spec: dict) -> _host_callback.HostCallback:
       # (an identity of its own per execution: its pieces and lanes,
       # host_jobs, never meet another execution's)
       seq = next(_entries) & _token_value.SEQ_MASK
-      return (np.int32(_errors.plain_jit_slot()
-                       | (seq << _token_value.SEQ_SHIFT)),)
+      return (np.int32(_errors.plain_jit_slot() | (seq << _token_value.SEQ_SHIFT)),)
     return _host_callback.HostCallback(
         entry_identity, "the entry of a jax_effects region under jax.jit",
         (_CARRIER,), spec=spec)
@@ -167,12 +164,16 @@ def _exit_lowering(ctx, carrier, *, order=EXPORTED_ORDER):
 mlir.register_lowering(exported_exit_p, _exit_lowering, cacheable=False)
 
 
+def _params(order) -> dict:
+  """The entry's and exit's params for ``order``: none for the default,
+  ``EXPORTED_ORDER`` (its equations as they were)."""
+  return {} if order is EXPORTED_ORDER else {"order": order}
+
+
 def entry(order=EXPORTED_ORDER):
   """The carrier every chain of an exported function (of a region ordered
   by ``order``) starts from."""
-  if order is EXPORTED_ORDER:
-    return exported_entry_p.bind()
-  return exported_entry_p.bind(order=order)
+  return exported_entry_p.bind(**_params(order))
 
 
 def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's name
@@ -187,10 +188,7 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
     # before the module's effects have run; a plain-jit region's exit runs
     # on the first device only)
     token = _first_device.from_first_device_p.bind(token)
-  if order is EXPORTED_ORDER:
-    exported_exit_p.bind(token)
-  else:
-    exported_exit_p.bind(token, order=order)
+  exported_exit_p.bind(token, **_params(order))
 
 
 exported_call_p = Primitive("jax_effects_exported_call")
@@ -225,6 +223,5 @@ def call(token, carrier, args, exported) -> tuple:
   # (over several devices every device joins the call: each takes device
   # 0's carrier, current after the caller's effects that ran once)
   carrier = _first_device.from_first_device_p.bind(carrier)
-  token, carrier, *outs = exported_call_p.bind(token, carrier, *args,
-                                               exported=exported)
+  token, carrier, *outs = exported_call_p.bind(token, carrier, *args, exported=exported)
   return token, carrier, outs

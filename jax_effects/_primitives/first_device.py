@@ -38,23 +38,20 @@ def on_first_device(ctx, side, operands) -> list:
     passed = iter(passed)
     ops = [jnp.zeros(a.shape, a.dtype) if e else next(passed)
            for a, e in zip(avals_in, empty)]
-    return tuple(first_device_call_p.bind(*ops, side=side,
-                                          avals_out=avals_out))
+    return tuple(first_device_call_p.bind(*ops, side=side, avals_out=avals_out))
 
   def pass_through(carrier, *ops):
     return (carrier, *(jnp.zeros(a.shape, a.dtype) for a in avals_out[1:]))
 
   def per_device(*ops):
-    first = jax.lax.axis_index(names) == 0
-    return jax.lax.cond(first, call, pass_through, *ops)
+    return jax.lax.cond(jax.lax.axis_index(names) == 0, call, pass_through, *ops)
 
   mapped = _jax_api.shard_map(per_device, mesh=mesh,
                               in_specs=(P(),) * len(kept),
                               out_specs=(P(),) * len(avals_out),
                               check_vma=False)
   # (under an explicit mesh, shard_map's in_specs require replicated types)
-  ctx = dataclasses.replace(
-      ctx, avals_in=[_unsharded(avals_in[i]) for i in kept])
+  ctx = dataclasses.replace(ctx, avals_in=[_unsharded(avals_in[i]) for i in kept])
   carrier, *results = mlir.lower_fun(mapped, multiple_results=True)(
       ctx, *(operands[i] for i in kept))
   return [carrier, *(_compat.on_first_device(ctx, r, a)

@@ -124,13 +124,11 @@ class Layout:
     lead = len(shape) - (len(edges.shape) if edges is not None else 0)
     summarized = set() if edges is None else {lead + d for d in edges.axes}
     rows = tuple(math.gcd(n, num_devices) if n else 1 for n in shape)
-    cols, cut = [], []
     e = edges.edgeitems if edges is not None else 0
-    for d, (n, m) in enumerate(zip(shape, rows)):
-      length = n // m if m else 0
-      cut.append(d in summarized)
-      cols.append(2 * e if d in summarized and length > 2 * e else length)
-    return cls(shape, np.dtype(dtype), edges, rows, tuple(cols), tuple(cut))
+    cut = tuple(d in summarized for d in range(len(shape)))
+    lengths = [n // m if m else 0 for n, m in zip(shape, rows)]
+    cols = tuple(2 * e if c and n > 2 * e else n for c, n in zip(cut, lengths))
+    return cls(shape, np.dtype(dtype), edges, rows, cols, cut)
 
   @property
   def words(self) -> int:
@@ -140,13 +138,11 @@ class Layout:
     """``x`` (traced, of ``shape``) as ``uint32[*rows, 1 + words]``."""
     ndim = len(self.shape)
     e = self.edges.edgeitems if self.edges is not None else 0
-    y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows)
-                        for v in (m, n // m)))
+    y = x.reshape(tuple(v for n, m in zip(self.shape, self.rows) for v in (m, n // m)))
     for d, (n, m, c) in enumerate(zip(self.shape, self.rows, self.cols)):
       if c != n // m:   # keep the edgeitems at both ends of each row
         y = _edges.ends(y, e, 2 * d + 1)
-    y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2))
-                      + tuple(range(1, 2 * ndim, 2)))
+    y = jnp.transpose(y, tuple(range(0, 2 * ndim, 2)) + tuple(range(1, 2 * ndim, 2)))
     words = _to_words(y).reshape(self.rows + (self.words,))
     ids = jnp.zeros(self.rows, jnp.int32)
     stride = 1
@@ -257,8 +253,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
   host = _assembling_host(inner, site, layouts, avals_out)
 
   target = _TARGETS[ctx.module_context.platforms[0]]
-  sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals,
-                                avals_out=avals_out)
+  sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals, avals_out=avals_out)
   new_carrier, *results = _host_call.emit(
       sub_ctx, host, operands, _compat.replicated_results(avals_out), target)
   return [new_carrier, *(_compat.on_first_device(sub_ctx, r, a)

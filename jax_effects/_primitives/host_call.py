@@ -71,8 +71,7 @@ def _refuse_export(ctx, side) -> None:
   ``NotImplementedError`` after lowering)."""
   if not (_compat.lowering_for_export(ctx) and once_across_devices(ctx)):
     return
-  host_callback = getattr(side, "host_callback", None)
-  what = getattr(host_callback, "description", None) or "an effect"
+  what = getattr(getattr(side, "host_callback", None), "description", None) or "an effect"
   raise NotImplementedError(
       f"jax.export cannot export {what} over several devices as it is "
       f"lowered here (under plain jax.jit, automatic partitioning): its "
@@ -98,16 +97,14 @@ def emit(ctx, side, operands, sharding, target=None):
     target = FFI_TARGETS[ctx.module_context.platforms[0]]
   ctx.module_context.add_host_callback(side)
   index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
-  return _host_target.custom_call(ctx, target, operands, sharding,
-                                  index=index)
+  return _host_target.custom_call(ctx, target, operands, sharding, index=index)
 
 
 def emit_ordered(ctx, side: HostSide, token, operands, avals_in, avals_out,
                  sharding):
   """``(results, token')`` of an effect under plain ``jax.jit``, with JAX's
   compiler ``token`` (None: unordered) first, as off CPU."""
-  sub_ctx = dataclasses.replace(ctx, avals_in=list(avals_in),
-                                avals_out=list(avals_out))
+  sub_ctx = dataclasses.replace(ctx, avals_in=list(avals_in), avals_out=list(avals_out))
   if not _own_target(ctx, None):
     _refuse_export(ctx, side)
     results, token, _ = mlir.emit_python_callback(

@@ -59,10 +59,9 @@ class HostCallback:
   def __call__(self, *args):
     """Runs ``fn`` and checks its results (eagerly, and per batch element)."""
     results = self.fn(*args)
-    avals = self.result_avals
-    if not avals:
+    if not self.result_avals:
       return ()
-    return check_results(self.description, results, avals)
+    return check_results(self.description, results, self.result_avals)
 
 
 def on_chain(host_callback: HostCallback, chain) -> HostCallback:
@@ -70,11 +69,9 @@ def on_chain(host_callback: HostCallback, chain) -> HostCallback:
   if host_callback.chain is chain:
     return host_callback
   by_chain = host_callback.__dict__.setdefault("_on_chains", {})
-  found = by_chain.get(chain)
-  if found is None:
-    found = by_chain.setdefault(
-        chain, dataclasses.replace(host_callback, chain=chain))
-  return found
+  if chain not in by_chain:   # (setdefault: one object per chain on every thread)
+    by_chain.setdefault(chain, dataclasses.replace(host_callback, chain=chain))
+  return by_chain[chain]
 
 
 def check_results(description, results, avals):
@@ -86,13 +83,11 @@ def check_results(description, results, avals):
   out = []
   for i, (r, aval) in enumerate(zip(results, avals)):
     if type(r) is not np.ndarray:
-      if (isinstance(r, (bool, int, float, complex, list, tuple))
-          and not isinstance(r, np.generic)):
-        # Python scalars and lists take the declared dtype, like literals
-        # (np.float64, a float, has its own dtype).
-        r = np.asarray(r, dtype=aval.dtype)
-      else:
-        r = np.asarray(r)
+      # Python scalars and lists take the declared dtype, like literals
+      # (np.float64, a float, has its own dtype).
+      python = (isinstance(r, (bool, int, float, complex, list, tuple))
+                and not isinstance(r, np.generic))
+      r = np.asarray(r, dtype=aval.dtype if python else None)
     if r.dtype != aval.dtype:
       # Compared after JAX's canonicalization, as io_callback compares.
       canonical = jax.dtypes.canonicalize_dtype(r.dtype)
@@ -186,9 +181,7 @@ class LiveMasked:
 def wrapped_spec(inner, kind: str, **fields):
   """The spec of a form ``kind`` of an effect whose spec is ``inner``
   (another key than the element's), or ``inner`` if that is not data."""
-  if not isinstance(inner, dict):
-    return inner
-  return {"kind": kind, "inner": inner, **fields}
+  return {"kind": kind, "inner": inner, **fields} if isinstance(inner, dict) else inner
 
 
 def _rebuild_batched(spec) -> HostCallback:
@@ -220,8 +213,7 @@ def _rebuild_live(spec) -> HostCallback:
   if any(len(r) != len(inner.fn.batch_shape) for r in reshapes):
     raise _host_specs.NotData("a live-masked form whose masks do not fit "
                               "its batch")
-  return dataclasses.replace(inner, fn=LiveMasked(inner.fn, reshapes),
-                             spec=spec)
+  return dataclasses.replace(inner, fn=LiveMasked(inner.fn, reshapes), spec=spec)
 
 
 _host_specs.register_kind("batched", _rebuild_batched)

@@ -33,11 +33,9 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
   ``threaded``: the carrier is the last passthrough operand."""
   if threaded and passthrough == 1 and avals_out[0].shape == ():
     if where.table is None:
-      return _threaded_once(host_callback, where.fixed, avals_out, entry,
-                            operands)
+      return _threaded_once(host_callback, where.fixed, avals_out, entry, operands)
     return _threaded_per_device(host_callback, where.table, avals_out, entry)
-  return _general(host_callback, where, passthrough, threaded, avals_out,
-                  entry)
+  return _general(host_callback, where, passthrough, threaded, avals_out, entry)
 
 
 #: The attribute of a host callback's ``fn`` that is ``placed(running)``:
@@ -147,8 +145,7 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
   index = operator.index
 
   def failed(carrier, exc):
-    return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
-            *skipped_results)
+    return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK), *skipped_results)
 
   def run(carrier, args):
     if index(carrier) & FAILED:
@@ -158,8 +155,7 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
     try:
       results = fn(*args)
       if result_avals:
-        return (carrier,
-                *_host_callback.check_results(what, results, result_avals))
+        return (carrier, *_host_callback.check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
       return failed(carrier, exc)
     return (carrier,)
@@ -251,11 +247,9 @@ def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
     try:
       results = fns[pid](*args[:-1])
       if result_avals:
-        return (carrier,
-                *_host_callback.check_results(what, results, result_avals))
+        return (carrier, *_host_callback.check_results(what, results, result_avals))
     except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK),
-              *skipped_results)
+      return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK), *skipped_results)
     del running
     return (carrier,)
 

@@ -41,8 +41,7 @@ class UnboundHostFunction(LookupError):
 #: secret of this process, so no module can carry one of its local keys
 #: (the cost: a local effect's module text, so JAX's persistent cache key,
 #: then differs between processes). Empty where modules are screened.
-_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(
-    16).hex()
+_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(16).hex()
 
 
 def local_hash(text: str) -> str:
@@ -77,9 +76,7 @@ def foreign_key(key: bytes, text: str) -> bytes:
   never reaches a local host function of this process, whatever key the
   module carried (``design/host_target.md``, "One key, one host
   function")."""
-  if is_data_key(key):
-    return key
-  return f"jfx1.F{_specs.digest(text, 20)}".encode()
+  return key if is_data_key(key) else f"jfx1.F{_specs.digest(text, 20)}".encode()
 
 
 def key_problem(key: bytes, text: str) -> str | None:
@@ -146,9 +143,8 @@ def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
           f"process that lowered it and is not bound in this one (its "
           f"executable outlived it, or the module came from another "
           f"process)")
-    host_callback = _specs.rebuild_effect(effect)
     host_callback = dataclasses.replace(
-        host_callback, chain=_decode_chain(site_spec.get("chain")),
+        _specs.rebuild_effect(effect), chain=_decode_chain(site_spec.get("chain")),
         cleanup=bool(site_spec.get("cleanup", False)))
   except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
     what = effect.get("what") or effect.get("local") or "a jax_effects effect"
@@ -164,10 +160,8 @@ def rebuild(key: bytes, text: str) -> tuple[_host_sites.Site, bool]:
       host_callback, where, passthrough=passthrough,
       threaded=bool(site_spec["threaded"]), avals_out=results,
       entry=bool(site_spec["entry"]), operands=site_spec.get("operands"))
-  site = _host_sites.Site(key, text, host_callback.description, host,
-                          avals_in, avals_out,
-                          scalars(site_spec, avals_in, where))
-  return site, failing
+  return _host_sites.Site(key, text, host_callback.description, host, avals_in, avals_out,
+                          scalars(site_spec, avals_in, where)), failing
 
 
 def _encode_chain(chain):
@@ -216,9 +210,7 @@ def _decode_where(data) -> _placement.Where:
 
 def _physical(aval):
   """What the custom call passes for ``aval`` (a token stays a token)."""
-  if getattr(aval, "dtype", None) is None:
-    return aval
-  return _compat.physical_aval(aval)
+  return aval if getattr(aval, "dtype", None) is None else _compat.physical_aval(aval)
 
 
 def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:

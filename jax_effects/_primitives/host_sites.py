@@ -89,9 +89,8 @@ class Site:
           empties.append((shape, aval[0]) if kind == ARRAY else None)
         if kind != TOKEN:
           kinds.append((side, kind, aval))
-    runner = host
-    if any(k == BYTES or (s == 1 and k != INT) for s, k, _ in kinds):
-      runner = _converting(host, kinds)
+    converts = any(k == BYTES or (s == 1 and k != INT) for s, k, _ in kinds)
+    runner = _converting(host, kinds) if converts else host
     self.c = (struct.pack(f"<{len(words)}q", *words), runner, tuple(empties))
 
 
@@ -103,11 +102,9 @@ def _buffer(aval, side: int, scalar: bool) -> tuple:
   count = math.prod(shape)
   bits = SUB_BYTE.get(dtype)
   nbytes = (count * bits + 7) // 8 if bits else count * dtype.itemsize
-  if shape == () and (dtype == np.int32 if side else scalar and dtype in (
-      np.int32, np.uint32)):
-    kind = INT
-  else:
-    kind = BYTES if bits else ARRAY
+  as_int = shape == () and (dtype == np.int32 if side else scalar and dtype in (
+      np.int32, np.uint32))
+  kind = INT if as_int else BYTES if bits else ARRAY
   return kind, DTYPES.get(dtype, -1), nbytes, tuple(shape)
 
 

@@ -31,8 +31,7 @@ class NotData(Exception):
 
 def dumps(spec: dict) -> str:
   """The canonical JSON text of a spec (sorted keys, no spaces)."""
-  return json.dumps(spec, sort_keys=True, separators=(",", ":"),
-                    allow_nan=True)
+  return json.dumps(spec, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
 def digest(text: str, n: int = 32) -> str:
@@ -75,7 +74,6 @@ def encode_tree(tree, operand_leaves: set) -> Any:
   leaves = tree_util.tree_leaves(tree)
   order = sorted(operand_leaves)
   index = {pos: j for j, pos in enumerate(order)}
-  counter = [0]
   walked = []
 
   def walk(x):
@@ -90,8 +88,7 @@ def encode_tree(tree, operand_leaves: set) -> Any:
       return {"d": [[k, walk(x[k])] for k in sorted(x)]}
     if not tree_util.all_leaves([x]):
       raise NotData(f"a pytree node of type {t.__name__}")
-    pos = counter[0]
-    counter[0] += 1
+    pos = len(walked)   # (its flat position)
     walked.append(x)
     if pos in index:
       return {"op": index[pos]}
@@ -116,9 +113,7 @@ def decode_tree(data, values) -> Any:
     return tuple(decode_tree(d, values) for d in data["t"])
   if "l" in data:
     return [decode_tree(d, values) for d in data["l"]]
-  if "d" in data:
-    return {k: decode_tree(d, values) for k, d in data["d"]}
-  return None
+  return {k: decode_tree(d, values) for k, d in data["d"]} if "d" in data else None
 
 
 _MAKERS = {"t": tuple, "l": list, "d": dict}
@@ -136,14 +131,10 @@ def _shallow(data) -> tuple | None:
   keys = [k for k, _ in children] if kind == "d" else None
   if keys is not None:
     children = [d for _, d in children]
-  items, slots = [], []
-  for i, child in enumerate(children):
-    if any(k in child for k in _MAKERS):
-      return None
-    if "op" in child:
-      slots.append((i, child["op"]))
-    items.append(child.get("v"))
-  return _MAKERS[kind], keys, items, slots
+  if any(k in child for child in children for k in _MAKERS):
+    return None
+  slots = [(i, child["op"]) for i, child in enumerate(children) if "op" in child]
+  return _MAKERS[kind], keys, [child.get("v") for child in children], slots
 
 
 def flat_arguments(data) -> tuple | None:
@@ -158,8 +149,7 @@ def flat_arguments(data) -> tuple | None:
       or kwargs[0] is not dict):
     return None
   keys = kwargs[1]
-  return (args[2], args[3], keys, kwargs[2],
-          [(keys[i], j) for i, j in kwargs[3]])
+  return (args[2], args[3], keys, kwargs[2], [(keys[i], j) for i, j in kwargs[3]])
 
 
 def check_tree(data, what: str = "a tree") -> int:

@@ -52,8 +52,7 @@ def _register() -> None:
     try:
       capsule = _host_sites.ENTRY.configure(
           _sites, _cold, np.empty, _host_sites.SiteMismatch)
-      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu",
-                                  api_version=1)
+      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu", api_version=1)
     except Exception as err:  # noqa: BLE001 - XLA refused the handler
       _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
     _registered = True
@@ -119,8 +118,7 @@ def _not_exportable(host_callback, why) -> _keys.NotExportable:
     text = str(err)
     head, fix, rest = text.partition("Fix: ")
     use = f"use {host_callback.instead} instead, which exports"
-    err.args = (f"{head}{fix}{use}; or {rest}" if fix
-                else f"{text} Fix: {use}.",)
+    err.args = (f"{head}{fix}{use}; or {rest}" if fix else f"{text} Fix: {use}.",)
   return err
 
 
@@ -131,7 +129,6 @@ def _site_for(side, avals_in, avals_out,
     spec, why = _keys.site_spec(side, avals_in, avals_out)
   except _specs.NotData as err:
     spec, why = None, f"it has {err}"
-  description = side.host_callback.description
   # (a spec of symbolic shapes is never lowered for execution)
   if spec is None or (for_export and why is not None):
     raise _not_exportable(side.host_callback, why)
@@ -156,7 +153,7 @@ def _site_for(side, avals_in, avals_out,
       host = side.function([a for a in avals_out
                             if getattr(a, "dtype", None) is not None])
       site = _host_sites.Site(
-          key, text, description, host, decoded_in, decoded_out,
+          key, text, side.host_callback.description, host, decoded_in, decoded_out,
           _keys.scalars(spec["site"], decoded_in, side.where))
       _bind(key, site)
     held[text] = site
@@ -172,20 +169,10 @@ def _operations(op):
         yield from _operations(child.operation)
 
 
-def _cast(cls, attr):
-  try:
-    return cls(attr)
-  except ValueError:
-    return None
-
-
 def _string(ir, attr) -> str | None:
-  s = _cast(ir.StringAttr, attr)
-  if s is None:
-    return None
   try:
-    return s.value
-  except UnicodeDecodeError:
+    return ir.StringAttr(attr).value
+  except ValueError:   # (not a string attribute, or not UTF-8)
     return None
 
 
@@ -201,14 +188,15 @@ def _ffi_strings(ir, attrs) -> tuple[bytes, str, bool]:
   for name in _CONFIGS:
     if name not in attrs:
       continue
-    d = _cast(ir.DictAttr, attrs[name])
-    if d is None:
-      if _string(ir, attrs[name]) != "":   # (a string the FFI would parse)
+    try:
+      d = ir.DictAttr(attrs[name])
+    except ValueError:   # (not a dict: a string the FFI would parse, unless empty)
+      if _string(ir, attrs[name]) != "":
         return b"", "", False
-    elif found is not None:
+      continue
+    if found is not None:
       return b"", "", False
-    else:
-      found = d
+    found = d
   if found is None or len(found) != 2:
     return b"", "", False
   (k, key), (s, spec) = sorted(

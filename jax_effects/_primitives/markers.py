@@ -16,9 +16,6 @@ from jax_effects._primitives import effect as _effect
 HIDES_EFFECTS = frozenset({
     "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
 
-#: What :func:`first_effect` says when no effect of ours is found.
-SOME_EFFECT = "a jax_effects side effect"
-
 
 def effects_inside(eqn) -> list[str]:
   """The descriptions of the effects in ``eqn``'s sub-computations."""
@@ -44,4 +41,4 @@ def holds_effect(eqn) -> bool:
 def first_effect(eqn) -> str:
   """The description of the first effect inside ``eqn`` (for errors)."""
   inside = effects_inside(eqn)
-  return inside[0] if inside else SOME_EFFECT
+  return inside[0] if inside else "a jax_effects side effect"

@@ -47,9 +47,7 @@ def join(ctx, own):
   if not _joins(ctx):
     return tokens.get(own)
   distinct = _distinct(tokens.get(e) for e in tokens.effects())
-  if len(distinct) == 1:
-    return distinct[0]
-  return hlo.after_all(distinct)
+  return distinct[0] if len(distinct) == 1 else hlo.after_all(distinct)
 
 
 def _joins(ctx) -> bool:

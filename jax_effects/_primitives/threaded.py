@@ -99,8 +99,7 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
   side = _host_call.HostSide(host_callback, where, passthrough=1,
                              threaded=True, entry=entry, operands=len(args))
-  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in,
-                                avals_out=ctx.avals_out[1:])
+  sub_ctx = dataclasses.replace(ctx, avals_in=avals_in, avals_out=ctx.avals_out[1:])
   if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:
     if _host_call.once_across_devices(ctx):
       return [token, *_first_device.on_first_device(sub_ctx, side, operands)]
