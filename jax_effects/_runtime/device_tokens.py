@@ -45,8 +45,11 @@ def for_sharding(token, sharding):
 def _release_and_pass(token):
   # Raises nothing (that would fail every later computation given the
   # token): what the deliveries raised goes to the token's thread.
-  for exc in _output.release_held():
-    _errors.defer(exc, _token_value.slot_of(int(token)))
+  failures = _output.release_held()
+  if failures:
+    slot = _token_value.slot_of(int(token))   # (a read from the device: once)
+    for exc in failures:
+      _errors.defer(exc, slot)
   return token
 
 

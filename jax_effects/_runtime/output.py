@@ -423,8 +423,11 @@ def release_in_callback() -> None:
   is deferred for the running computation's dispatching thread."""
   if not _held and not _releasing:
     return
-  for exc in release_held():
-    _errors.defer(exc, _placement.carrier_slot())
+  failures = release_held()
+  if failures:
+    slot = _placement.carrier_slot()   # (a walk of the stack: once)
+    for exc in failures:
+      _errors.defer(exc, slot)
 
 
 @_fork.reset_in_child
