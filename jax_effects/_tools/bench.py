@@ -515,11 +515,11 @@ def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
       fn()
       cpu[name].append(time.process_time() - start_cpu)
       samples[name].append(time.perf_counter() - start)
-  results = {k: {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3,
-                 "runs": len(v)} for k, v in samples.items()}
-  results.update({f"{k}_cpu": {"median_ms": statistics.median(v) * 1e3,
-                               "min_ms": min(v) * 1e3, "runs": len(v)}
-                  for k, v in cpu.items()})
+  def summary(v):
+    return {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3,
+            "runs": len(v)}
+  results = {k: summary(v) for k, v in samples.items()}
+  results.update({f"{k}_cpu": summary(v) for k, v in cpu.items()})
   results["f_program"] = {"equations": n_eqns, "ordered_effects": n_sites}
   return results, {
       "f_ours/jax": _ratio(cpu, "f_ours_compile", "f_jax_compile"),
