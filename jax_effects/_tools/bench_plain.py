@@ -19,8 +19,8 @@ dispatch path for an executable with an effect, its argument and token
 handling, the computation) costs more than a fifth of JAX's whole
 ordered-print step, so the ratio stays below 4.1-4.9 even if our host call
 were free (``tests/tools/measure_plain_dispatch.py``; ``design/errors.md``,
-"C++ dispatch"). The bound is what ours keeps today (2.7-3.2 in six idle
-runs) less a margin for the machine's noise: a regression guard, not that
+"C++ dispatch"). The bound is what ours keeps today (2.6-3.2 in twelve idle
+runs, two rounds of six) less a margin for the machine's noise: a regression guard, not that
 goal.
 """
 from __future__ import annotations
