@@ -83,10 +83,23 @@ def test_several_errors_pending_are_one_report_and_at_most_64_are_kept(mesh):
     f(jnp.arange(8.0))
     return helpers.reports(je.effects_barrier)
 
-  (report,) = helpers.in_thread(go)
+  @je.jit
+  def once(x):
+    je.callback(host, None, x[0], effect=je.Effect("rules-cap-0"))
+    return x
+
+  def go_twice():
+    first = go()
+    # The thread's next failure is reported alone: the count of errors
+    # dropped from the first report went with that report.
+    return first, helpers.reports(lambda: once(jnp.arange(8.0) + 3.0))
+
+  (report,), (later,) = helpers.in_thread(go_twice)
   assert _errors.count(report) == 80
   assert len(_errors.flat_errors(report)) == _errors.MAX_KEPT_ERRORS
   assert report.jax_effects_dropped == 80 - _errors.MAX_KEPT_ERRORS
+  assert type(later) is helpers.Boom and str(later) == "device 3"
+  assert not _errors._dropped
 
 
 def test_a_call_made_inside_a_call_raises_its_own_errors_only():
