@@ -216,7 +216,7 @@ PLAIN_JIT_ORDER = PlainJitOrder()
 class ExportedOrder(_compat.Effect):
   """The JAX *ordered* effect of a ``jax_effects.jit`` function exported
   with ``jax.export`` (one value; ``_dispatch.exporting``,
-  ``_pass.exported_rule``). Serialized by its class's name: part of the
+  ``_pass.control_flow_rules``). Serialized by its class's name: part of the
   exported format (``design/host_target.md``).
   """
 

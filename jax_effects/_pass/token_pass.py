@@ -11,9 +11,9 @@ the carriers start as the runtime tokens and end combined into the one
 token the executable returns (:func:`thread_program`).
 
 Higher-order primitives go through rules (:func:`register_rule`, in
-``control_flow_rules`` and ``shard_map_rule``); one with an effect inside
-and no rule is refused, naming why (:func:`refusal`). In a loop, an effect
-offered for batching is written to the loop's stage instead, and anything
+``control_flow_rules``); one with an effect inside and no rule is
+refused, naming why (:func:`refusal`). In a loop, an effect offered for
+batching is written to the loop's stage instead, and anything
 else on its chain flushes the stage first (``staging``).
 """
 from __future__ import annotations

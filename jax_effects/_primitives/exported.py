@@ -14,7 +14,7 @@ same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
 ours lowered under plain ``jax.jit`` (``_pass.plain_jit``): there they join
 every ordered chain of the region, as ``plain_order`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
-joined to the chain's carrier (``_pass.exported_rule``). See
+joined to the chain's carrier (``_pass.control_flow_rules``). See
 ``design/host_target.md``, "Exported modules". CPU only.
 """
 from __future__ import annotations

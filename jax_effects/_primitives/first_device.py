@@ -104,7 +104,7 @@ mlir.register_lowering(first_device_call_p, _first_device_call_lowering,
                        cacheable=False)
 
 
-# Identity on a carrier entering a shard_map (``_pass.shard_map_rule``):
+# Identity on a carrier entering a shard_map (``_pass.control_flow_rules``):
 # after on_first_device only device 0's copy is current, so it is broadcast.
 from_first_device_p = Primitive("jax_effects_from_first_device")
 from_first_device_p.def_abstract_eval(lambda aval: aval)
