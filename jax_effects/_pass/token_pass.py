@@ -37,7 +37,6 @@ from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import markers as _markers
 from jax_effects._runtime import token_value as _token_value
 
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
@@ -163,7 +162,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if (effects and _effects.has_chain(effects) and (
         eqn.primitive in RULES or _effects.has_own_marker(effects)
         or eqn.primitive.name in _compat.FEATURE_OF_PRIMITIVE)) or (
-        eqn.primitive.name in _markers.HIDES_EFFECTS and _markers.effects_inside(eqn)):
+        eqn.primitive.name in _effect.HIDES_EFFECTS and _effect.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
@@ -183,7 +182,7 @@ def unchanged(eqn) -> bool:
       eqn.primitive is _effect.effect_p
       or eqn.primitive in _adopted.PRIMITIVES
       or (effects and _effects.has_chain(effects))
-      or eqn.primitive.name in _markers.HIDES_EFFECTS)
+      or eqn.primitive.name in _effect.HIDES_EFFECTS)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
@@ -311,7 +310,7 @@ REFUSED: dict[str, str] = {
 def refusal(eqn) -> NotImplementedError:
   """The error for an effect inside a higher-order primitive with no rule."""
   name = eqn.primitive.name
-  what = _markers.first_effect(eqn)
+  what = _effect.first_effect(eqn)
   feature = _compat.FEATURE_OF_PRIMITIVE.get(name)
   missing = feature and _compat.unsupported_reason(feature)
   if missing:   # (the installed JAX lacks what its rule needs)
@@ -365,7 +364,7 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
     if eqn.primitive is _compat.shard_map_p:
       keys.update(_effects.chain_keys(eqn.effects, mode))
     elif ((eqn.effects and _effects.has_chain(eqn.effects))
-          or eqn.primitive.name in _markers.HIDES_EFFECTS):
+          or eqn.primitive.name in _effect.HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
         keys |= _shard_map_chain_keys(sub, mode)
   return keys

@@ -25,7 +25,6 @@ from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import markers as _markers
 
 effect_p = _effect.effect_p
 
@@ -77,7 +76,7 @@ def _eval_masked(jaxpr, consts, mask, args):
       hc = eqn.params["host_callback"]
       masked = _host_callback.in_branch(hc, _host_callback.wrapped_spec(hc.spec, "masked"))
       return effect_p.bind(mask, *invals, **{**eqn.params, "host_callback": masked})
-    if _markers.holds_effect(eqn):
+    if _effect.holds_effect(eqn):
       return _masked_higher_order(eqn, mask, invals)
     return _jaxpr_eval.rebind(eqn, invals)
   return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle)
@@ -130,7 +129,7 @@ def _masked_higher_order(eqn, mask, invals):
     return _closed_fn(callee, mask)(*invals)
   name = eqn.primitive.name
   raise NotImplementedError(
-      f"{_markers.first_effect(eqn)} is inside JAX's higher-order primitive "
+      f"{_effect.first_effect(eqn)} is inside JAX's higher-order primitive "
       f"'{name}' inside a branch of jax.lax.cond/switch whose predicate "
       f"jax.vmap batched; jax_effects cannot run it only for the elements "
       f"that took the branch. Use jax.lax.map instead of jax.vmap, keep the "

@@ -9,6 +9,10 @@ Part in the token calling convention: none yet; the token-threading pass
 replaces it with ``threaded.threaded_effect_p``. Under plain ``jax.jit`` an
 ordered effect takes and returns JAX's compiler token for
 ``PLAIN_JIT_ORDER`` instead.
+
+Also the questions both jaxpr walkers (``_pass.token_pass`` and
+``control_flow_batching``) ask of an equation, answered once: which
+equations hold effects of ours, and which ones (:func:`holds_effect`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ from jax_effects._primitives import batching as _batching
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_call as _host_call
-from jax_effects._primitives import plain_order as _plain_order
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -92,8 +95,8 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(effect, ordered, host_callback.user_code)
-  # (in program order with JAX's own ordered callbacks: plain_order)
-  token = _plain_order.join(ctx, marker) if ordered else None
+  # (in program order with JAX's own ordered callbacks: host_call.join)
+  token = _host_call.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
   avals_in = list(ctx.avals_in)
   if any(edges):   # (summarized operands: only their edges cross)
@@ -107,7 +110,7 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
       _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
-    _plain_order.set_joined(ctx, marker, token)
+    _host_call.set_joined(ctx, marker, token)
   return results
 
 
@@ -253,3 +256,39 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
     _batching.offer(host_callback)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
                        ordered=ordered)
+
+
+# --- which equations hold effects of ours (both jaxpr walkers ask) ---------
+
+#: Higher-order primitives whose equation does not report the effects of
+#: its sub-computations: the walkers look inside. (Names: ``pallas_call``
+#: lives in a module jax_effects does not import.)
+HIDES_EFFECTS = frozenset({
+    "composite", "linear_call", "reduce", "reduce_window", "pallas_call"})
+
+
+def effects_inside(eqn) -> list[str]:
+  """The descriptions of the effects in ``eqn``'s sub-computations."""
+  found: list[str] = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive is effect_p:
+        found.append(e.params["host_callback"].description)
+      for sub in _compat.jaxprs_in_params(e.params):
+        walk(sub)
+  for sub in _compat.jaxprs_in_params(eqn.params):
+    walk(sub)
+  return found
+
+
+def holds_effect(eqn) -> bool:
+  """Whether ``eqn`` holds an effect of ours (maybe hidden inside)."""
+  return _effects.has_own_marker(eqn.effects) or (
+      eqn.primitive.name in HIDES_EFFECTS and bool(effects_inside(eqn)))
+
+
+def first_effect(eqn) -> str:
+  """The description of the first effect inside ``eqn`` (for errors)."""
+  inside = effects_inside(eqn)
+  return inside[0] if inside else "a jax_effects side effect"

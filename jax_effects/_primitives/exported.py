@@ -12,7 +12,7 @@ every runtime-token argument of ``g`` replaced by one carrier, ``c``, tied
 to the module's ``!stablehlo.token`` by host calls (:func:`_join`). The
 same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
 ours lowered under plain ``jax.jit`` (``_pass.plain_jit``): there they join
-every ordered chain of the region, as ``plain_order`` does.
+every ordered chain of the region, as ``host_call.join`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
 joined to the chain's carrier (``_pass.control_flow_rules``). See
 ``design/host_target.md``, "Exported modules". CPU only.
@@ -35,7 +35,6 @@ from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._primitives import host_target as _host_target
-from jax_effects._primitives import plain_order as _plain_order
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
@@ -53,12 +52,12 @@ def _one(value):
 
 
 def _token_in(ctx, order):
-  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _plain_order.join(ctx, order)
+  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _host_call.join(ctx, order)
 
 
 def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
   if order is not EXPORTED_ORDER:
-    _plain_order.set_joined(ctx, order, token)
+    _host_call.set_joined(ctx, order, token)
     return
   ctx.set_tokens_out(ctx.tokens_in.update_tokens(
       mlir.TokenSet({EXPORTED_ORDER: token})))
