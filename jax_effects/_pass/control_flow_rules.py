@@ -66,7 +66,7 @@ from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import exported as _exported
-from jax_effects._primitives import first_device as _first_device
+from jax_effects._primitives import threaded as _threaded
 
 
 def _cond_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -332,7 +332,7 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
     if c.shape not in ((), (n,)):   # per-device vector of another mesh
       c = jnp.max(c)
     elif once and not c.shape:
-      c = _first_device.from_first_device_p.bind(c)
+      c = _threaded.from_first_device_p.bind(c)
     carriers_in.append(c)
 
   def body(carriers, *args):

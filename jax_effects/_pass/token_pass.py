@@ -34,7 +34,6 @@ from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _effect
-from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._runtime import token_value as _token_value
@@ -230,7 +229,7 @@ def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
   token, carrier, results = bind(token, carrier)
   if shape:
     if from_first:
-      carrier = _first_device.from_first_device_p.bind(carrier)
+      carrier = _threaded.from_first_device_p.bind(carrier)
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
@@ -393,7 +392,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # carrier to every device's element, but only where it has per-device
     # effects here (``design/placement.md``).
     finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in shard_map_chains
-              else _first_device.from_first_device_p.bind(c)
+              else _threaded.from_first_device_p.bind(c)
               for k, c in carriers.items()]
   return outs, _final_token(finals)
 

@@ -30,11 +30,11 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._primitives import host_target as _host_target
+from jax_effects._primitives import threaded as _threaded
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
@@ -186,7 +186,7 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
     # current after an effect that ran once, so no device's token is ready
     # before the module's effects have run; a plain-jit region's exit runs
     # on the first device only)
-    token = _first_device.from_first_device_p.bind(token)
+    token = _threaded.from_first_device_p.bind(token)
   exported_exit_p.bind(token, **_params(order))
 
 
@@ -221,6 +221,6 @@ def call(token, carrier, args, exported) -> tuple:
   """``(token', carrier', outputs)`` of ``exported`` called on ``args``."""
   # (over several devices every device joins the call: each takes device
   # 0's carrier, current after the caller's effects that ran once)
-  carrier = _first_device.from_first_device_p.bind(carrier)
+  carrier = _threaded.from_first_device_p.bind(carrier)
   token, carrier, *outs = exported_call_p.bind(token, carrier, *args, exported=exported)
   return token, carrier, outs
