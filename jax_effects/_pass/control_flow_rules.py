@@ -308,6 +308,8 @@ _token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,
                           keeps_stages=True)
 
 
+# --- shard_map (and so pmap): per-device effects -----------------------------
+
 def _explicit(mesh, axes) -> bool:
   """Whether any of ``axes`` of ``mesh`` is an Explicit axis."""
   types = getattr(mesh, "axis_types", ())
@@ -367,6 +369,8 @@ def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
 _token_pass.register_rule(_compat.shard_map_p, _shard_map_rule)
 
+
+# --- exp.call of an exported jax_effects function ----------------------------
 
 def _call_exported_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   exported = eqn.params["exported"]

@@ -155,6 +155,8 @@ def gathered(ctx, args, avals) -> list:
           for x, aval in zip(args, avals)]
 
 
+# --- program order across ordered-effect kinds, plain jax.jit ----------------
+
 def _distinct(values):
   out = []
   for value in values:

@@ -63,6 +63,8 @@ from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import placement as _placement
 
 
+# --- the entry and a site's one description for it ---------------------------
+
 def _installed_entry():
   """The compiled entry of the installed ``jax_effects`` distribution,
   loaded as ``_trampoline``, where the imported ``jax_effects`` is another
@@ -239,6 +241,8 @@ def _packed(value, aval) -> np.ndarray:
   shifts = np.arange(per_byte, dtype=np.uint8) * bits
   return np.bitwise_or.reduce(padded.reshape(-1, per_byte) << shifts, axis=1)
 
+
+# --- keys and site specs -----------------------------------------------------
 
 class UnboundHostFunction(LookupError):
   """A host call whose host side this process does not have: a named
@@ -460,6 +464,8 @@ class NotExportable(ValueError):
         f"jax.export cannot export {what}: {why}, which another process "
         f"cannot rebuild. Fix: {fix}.")
 
+
+# --- the target, its registry of sites, emit ---------------------------------
 
 #: The custom-call target name (CPU).
 TARGET = "jax_effects_host"
