@@ -224,7 +224,7 @@ except ImportError:  # JAX < 0.10
 
 
 # An equation and its jaxpr made from a lowering rule's parameters (a region
-# under plain jax.jit handed to the pass, ``_pass.plain_jit``):
+# under plain jax.jit handed to the pass, ``_pass.control_flow_rules``):
 # ``jax.extend.core`` has ``new_jaxpr_eqn`` and ``DebugInfo`` from JAX 0.9
 # only; ``jax._src.core``'s, the same on 0.8-0.12.
 from jax._src.core import DebugInfo  # noqa: E402

@@ -237,9 +237,9 @@ def jax_effects_of(effect: Effect, ordered: bool, user_code: bool = False) -> se
   PLAIN_JIT_ORDER if ordered or if it runs the user's own code (under
   plain ``jax.jit`` its launch then waits for the thread's previous one,
   as ``jax_effects.jit`` waits: ``design/errors.md``, "No unbounded
-  wait"). A ``while`` holding ours is lowered by ``_pass.plain_jit``,
-  never by JAX's rule, which ignores a vmap-batched predicate where a
-  ``cond_fun`` has ordered effects."""
+  wait"). A ``while`` holding ours is lowered by
+  ``_pass.control_flow_rules``, never by JAX's rule, which ignores a
+  vmap-batched predicate where a ``cond_fun`` has ordered effects."""
   if ordered or user_code:
     return {marker(effect, ordered), PLAIN_JIT_ORDER}
   return {marker(effect, ordered)}

@@ -399,10 +399,11 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
 
 def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   carrier, mode: str):
-  """Threads a region lowered under plain ``jax.jit`` (``plain_jit``), every
-  chain entering with ``carrier``; returns ``(outs, token)`` as
-  :func:`thread_program` does. Its counters stay on the host, where the
-  program around the region keeps them (``counter``'s fallback)."""
+  """Threads a region lowered under plain ``jax.jit``
+  (``control_flow_rules``), every chain entering with ``carrier``; returns
+  ``(outs, token)`` as :func:`thread_program` does. Its counters stay on
+  the host, where the program around the region keeps them (``counter``'s
+  fallback)."""
   shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
   keys = _effects.chain_keys(closed.effects, mode)
   chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},

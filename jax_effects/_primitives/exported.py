@@ -11,8 +11,8 @@ exports::
 every runtime-token argument of ``g`` replaced by one carrier, ``c``, tied
 to the module's ``!stablehlo.token`` by host calls (:func:`_join`). The
 same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
-ours lowered under plain ``jax.jit`` (``_pass.plain_jit``): there they join
-every ordered chain of the region, as ``host_call.join`` does.
+ours lowered under plain ``jax.jit`` (``_pass.control_flow_rules``): there
+they join every ordered chain of the region, as ``host_call.join`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
 joined to the chain's carrier (``_pass.control_flow_rules``). See
 ``design/host_target.md``, "Exported modules". CPU only.
