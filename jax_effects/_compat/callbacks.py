@@ -99,7 +99,7 @@ from jax._src.state.types import RefEffect  # noqa: E402
 def refused_by_jax_in_batched_cond(effect) -> bool:
   """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
   whose predicate is batched (a cond holding one is left to JAX's rule and
-  its error: ``_primitives.control_flow_batching``)."""
+  its error: ``_primitives.effect``)."""
   return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
 
 

@@ -181,7 +181,7 @@ from jax._src.custom_batching import custom_vmap_p  # noqa: E402
 from jax._src.custom_derivatives import linear_call_p  # noqa: E402
 # ``batch_jaxpr``: which outputs of a jaxpr vmap batches, to find whether a
 # ``while``/``cond`` predicate is batched as JAX's rule does
-# (``_primitives.control_flow_batching``). No public route; JAX 0.8-0.12.
+# (``_primitives.effect``). No public route; JAX 0.8-0.12.
 from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
 from jax._src.lax.lax import composite_p  # noqa: E402
 # ``compute_on`` (``jax.experimental.compute_on``): a primitive of its own
