@@ -18,7 +18,6 @@ try:
   from jax_effects._compat.callbacks import *  # noqa: F401,F403
   from jax_effects._compat.runtime import *  # noqa: F401,F403
   from jax_effects._compat.export import *  # noqa: F401,F403
-  from jax_effects._compat.tracebacks import *  # noqa: F401,F403
 except (ImportError, AttributeError) as _err:
   raise _versions.unsupported_jax(_err) from _err
 

@@ -99,12 +99,12 @@ from jax._src.state.types import RefEffect  # noqa: E402
 def refused_by_jax_in_batched_cond(effect) -> bool:
   """Whether JAX's vmap rule of ``cond`` refuses ``effect`` in a branch
   whose predicate is batched (a cond holding one is left to JAX's rule and
-  its error: ``_primitives.control_flow_batching``)."""
+  its error: ``_primitives.effect``)."""
   return isinstance(effect, (IOEffect, OrderedIOEffect, RefEffect))
 
 
 # Program order across ordered-effect kinds under plain ``jax.jit``
-# (``_primitives.plain_order``): from JAX 0.10 an uncacheable lowering rule
+# (``_primitives.host_call``): from JAX 0.10 an uncacheable lowering rule
 # is given every ordered effect's compiler token of its region (0.8/0.9: its
 # own only). JAX's ordered callbacks' rules are read from the registries
 # behind ``mlir.register_lowering`` (no public getter; JAX 0.10-0.12) and

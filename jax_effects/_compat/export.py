@@ -1,8 +1,9 @@
 """``jax.export``: the call of an exported function, and the screen every
 called module passes first (``_primitives.host_target.screen_module``).
 
-Part in the token calling convention: none of its own; ``_pass.exported_rule``
-threads an exported function's call on DEFAULT's chain with these.
+Part in the token calling convention: none of its own;
+``_pass.control_flow_rules`` threads an exported function's call on
+DEFAULT's chain with these.
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ from jax._src.custom_batching import custom_vmap_p  # noqa: E402
 from jax._src.custom_derivatives import linear_call_p  # noqa: E402
 # ``batch_jaxpr``: which outputs of a jaxpr vmap batches, to find whether a
 # ``while``/``cond`` predicate is batched as JAX's rule does
-# (``_primitives.control_flow_batching``). No public route; JAX 0.8-0.12.
+# (``_primitives.effect``). No public route; JAX 0.8-0.12.
 from jax._src.interpreters.batching import batch_jaxpr  # noqa: E402
 from jax._src.lax.lax import composite_p  # noqa: E402
 # ``compute_on`` (``jax.experimental.compute_on``): a primitive of its own
@@ -224,7 +224,7 @@ except ImportError:  # JAX < 0.10
 
 
 # An equation and its jaxpr made from a lowering rule's parameters (a region
-# under plain jax.jit handed to the pass, ``_pass.plain_jit``):
+# under plain jax.jit handed to the pass, ``_pass.control_flow_rules``):
 # ``jax.extend.core`` has ``new_jaxpr_eqn`` and ``DebugInfo`` from JAX 0.9
 # only; ``jax._src.core``'s, the same on 0.8-0.12.
 from jax._src.core import DebugInfo  # noqa: E402

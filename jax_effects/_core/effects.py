@@ -216,7 +216,7 @@ PLAIN_JIT_ORDER = PlainJitOrder()
 class ExportedOrder(_compat.Effect):
   """The JAX *ordered* effect of a ``jax_effects.jit`` function exported
   with ``jax.export`` (one value; ``_dispatch.exporting``,
-  ``_pass.exported_rule``). Serialized by its class's name: part of the
+  ``_pass.control_flow_rules``). Serialized by its class's name: part of the
   exported format (``design/host_target.md``).
   """
 
@@ -237,9 +237,9 @@ def jax_effects_of(effect: Effect, ordered: bool, user_code: bool = False) -> se
   PLAIN_JIT_ORDER if ordered or if it runs the user's own code (under
   plain ``jax.jit`` its launch then waits for the thread's previous one,
   as ``jax_effects.jit`` waits: ``design/errors.md``, "No unbounded
-  wait"). A ``while`` holding ours is lowered by ``_pass.plain_jit``,
-  never by JAX's rule, which ignores a vmap-batched predicate where a
-  ``cond_fun`` has ordered effects."""
+  wait"). A ``while`` holding ours is lowered by
+  ``_pass.control_flow_rules``, never by JAX's rule, which ignores a
+  vmap-batched predicate where a ``cond_fun`` has ordered effects."""
   if ordered or user_code:
     return {marker(effect, ordered), PLAIN_JIT_ORDER}
   return {marker(effect, ordered)}

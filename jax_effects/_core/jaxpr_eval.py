@@ -1,10 +1,10 @@
 """Evaluating a jaxpr equation by equation into the current trace.
 
 The walk both jaxpr interpreters share (the token-threading pass and the
-masking of effects in a vmapped ``cond`` branch,
-``_primitives.control_flow_batching``): :func:`eval_jaxpr`, with a
-``handle(eqn, invals)`` per interpreter; an equation it leaves unchanged is
-copied into the trace, not re-bound (``_compat.equation_copier``).
+masking of effects in a vmapped ``cond`` branch, ``_primitives.effect``):
+:func:`eval_jaxpr`, with a ``handle(eqn, invals)`` per interpreter; an
+equation it leaves unchanged is copied into the trace, not re-bound
+(``_compat.equation_copier``).
 :data:`CALLEES`: the call-like primitives both inline. No part of the
 token calling convention: the callers add it.
 """

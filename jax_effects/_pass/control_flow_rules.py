@@ -1,4 +1,4 @@
-"""The pass's rules for control flow and call-like primitives.
+"""The pass's rules for control flow, call-like and other higher-order primitives.
 
 Each rule (registered with ``token_pass.register_rule`` right under it)
 re-expresses its primitive with ``lax``, the carriers of the chains used
@@ -9,21 +9,94 @@ call-like primitives are inlined, ``custom_linear_solve`` runs its
 ``solve``. A loop carries the staging buffers of its batched effects
 (``staging.Loop``). See ``design/tokens.md`` and
 ``design/transformations.md``.
+
+A nested ``jit`` holding effects is evaluated inline, in the caller's
+trace (a ``jit`` equation; a ``jax_effects.jit`` function called inside
+another binds one, as ``jax.jit``'s call does). JAX's nested ``jit`` lays
+its arguments out as its ``in_shardings`` say and its results as its
+``out_shardings`` say (sharding annotations on the callee's parameters and
+results); inlined, the same constraints are applied with
+``jax.lax.with_sharding_constraint`` (:func:`_constrain_flat`), so values
+are laid out as under ``jax.jit`` (a result of an inner
+``jit(f, out_shardings=s)`` stays sharded by ``s``). Memory layouts,
+donation and compiler options of the inner jit do not apply inside an
+enclosing computation under ``jax.jit`` either.
+
+``shard_map`` (and so ``pmap``): per-device effects. Its part of the token
+calling convention (``design/placement.md``, "Tokens across devices"): the
+carriers of the chains used inside become extra operands and results::
+
+    carrier_vecs, outs = shard_map(body', in_specs=(P() or P(axes), ...,
+                                                    *in_specs),
+                                   out_specs=(P(axes), ..., *out_specs))(
+                                       carriers, *args)
+
+A scalar carrier enters replicated and is cast to varying inside; each
+device's final carrier leaves as its element of a ``(n_devices,)`` vector,
+which stays the chain's carrier (reduced with ``max`` where a scalar is
+needed). No collective is added. ``jax.pmap`` is staged as
+``jit(shard_map)``, so the rule covers it.
+
+``exp.call`` of an exported ``jax_effects.jit`` function: its part of the
+token calling convention (``design/tokens.md``, "An exported function"):
+an exported jax_effects function (``_dispatch.exporting``) carries JAX's
+ordered effect ``EXPORTED_ORDER``; inside ``jax_effects.jit`` its call is
+threaded on the chain of :data:`~jax_effects.DEFAULT`
+(:data:`~jax_effects.GLOBAL` in global mode), as JAX's adopted callbacks
+are, and no JAX effect is left. A ``call_exported`` of a function exported
+without effects of ours is bound unchanged.
+
+Regions of ours under plain ``jax.jit``: lowered through these rules
+(:func:`through_the_pass`, wrapped around JAX's lowering of every primitive
+with a rule once all are registered, at the end of this module). Under
+plain ``jax.jit`` (a library's jit, ``nnx.jit``, ``eqx.filter_jit``, or
+JAX's eager ``while_loop``/``cond``/``scan``, which jit the primitive) no
+pass of ours runs before JAX lowers the program. An effect directly at the
+top of the program is lowered by ``effect.fallback_lowering`` on JAX's
+token of ``PLAIN_JIT_ORDER``; a higher-order primitive holding effects of
+ours (``while``, ``cond``, ``scan``, ``shard_map``, a nested ``jit``, ...:
+every primitive the pass has a rule for) is lowered here, through the
+pass's own rule, so it runs exactly as it runs inside ``jax_effects.jit``:
+a ``cond_fun``'s effects run before the loop and after each iteration (XLA
+skips a ``while``'s condition computation when it knows the trip count), a
+vmapped loop's effects run for its live elements only, and per-device
+effects come before the effects after the ``shard_map`` on every device.
+
+Its part of the token calling convention: the region is bracketed by the
+exported convention's entry and exit (``_primitives.exported``, with
+``order=PLAIN_JIT_ORDER``): every chain of the region starts from one
+carrier made, by a host call, from JAX's token of ``PLAIN_JIT_ORDER``
+(joined with every ordered chain, ``host_call.join``), and the region's
+final carriers, combined as ``thread_program`` combines them, make that
+token again by another host call. So the region is one step in JAX's order
+of the program and of the thread's calls. A region with unordered effects
+only starts its carriers from zero and returns no token. See
+``design/errors.md``, "Plain ``jax.jit``".
 """
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 from jax import lax
+from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
+from jax.interpreters import mlir
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import Sharding
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
-from jax_effects._pass import inlined_jit as _inlined_jit
+from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._pass import token_pass as _token_pass
+from jax_effects._primitives import exported as _exported
+from jax_effects._primitives import threaded as _threaded
+from jax_effects._runtime import token_value as _token_value
 
 
 def _cond_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -211,15 +284,28 @@ def _strip_mined(scan, loop, keys, carry, xs, length, steps, reverse):
 _token_pass.register_rule(jex_prims.scan_p, _scan_rule, keeps_stages=True)
 
 
+def _constrain(value, sharding):
+  if isinstance(sharding, (Sharding, P)):
+    return jax.lax.with_sharding_constraint(value, sharding)
+  return value   # None / unspecified: left as it comes
+
+
+def _constrain_flat(values, shardings) -> list:
+  """``values`` (a jit equation's operands or results) constrained to
+  ``shardings`` (its ``in_shardings``/``out_shardings`` param: a
+  ``Sharding`` or JAX's unspecified marker per value; module docstring)."""
+  return [_constrain(v, s) for v, s in zip(values, shardings)]
+
+
 def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str):
   """Call-like primitives (``_core.jaxpr_eval.CALLEES``), inlined with the
-  caller's chains; a ``jit``'s shardings kept (``inlined_jit``)."""
+  caller's chains; a ``jit``'s shardings kept (:func:`_constrain_flat`)."""
   jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
   if eqn.primitive is not jex_prims.jit_p:
     return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
-  invals = _inlined_jit.constrain_flat(invals, eqn.params["in_shardings"])
+  invals = _constrain_flat(invals, eqn.params["in_shardings"])
   outs = _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
-  return _inlined_jit.constrain_flat(outs, eqn.params["out_shardings"])
+  return _constrain_flat(outs, eqn.params["out_shardings"])
 
 
 for _prim, _param in _jaxpr_eval.CALLEES.items():
@@ -250,3 +336,140 @@ def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
 _token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,
                           keeps_stages=True)
+
+
+# --- shard_map (and so pmap): per-device effects -----------------------------
+
+def _explicit(mesh, axes) -> bool:
+  """Whether any of ``axes`` of ``mesh`` is an Explicit axis."""
+  types = getattr(mesh, "axis_types", ())
+  return any(t == jax.sharding.AxisType.Explicit
+             for name, t in zip(mesh.axis_names, types) if name in axes)
+
+
+def _shard_map_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  p = eqn.params
+  mesh = p["mesh"]
+  manual = _compat.shard_map_manual_axes(p)
+  axes = tuple(a for a in mesh.axis_names if a in manual)
+  n = math.prod(mesh.shape[a] for a in axes)
+  check_vma = p["check_vma"]
+  keys = _effects.chain_keys(eqn.effects, mode)
+  body_fn = _token_pass.region(p["jaxpr"], keys, mode)
+
+  # After an effect that ran once only device 0's copy is current.
+  after_once = [k in chains.carriers and not chains.still_entered(k) for k in keys]
+  carriers_in = []
+  for c, once in zip(chains.take(keys), after_once):
+    if c.shape not in ((), (n,)):   # per-device vector of another mesh
+      c = jnp.max(c)
+    elif once and not c.shape:
+      c = _threaded.from_first_device_p.bind(c)
+    carriers_in.append(c)
+
+  def body(carriers, *args):
+    carriers = [c.reshape(()) for c in carriers]
+    if check_vma:
+      carriers = [_compat.to_varying(c, axes) for c in carriers]
+    carriers, outs = body_fn(carriers, *args)
+    if check_vma:
+      carriers = [_compat.to_varying(c, axes) for c in carriers]
+    return tuple(c.reshape((1,)) for c in carriers), list(outs)
+
+  if _explicit(mesh, axes):
+    # A per-device token passed back arrives typed replicated: split it.
+    split = jax.sharding.NamedSharding(mesh, P(axes))
+    carriers_in = [jax.sharding.reshard(c, split)
+                   if c.shape and jax.typeof(c).sharding.spec != P(axes)
+                   else c for c in carriers_in]
+  carrier_in = tuple(P(axes) if c.shape else P() for c in carriers_in)
+  carrier_out = tuple(P(axes) for _ in keys)
+  carrier_vecs, outs = _jax_api.shard_map(
+      body, mesh=mesh, in_specs=(carrier_in, *p["in_specs"]),
+      out_specs=(carrier_out, list(p["out_specs"])),
+      axis_names=set(manual), check_vma=check_vma)(tuple(carriers_in), *invals)
+  # In a loop or branch the carrier keeps the shape it came in with (the
+  # carry's type); at the top level it stays per device.
+  at_top = _token_pass.region_kind() == "top"
+  for key, c_in, vec in zip(keys, carriers_in, carrier_vecs):
+    keep = at_top or c_in.shape == vec.shape
+    chains.carriers[key] = vec if keep else jnp.max(vec)
+  return outs
+
+
+_token_pass.register_rule(_compat.shard_map_p, _shard_map_rule)
+
+
+# --- exp.call of an exported jax_effects function ----------------------------
+
+def _call_exported_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
+  exported = eqn.params["exported"]
+  if _effects.EXPORTED_ORDER not in exported.ordered_effects:
+    return _compat.bind_equation(eqn, invals)
+  return _token_pass.bind_on_chain(
+      chains, _adopted.default_chain(None, mode),
+      lambda token, carrier: _exported.call(token, carrier, invals, exported),
+      from_first=False)
+
+
+if _compat.call_exported_p is not None:   # (else: _compat.EXPORTED_CALLS)
+  _token_pass.register_rule(_compat.call_exported_p, _call_exported_rule)
+# (its chain, for the registry that answers which chain an effect is on)
+_effects.register_chain_kind(_effects.ExportedOrder, _adopted.default_chain)
+
+
+# --- regions of ours under plain jax.jit: through the rules above ------------
+
+PLAIN_JIT_ORDER = _effects.PLAIN_JIT_ORDER
+
+
+def _holds_our_effects(params) -> bool:
+  return any(_effects.has_own_marker(j.effects)
+             for j in _compat.jaxprs_in_params(params))
+
+
+def _one_equation(ctx, primitive, params) -> jex_core.ClosedJaxpr:
+  """The equation being lowered, as a jaxpr of its own (the pass's input);
+  its effects are its sub-jaxprs' (the pass reads only its own kinds)."""
+  effects = set().union(*(j.effects for j in _compat.jaxprs_in_params(params)))
+  invars = [jex_core.Var(a) for a in ctx.avals_in]
+  outvars = [jex_core.Var(a) for a in ctx.avals_out]
+  eqn = _compat.new_jaxpr_eqn(invars, outvars, primitive, params, effects,
+                              ctx=ctx.jaxpr_eqn_ctx)
+  info = _compat.DebugInfo(primitive.name, "jax_effects plain jax.jit region",
+                           None, None)
+  return jex_core.ClosedJaxpr(
+      jex_core.Jaxpr([], invars, outvars, [eqn], effects, info), [])
+
+
+def through_the_pass(primitive, rule):
+  """``primitive``'s lowering ``rule`` (JAX's), made to lower a region
+  holding effects of ours through the pass (the module docstring)."""
+
+  def rule_through_the_pass(ctx, *args, **params):
+    if not _holds_our_effects(params):
+      return rule(ctx, *args, **params)
+    # (one chain, as JAX's one token of PLAIN_JIT_ORDER orders the effects
+    # around the region: right in either mode, which jax.jit's cache of
+    # the executable does not know)
+    mode = "global"
+    ordered = PLAIN_JIT_ORDER in ctx.tokens_in.effects()
+
+    def region(*args):
+      closed = _one_equation(ctx, primitive, params)
+      carrier = (_exported.entry(PLAIN_JIT_ORDER) if ordered
+                 else jnp.zeros((), _token_value.TOKEN_DTYPE))
+      outs, token = _token_pass.thread_region(
+          closed, args, _token_value.advance(carrier), mode)
+      if ordered:
+        _exported.exit(carrier if token is None else token, PLAIN_JIT_ORDER)
+      return outs
+
+    return mlir.lower_fun(region, multiple_results=True)(ctx, *args)
+
+  return rule_through_the_pass
+
+
+_compat.wrap_lowerings(
+    [p for p in _token_pass.RULES if p.multiple_results],  # (higher-order)
+    through_the_pass)

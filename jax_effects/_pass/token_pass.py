@@ -11,9 +11,9 @@ the carriers start as the runtime tokens and end combined into the one
 token the executable returns (:func:`thread_program`).
 
 Higher-order primitives go through rules (:func:`register_rule`, in
-``control_flow_rules`` and ``shard_map_rule``); one with an effect inside
-and no rule is refused, naming why (:func:`refusal`). In a loop, an effect
-offered for batching is written to the loop's stage instead, and anything
+``control_flow_rules``); one with an effect inside and no rule is
+refused, naming why (:func:`refusal`). In a loop, an effect offered for
+batching is written to the loop's stage instead, and anything
 else on its chain flushes the stage first (``staging``).
 """
 from __future__ import annotations
@@ -34,10 +34,8 @@ from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _effect
-from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import threaded as _threaded
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import markers as _markers
 from jax_effects._runtime import token_value as _token_value
 
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
@@ -163,7 +161,7 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     if (effects and _effects.has_chain(effects) and (
         eqn.primitive in RULES or _effects.has_own_marker(effects)
         or eqn.primitive.name in _compat.FEATURE_OF_PRIMITIVE)) or (
-        eqn.primitive.name in _markers.HIDES_EFFECTS and _markers.effects_inside(eqn)):
+        eqn.primitive.name in _effect.HIDES_EFFECTS and _effect.effects_inside(eqn)):
       rule = RULES.get(eqn.primitive)
       if rule is None:
         raise refusal(eqn)
@@ -183,7 +181,7 @@ def unchanged(eqn) -> bool:
       eqn.primitive is _effect.effect_p
       or eqn.primitive in _adopted.PRIMITIVES
       or (effects and _effects.has_chain(effects))
-      or eqn.primitive.name in _markers.HIDES_EFFECTS)
+      or eqn.primitive.name in _effect.HIDES_EFFECTS)
 
 
 def _thread_effect(eqn, invals, chains: Chains, mode: str):
@@ -231,7 +229,7 @@ def bind_on_chain(chains: Chains, key, bind: Callable, from_first: bool):
   token, carrier, results = bind(token, carrier)
   if shape:
     if from_first:
-      carrier = _first_device.from_first_device_p.bind(carrier)
+      carrier = _threaded.from_first_device_p.bind(carrier)
     carrier = jnp.broadcast_to(carrier, shape)
   chains.tokens[key] = token
   chains.carriers[key] = carrier
@@ -311,7 +309,7 @@ REFUSED: dict[str, str] = {
 def refusal(eqn) -> NotImplementedError:
   """The error for an effect inside a higher-order primitive with no rule."""
   name = eqn.primitive.name
-  what = _markers.first_effect(eqn)
+  what = _effect.first_effect(eqn)
   feature = _compat.FEATURE_OF_PRIMITIVE.get(name)
   missing = feature and _compat.unsupported_reason(feature)
   if missing:   # (the installed JAX lacks what its rule needs)
@@ -365,7 +363,7 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
     if eqn.primitive is _compat.shard_map_p:
       keys.update(_effects.chain_keys(eqn.effects, mode))
     elif ((eqn.effects and _effects.has_chain(eqn.effects))
-          or eqn.primitive.name in _markers.HIDES_EFFECTS):
+          or eqn.primitive.name in _effect.HIDES_EFFECTS):
       for sub in _compat.jaxprs_in_params(eqn.params):
         keys |= _shard_map_chain_keys(sub, mode)
   return keys
@@ -394,17 +392,18 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
     # carrier to every device's element, but only where it has per-device
     # effects here (``design/placement.md``).
     finals = [c if jnp.shape(c) or chains.still_entered(k) or k not in shard_map_chains
-              else _first_device.from_first_device_p.bind(c)
+              else _threaded.from_first_device_p.bind(c)
               for k, c in carriers.items()]
   return outs, _final_token(finals)
 
 
 def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                   carrier, mode: str):
-  """Threads a region lowered under plain ``jax.jit`` (``plain_jit``), every
-  chain entering with ``carrier``; returns ``(outs, token)`` as
-  :func:`thread_program` does. Its counters stay on the host, where the
-  program around the region keeps them (``counter``'s fallback)."""
+  """Threads a region lowered under plain ``jax.jit``
+  (``control_flow_rules``), every chain entering with ``carrier``; returns
+  ``(outs, token)`` as :func:`thread_program` does. Its counters stay on
+  the host, where the program around the region keeps them (``counter``'s
+  fallback)."""
   shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
   keys = _effects.chain_keys(closed.effects, mode)
   chains = Chains({k: carrier for k in keys if _effects.crosses_dispatch(k)},

@@ -7,7 +7,7 @@
    the frame's struct sizes and API version against the header's, finds the
    call's site by its key attribute (host_target._sites; an unknown key
    asks host_target._cold), checks the frame's buffers against the site's
-   description (host_sites.Site.c, made by Python when the site is made)
+   description (host_target.Site.c, made by Python when the site is made)
    before a byte of them is read, hands the operands to the site's runner
    (Python ints, NumPy arrays copied out of XLA's buffers, or for sub-byte
    dtypes a read-only memoryview of exactly the buffer's bytes, released
@@ -28,13 +28,13 @@
 
 #include "xla/ffi/api/c_api.h"
 
-/* A buffer's kind in a site's description (host_sites.TOKEN, ...). */
+/* A buffer's kind in a site's description (host_target.TOKEN, ...). */
 enum { K_TOKEN = 0, K_INT = 1, K_ARRAY = 2, K_BYTES = 3 };
 
 static PyObject *sites;    /* key (bytes) -> weakref to a Site */
 static PyObject *cold;     /* host_target._cold(key, attrs) -> Site */
 static PyObject *np_empty; /* numpy.empty */
-static PyObject *mismatch; /* host_sites.SiteMismatch */
+static PyObject *mismatch; /* host_target.SiteMismatch */
 static PyObject *c_name;   /* "c" */
 static PyObject *what_name; /* "what" */
 static _Thread_local int pinned;
@@ -276,7 +276,7 @@ static XLA_FFI_Error *call(XLA_FFI_CallFrame *frame) {
   PyObject *small[8], **args = small, *out = NULL;
   Py_ssize_t nargs = 0;
   if (c == NULL) goto done;
-  /* (words, runner, empties): host_sites.Site.c */
+  /* (words, runner, empties): host_target.Site.c */
   PyObject *words = PyTuple_GET_ITEM(c, 0);
   const int64_t *w = (const int64_t *)PyBytes_AS_STRING(words);
   if (check(frame, w, PyBytes_GET_SIZE(words) / 8, site) < 0) goto done;

@@ -11,10 +11,10 @@ exports::
 every runtime-token argument of ``g`` replaced by one carrier, ``c``, tied
 to the module's ``!stablehlo.token`` by host calls (:func:`_join`). The
 same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
-ours lowered under plain ``jax.jit`` (``_pass.plain_jit``): there they join
-every ordered chain of the region, as ``plain_order`` does.
+ours lowered under plain ``jax.jit`` (``_pass.control_flow_rules``): there
+they join every ordered chain of the region, as ``host_call.join`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
-joined to the chain's carrier (``_pass.exported_rule``). See
+joined to the chain's carrier (``_pass.control_flow_rules``). See
 ``design/host_target.md``, "Exported modules". CPU only.
 """
 from __future__ import annotations
@@ -30,12 +30,11 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._primitives import first_device as _first_device
 from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._primitives import host_target as _host_target
-from jax_effects._primitives import plain_order as _plain_order
+from jax_effects._primitives import threaded as _threaded
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import output as _output
@@ -53,12 +52,12 @@ def _one(value):
 
 
 def _token_in(ctx, order):
-  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _plain_order.join(ctx, order)
+  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _host_call.join(ctx, order)
 
 
 def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
   if order is not EXPORTED_ORDER:
-    _plain_order.set_joined(ctx, order, token)
+    _host_call.set_joined(ctx, order, token)
     return
   ctx.set_tokens_out(ctx.tokens_in.update_tokens(
       mlir.TokenSet({EXPORTED_ORDER: token})))
@@ -187,7 +186,7 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
     # current after an effect that ran once, so no device's token is ready
     # before the module's effects have run; a plain-jit region's exit runs
     # on the first device only)
-    token = _first_device.from_first_device_p.bind(token)
+    token = _threaded.from_first_device_p.bind(token)
   exported_exit_p.bind(token, **_params(order))
 
 
@@ -222,6 +221,6 @@ def call(token, carrier, args, exported) -> tuple:
   """``(token', carrier', outputs)`` of ``exported`` called on ``args``."""
   # (over several devices every device joins the call: each takes device
   # 0's carrier, current after the caller's effects that ran once)
-  carrier = _first_device.from_first_device_p.bind(carrier)
+  carrier = _threaded.from_first_device_p.bind(carrier)
   token, carrier, *outs = exported_call_p.bind(token, carrier, *args, exported=exported)
   return token, carrier, outs

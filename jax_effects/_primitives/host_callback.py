@@ -106,18 +106,15 @@ def check_results(description, results, avals):
   return tuple(out)
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class BatchedHost:
   """Host function of a vmapped effect: the element callback per element.
   ``levels[i][j]``: operand ``i`` has the batch axis of vmap level ``j``
   (outermost first). ``live``: which elements run (else zeros)."""
-  __slots__ = ("element", "batch_shape", "levels", "element_avals")
-
-  def __init__(self, element: HostCallback, batch_shape: tuple,
-               levels: tuple, element_avals: tuple):
-    self.element = element
-    self.batch_shape = batch_shape
-    self.levels = levels
-    self.element_avals = element_avals
+  element: HostCallback
+  batch_shape: tuple
+  levels: tuple
+  element_avals: tuple
 
   def __call__(self, *args, live=None):
     shape = self.batch_shape
@@ -146,14 +143,12 @@ def batched(host_callback: HostCallback, element: HostCallback,
                          for a in avals), eager=None, spec=spec)
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class MaskedHost:
   """Host function of an effect in a vmapped ``cond`` branch: runs where
   its first operand (the element took the branch) is True, else zeros."""
-  __slots__ = ("inner", "result_avals")
-
-  def __init__(self, inner, result_avals: tuple):
-    self.inner = inner
-    self.result_avals = result_avals
+  inner: Callable
+  result_avals: tuple
 
   def __call__(self, taken, *args):
     if np.asarray(taken):
@@ -161,14 +156,12 @@ class MaskedHost:
     return tuple(np.zeros(a.shape, a.dtype) for a in self.result_avals)
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class LiveMasked:
   """Host function of a vmapped effect in vmapped ``while_loop``s: an
   element runs while each predicate (the first operands) is True."""
-  __slots__ = ("inner", "reshapes")
-
-  def __init__(self, inner: BatchedHost, reshapes: tuple):
-    self.inner = inner
-    self.reshapes = reshapes
+  inner: BatchedHost
+  reshapes: tuple
 
   def __call__(self, *args):
     k = len(self.reshapes)

@@ -11,6 +11,7 @@ dispatching thread's call is raised into XLA.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import types
@@ -97,16 +98,14 @@ def _behind(run, running, result_avals, skipped, chain):
   return behind
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class FailedBit:
   """The ``FAILED``-bit rule of a threaded effect (``design/errors.md``);
   host functions test the bit themselves (the hot path)."""
-  __slots__ = ("entry", "cleanup")
   FAILED = int(_errors.FAILED)
   SLOT_MASK = int(_token_value.SLOT_MASK)
-
-  def __init__(self, entry: bool, cleanup: bool):
-    self.entry = entry
-    self.cleanup = cleanup
+  entry: bool
+  cleanup: bool
 
   def on_failed(self, carrier):
     """None (skip this effect), or the carrier to run with."""

@@ -4,7 +4,7 @@ Where a host side is fully determined by data, its front end describes it
 as a JSON-able *effect spec* (``HostCallback.spec``, ``{"kind": ...}``) and
 builds its host function from it with the function it registered for its
 kind (:func:`register_kind`); else ``HostCallback.spec`` says why not (a
-*local* host side). A *site spec* (``host_keys.site_spec``) adds what the
+*local* host side). A *site spec* (``host_target.site_spec``) adds what the
 lowering decided; serialized by :func:`dumps`, it is the custom call's
 ``jax_effects_spec`` attribute (``design/host_target.md``).
 

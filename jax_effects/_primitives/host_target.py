@@ -2,26 +2,470 @@
 
 Every effect lowered for CPU is one custom call to :data:`TARGET` with two
 string attributes: ``jax_effects_key``, bound in this process to a
-``host_sites.Site`` (:data:`_sites`, held weakly), and ``jax_effects_spec``,
-the site spec the key was made from (``host_keys``). A key not bound here
-is rebuilt from its spec on its first call, or its effect fails with a
-deferred error. Registry, lifetime and handler: ``design/host_target.md``.
+:class:`Site` (:data:`_sites`, held weakly), and ``jax_effects_spec``,
+the site spec the key was made from. A key not bound here is rebuilt from
+its spec on its first call, or its effect fails with a deferred error.
+Registry, lifetime and handler: ``design/host_target.md``. Three parts:
+
+* A :class:`Site` is what a key is bound to: its host function and, in
+  :attr:`Site.c`, everything ``_trampoline.c`` (:data:`ENTRY`, the one
+  entry XLA calls) needs, made here when the site is made: the description
+  it checks every call frame against before it reads a byte (per buffer
+  its kind, XLA dtype code, rank, byte size and dims), how it hands each
+  operand over (:data:`INT`, :data:`ARRAY`, :data:`BYTES`), and the site's
+  one runner, which it calls with the operands and whose results it writes
+  back.
+* Keys and site specs. A site spec (:func:`site_spec`) names everything
+  that decides what a host side does; its key is made from it
+  (``design/host_target.md``, "Keys"): ``jfx1.D<hash>`` when its effect
+  spec is data, else (a *local* site) ``jfx1.L<hash>.<n>``. A key arriving
+  in a module is checked against its spec (:func:`key_problem`) before a
+  site is rebuilt (:func:`rebuild`); a local site is never rebuilt, nor
+  exported (:class:`NotExportable`), nor reached by an exported module:
+  every key of a module called here that is not a data key becomes
+  ``jfx1.F<hash>`` (:func:`foreign_key`), which no site is ever bound to.
+* The registry (:data:`_sites`), the handler's cold path (:func:`_cold`),
+  the screening of modules from elsewhere (:func:`screen_module`) and
+  :func:`emit`.
 
 Part in the token calling convention: none of its own; it carries the
-carrier operand and result like any other (``host_call``).
+carrier operand and result like any other (``host_call``): the carrier is
+one of a site's passthrough operands (:func:`scalars`), arriving (with a
+partition id) as a Python int, its result written as an int32.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import re
+import struct
+import sys
 import threading
+from typing import Callable
 import weakref
 
+import jax
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects._primitives import host_keys as _keys
-from jax_effects._primitives import host_sites as _host_sites
+from jax_effects._core import effects as _effects
+from jax_effects._primitives import host_callback as _host_callback
+from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_specs as _specs
+from jax_effects._runtime import interrupts as _interrupts
+from jax_effects._runtime import placement as _placement
+
+
+# --- the entry and a site's one description for it ---------------------------
+
+def _installed_entry():
+  """The compiled entry of the installed ``jax_effects`` distribution,
+  loaded as ``_trampoline``, where the imported ``jax_effects`` is another
+  copy (a source tree, imported in its own folder: the README's first
+  command, run in the checkout after ``pip install .``; ``python -m`` puts
+  the working folder first on ``sys.path``, and a clean tree has no
+  compiled parts) that lacks it and the distribution holds the C source it
+  was built from, byte for byte the imported tree's; else None."""
+  module = f"{__package__}._trampoline"
+  here = pathlib.Path(__file__).parent
+  try:
+    source = (here / "_trampoline.c").read_bytes()
+  except OSError:   # (no C source beside the module: nothing to compare)
+    return None
+  stem = module.replace(".", "/")
+  for dist in importlib.metadata.distributions(name="jax_effects"):
+    try:
+      files = {str(f): f for f in dist.files or ()}
+      if f"{stem}.c" not in files:
+        continue
+      built = next((files[stem + suffix] for suffix
+                    in importlib.machinery.EXTENSION_SUFFIXES
+                    if stem + suffix in files), None)
+      if built is None:
+        continue
+      path = pathlib.Path(dist.locate_file(built))
+      if (path.parent.resolve() == here.resolve()
+          or pathlib.Path(dist.locate_file(files[f"{stem}.c"])).read_bytes()
+          != source):
+        continue
+      spec = importlib.util.spec_from_file_location(
+          module, path,
+          loader=importlib.machinery.ExtensionFileLoader(module, str(path)))
+      loaded = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(loaded)
+    except (OSError, ImportError, ValueError):
+      continue
+    sys.modules[module] = loaded
+    setattr(sys.modules[__package__], "_trampoline", loaded)
+    return loaded
+  return None
+
+
+def _entry():
+  try:
+    from jax_effects._primitives import _trampoline
+    return _trampoline
+  except ImportError:
+    # (a checkout's source tree, imported in its folder after
+    # ``pip install .``: the installed copy's, built from the same source)
+    found = _installed_entry()
+  if found is None:
+    raise ImportError(
+        "jax_effects' compiled FFI host entry (jax_effects/_primitives/"
+        "_trampoline.c) is not built in this copy of jax_effects: install it "
+        "with `pip install .` (or `pip install -e .`), or build it in a "
+        "checkout with `python setup.py build_ext --inplace`; its build "
+        "needs a C compiler")
+  return found
+
+
+#: ``_trampoline``: the C function XLA calls, built against XLA's FFI header.
+ENTRY = _entry()
+
+#: How the entry hands a buffer over: a token (not at all), a Python int (a
+#: 0-d int32 carrier or uint32 partition id; an int32 result), a NumPy copy
+#: (an ``np.empty`` it fills), or a memoryview of its bytes (sub-byte).
+TOKEN, INT, ARRAY, BYTES = ENTRY.TOKEN, ENTRY.INT, ENTRY.ARRAY, ENTRY.BYTES
+
+
+def _of_jax(table: dict) -> dict:
+  """``table`` keyed by the NumPy dtypes of the names this JAX has."""
+  import jax.numpy as jnp
+  return {np.dtype(getattr(jnp, name)): v for name, v in table.items()
+          if getattr(jnp, name, None) is not None}
+
+
+#: ``{numpy dtype: XLA_FFI_DataType}``: the header's codes (``ENTRY.DTYPES``).
+DTYPES = _of_jax({k: v for k, v in ENTRY.DTYPES.items() if k != "token"})
+#: Bits per element of the sub-byte dtypes (packed in XLA's buffers).
+SUB_BYTE = _of_jax({"int4": 4, "uint4": 4, "float4_e2m1fn": 4, "int2": 2,
+                    "uint2": 2})
+
+
+class SiteMismatch(Exception):
+  """A call whose spec or attributes are not what this process can run."""
+
+
+class Site:
+  """One call site's host side (module docstring); ``avals_in`` and
+  ``avals_out``: ``(dtype, shape)``, or None for a token; ``scalars``:
+  the operand positions passed as Python ints."""
+  __slots__ = ("key", "spec", "what", "c", "__weakref__")
+
+  def __init__(self, key: bytes, spec: str, what: str, host: Callable,
+               avals_in: list, avals_out: list, scalars: frozenset):
+    self.key = key
+    self.spec = spec
+    self.what = what
+    words, empties, kinds = [len(avals_in), len(avals_out)], [], []
+    for side, avals in ((0, avals_in), (1, avals_out)):
+      for i, aval in enumerate(avals):
+        kind, code, nbytes, shape = _buffer(aval, side, i in scalars)
+        words += [kind, code, len(shape), nbytes, *shape]
+        if side == 0:
+          empties.append((shape, aval[0]) if kind == ARRAY else None)
+        if kind != TOKEN:
+          kinds.append((side, kind, aval))
+    converts = any(k == BYTES or (s == 1 and k != INT) for s, k, _ in kinds)
+    runner = _converting(host, kinds) if converts else host
+    self.c = (struct.pack(f"<{len(words)}q", *words), runner, tuple(empties))
+
+
+def _buffer(aval, side: int, scalar: bool) -> tuple:
+  """``(kind, dtype code, byte size, dims)`` of one buffer."""
+  if aval is None:
+    return TOKEN, ENTRY.DTYPES["token"], 0, ()
+  dtype, shape = aval
+  count = math.prod(shape)
+  bits = SUB_BYTE.get(dtype)
+  nbytes = (count * bits + 7) // 8 if bits else count * dtype.itemsize
+  as_int = shape == () and (dtype == np.int32 if side else scalar and dtype in (
+      np.int32, np.uint32))
+  kind = INT if as_int else BYTES if bits else ARRAY
+  return kind, DTYPES.get(dtype, -1), nbytes, tuple(shape)
+
+
+def _converting(host, kinds) -> Callable:
+  """``host`` with its sub-byte operands unpacked and its results as the
+  entry writes them (``(dtype, shape)`` checked, C-contiguous, sub-byte
+  ones packed)."""
+  unpack = [(j, aval) for j, (s, k, aval) in enumerate(
+      x for x in kinds if x[0] == 0) if k == BYTES]
+  outs = [(k, aval) for s, k, aval in kinds if s == 1]
+
+  def run(*args):
+    if unpack:
+      args = list(args)
+      for j, (dtype, shape) in unpack:
+        args[j] = _unpacked(args[j], dtype, shape)
+    return tuple(v if k == INT else _packed(v, aval)
+                 for (k, aval), v in zip(outs, host(*args)))
+  # (an interrupt landing here is raised by the host function instead)
+  _interrupts.entry_frame(run)
+  return run
+
+
+def _unpacked(data, dtype, shape) -> np.ndarray:
+  """A NumPy copy of sub-byte values packed as XLA packs them."""
+  count = math.prod(shape)
+  if not count:
+    return np.zeros(shape, dtype)
+  bits = SUB_BYTE[dtype]
+  packed = np.frombuffer(data, np.uint8)
+  shifts = np.arange(8 // bits, dtype=np.uint8) * bits
+  values = (packed[:, None] >> shifts) & np.uint8((1 << bits) - 1)
+  return values.reshape(-1)[:count].view(dtype).reshape(shape)
+
+
+def _packed(value, aval) -> np.ndarray:
+  """``value`` as the bytes of a result of ``aval`` (sub-byte: packed)."""
+  dtype, shape = aval
+  value = np.asarray(value, dtype, order="C")
+  if value.shape != shape:
+    raise SiteMismatch(f"a host function returned shape {value.shape}, "
+                       f"expected {shape}")
+  bits = SUB_BYTE.get(dtype)
+  if bits is None:
+    return value
+  per_byte = 8 // bits
+  raw = value.reshape(-1).view(np.uint8) & np.uint8((1 << bits) - 1)
+  padded = np.zeros(-(-value.size // per_byte) * per_byte, np.uint8)
+  padded[:value.size] = raw
+  shifts = np.arange(per_byte, dtype=np.uint8) * bits
+  return np.bitwise_or.reduce(padded.reshape(-1, per_byte) << shifts, axis=1)
+
+
+# --- keys and site specs -----------------------------------------------------
+
+class UnboundHostFunction(LookupError):
+  """A host call whose host side this process does not have: a named
+  callback nobody registered, or a local host side that is gone."""
+
+
+#: Mixed into local keys' hashes where a module called here cannot be
+#: screened (:func:`foreign_key`; ``_compat.screen_exported_calls``): a
+#: secret of this process, so no module can carry one of its local keys
+#: (the cost: a local effect's module text, so JAX's persistent cache key,
+#: then differs between processes). Empty where modules are screened.
+_LOCAL_SALT = "" if _compat.call_exported_p is not None else os.urandom(16).hex()
+
+
+def local_hash(text: str) -> str:
+  """The hash part of the keys of local site spec ``text``."""
+  return _specs.digest(_LOCAL_SALT + text, 20)
+
+
+def key_of(text: str, local_n: int | None = None) -> bytes:
+  """The key of the site spec ``text``: a data site's (``local_n`` None),
+  or the ``local_n``-th local site of that spec."""
+  if local_n is None:
+    return ("jfx1.D" + _specs.digest(text)).encode()
+  return f"jfx1.L{local_hash(text)}.{local_n}".encode()
+
+
+_DATA_KEY = re.compile(rb"jfx1\.D[0-9a-f]{32}")
+_LOCAL_KEY = re.compile(rb"jfx1\.L([0-9a-f]{20})\.(0|[1-9][0-9]{0,17})")
+_FOREIGN_KEY = re.compile(rb"jfx1\.F([0-9a-f]{20})")
+
+
+def is_data_key(key: bytes) -> bool:
+  return _DATA_KEY.fullmatch(key) is not None
+
+
+def foreign_key(key: bytes, text: str) -> bytes:
+  """The key a host call of a module from elsewhere (an exported function
+  called in this process) is given: ``key`` if it is a data key (a data
+  key names one data site in every process: whatever runs under it is
+  the code and data of its spec's hash), else ``jfx1.F<hash of text>``,
+  a key no site is ever bound to: its effect fails with
+  ``UnboundHostFunction`` (a local spec) or is refused (any other), and
+  never reaches a local host function of this process, whatever key the
+  module carried (``design/host_target.md``, "One key, one host
+  function")."""
+  return key if is_data_key(key) else f"jfx1.F{_specs.digest(text, 20)}".encode()
+
+
+def key_problem(key: bytes, text: str) -> str | None:
+  """Why ``key`` is not the key of the spec ``text`` it arrived with, or
+  None (a local key: its hash, its count never checked; a foreign key:
+  its hash)."""
+  shown = key.decode("utf-8", "replace")[:80]
+  try:
+    spec = json.loads(text)
+    local = isinstance(spec, dict) and isinstance(spec.get("effect"), dict) \
+        and "local" in spec["effect"]
+  except ValueError:
+    return (f"a call of jax_effects' host target whose spec is not JSON "
+            f"(key {shown!r}): refused")
+  if local:
+    m = _LOCAL_KEY.fullmatch(key)
+    if m is not None and m.group(1).decode() == local_hash(text):
+      return None
+    m = _FOREIGN_KEY.fullmatch(key)
+    if m is not None and m.group(1).decode() == _specs.digest(text, 20):
+      return None
+  elif key == key_of(text):
+    return None
+  if _FOREIGN_KEY.fullmatch(key):
+    return ("a call of jax_effects' host target in a module from elsewhere "
+            "whose key is not the key of the spec it carries (a corrupt or "
+            "forged module; its key, not a data key, was replaced on "
+            "arrival): refused")
+  return (f"a call of jax_effects' host target whose key {shown!r} is not "
+          f"the key of the spec it carries (a corrupt or foreign module): "
+          f"refused, and the key left unbound")
+
+
+def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
+  """``(site, failing)`` rebuilt from the spec ``text``; a failing site's
+  effect raises ``UnboundHostFunction``, deferred as a callback's error."""
+  try:
+    spec = json.loads(text)
+    if spec.get("v") != _specs.VERSION:
+      raise ValueError(f"spec version {spec.get('v')!r}, this jax_effects "
+                       f"writes {_specs.VERSION}")
+    site_spec = spec["site"]
+    avals_in = [_specs.decode_aval(a) for a in site_spec["in"]]
+    avals_out = [_specs.decode_aval(a) for a in site_spec["out"]]
+    where = _decode_where(site_spec["where"])
+    passthrough = int(site_spec["passthrough"])
+    results = [jax.core.ShapedArray(shape, dtype)
+               for dtype, shape in filter(None, avals_out)]
+  except Exception as err:  # noqa: BLE001 - a spec this version cannot read
+    raise SiteMismatch(
+        f"a call site spec jax_effects cannot read ({err})")
+  effect = spec.get("effect") or {}
+  failing = False
+  try:
+    if "local" in effect and _FOREIGN_KEY.fullmatch(key):
+      raise UnboundHostFunction(
+          f"{effect['local']}: its host function is a Python object of the "
+          f"process that lowered it, which an exported module cannot "
+          f"bring: a module called in this process never runs a local "
+          f"host function, whatever key it carries")
+    if "local" in effect:
+      raise UnboundHostFunction(
+          f"{effect['local']}: its host function is a Python object of the "
+          f"process that lowered it and is not bound in this one (its "
+          f"executable outlived it, or the module came from another "
+          f"process)")
+    host_callback = dataclasses.replace(
+        _specs.rebuild_effect(effect), chain=_decode_chain(site_spec.get("chain")),
+        cleanup=bool(site_spec.get("cleanup", False)))
+  except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
+    what = effect.get("what") or effect.get("local") or "a jax_effects effect"
+    exc = err if isinstance(err, UnboundHostFunction) else (
+        UnboundHostFunction(f"{what} cannot run in this process: {err}"))
+
+    def fail(*args):
+      raise exc
+    host_callback = _host_callback.HostCallback(
+        fail, what, tuple(results[passthrough:]))
+    failing = True
+  host = _host_functions.host_function(
+      host_callback, where, passthrough=passthrough,
+      threaded=bool(site_spec["threaded"]), avals_out=results,
+      entry=bool(site_spec["entry"]), operands=site_spec.get("operands"))
+  return Site(key, text, host_callback.description, host, avals_in, avals_out,
+                          scalars(site_spec, avals_in, where)), failing
+
+
+def _encode_chain(chain):
+  """A chain key as data: an ``Effect``'s name, or None."""
+  return chain.name if isinstance(chain, _effects.Effect) else None
+
+
+def _decode_chain(name):
+  return _effects.UNORDERED if name is None else _effects.Effect(name)
+
+
+def scalars(site_spec, avals_in, where) -> frozenset:
+  """Operand positions passed as NumPy scalars: 0-d passthrough ones (the
+  carrier) and the partition id."""
+  tokens = sum(1 for a in avals_in if a is None)
+  out = {tokens + i for i in range(site_spec["passthrough"])
+         if avals_in[tokens + i][1] == ()}
+  if where.table is not None:
+    out.add(len(avals_in) - 1)
+  return frozenset(out)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _encode_where(where: _placement.Where) -> dict:
+  def one(p):
+    shard = p.shard_index
+    return [p.device_id, list(shard) if isinstance(shard, tuple) else shard,
+            p.process_index]
+  if where.table is not None:
+    return {"table": [one(p) for p in where.table]}
+  return {"fixed": None if where.fixed is None else one(where.fixed)}
+
+
+def _decode_where(data) -> _placement.Where:
+  def one(p):
+    device, shard, process = p
+    return _placement.Placement(
+        device, tuple(shard) if isinstance(shard, list) else shard, process)
+  if "table" in data:
+    return _placement.Where(None, tuple(one(p) for p in data["table"]))
+  fixed = data["fixed"]
+  return _placement.Where(None if fixed is None else one(fixed), None)
+
+
+def _physical(aval):
+  """What the custom call passes for ``aval`` (a token stays a token)."""
+  return aval if getattr(aval, "dtype", None) is None else _compat.physical_aval(aval)
+
+
+def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
+  """``(spec, why_local)``: the site spec of ``side`` lowered with these
+  avals; ``why_local``: why its host side is not data (None: it is)."""
+  host_callback = side.host_callback
+  effect = host_callback.spec
+  why = None
+  if not isinstance(effect, dict):
+    why = effect if isinstance(effect, str) else (
+        "its host side is a Python function of this process")
+    effect = {"local": _ADDRESS.sub("", host_callback.description)}
+  site = {"in": [_specs.encode_aval(_physical(a)) for a in avals_in],
+          "out": [_specs.encode_aval(_physical(a)) for a in avals_out],
+          "where": _encode_where(side.where), "passthrough": side.passthrough,
+          "threaded": side.threaded, "entry": side.entry,
+          "operands": side.operands,
+          # (the chain names what the host keeps for an execution: two
+          # sites of one effect on two chains are two sites)
+          "chain": _encode_chain(host_callback.chain),
+          "cleanup": bool(host_callback.cleanup)}
+  return {"v": _specs.VERSION, "effect": effect, "site": site}, why
+
+
+class NotExportable(ValueError):
+  """An effect whose host side only its process has, lowered for export."""
+
+  def __init__(self, what: str, why: str):
+    fix = ("give it a stable name, jax_effects.callback("
+           "jax_effects.register_callback('my_callback', fn), ...), and "
+           "register the function under that name in the process that calls "
+           "the exported function too: "
+           "jax_effects.register_callback('my_callback', fn)"
+           if what.startswith("jax_effects.callback") else
+           "export the function without it, or run it around the exported "
+           "call")
+    super().__init__(
+        f"jax.export cannot export {what}: {why}, which another process "
+        f"cannot rebuild. Fix: {fix}.")
+
+
+# --- the target, its registry of sites, emit ---------------------------------
 
 #: The custom-call target name (CPU).
 TARGET = "jax_effects_host"
@@ -48,10 +492,9 @@ def _register() -> None:
   with _lock:
     if _registered:
       return
-    import jax
     try:
-      capsule = _host_sites.ENTRY.configure(
-          _sites, _cold, np.empty, _host_sites.SiteMismatch)
+      capsule = ENTRY.configure(
+          _sites, _cold, np.empty, SiteMismatch)
       jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu", api_version=1)
     except Exception as err:  # noqa: BLE001 - XLA refused the handler
       _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
@@ -64,13 +507,13 @@ _sites: dict[bytes, weakref.ref] = {}
 #: HostCallback -> {site spec text: Site}: a site lives while its effect does.
 _holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: Sites rebuilt from a spec, most recently bound last.
-_rebuilt: "collections.OrderedDict[bytes, _host_sites.Site]" = (
+_rebuilt: "collections.OrderedDict[bytes, Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
 
 
-def _bind(key: bytes, site: _host_sites.Site) -> None:
+def _bind(key: bytes, site: Site) -> None:
   def dropped(ref, key=key, lock=_lock, sites=_sites):
     # (bound here: at interpreter exit the module's globals may be gone)
     with lock:
@@ -79,29 +522,29 @@ def _bind(key: bytes, site: _host_sites.Site) -> None:
   _sites[key] = weakref.ref(site, dropped)
 
 
-def _bound(key: bytes) -> _host_sites.Site | None:
+def _bound(key: bytes) -> Site | None:
   ref = _sites.get(key)
   return None if ref is None else ref()
 
 
-def _cold(key: bytes, attrs: dict) -> _host_sites.Site:
+def _cold(key: bytes, attrs: dict) -> Site:
   """The site of a key not bound here (``attrs``: the call's string
   attributes), rebuilt from the call's spec."""
   if set(attrs) != {KEY_ATTR, SPEC_ATTR} or attrs[KEY_ATTR].encode() != key:
-    raise _host_sites.SiteMismatch(
+    raise SiteMismatch(
         "a call of jax_effects' host target with attributes it does not know")
   text = attrs[SPEC_ATTR]
-  problem = _keys.key_problem(key, text)
+  problem = key_problem(key, text)
   if problem:   # (never bound: the key keeps naming what its spec says)
-    raise _host_sites.SiteMismatch(problem)
+    raise SiteMismatch(problem)
   with _lock:
     site = _bound(key)
     if site is not None:
       return site
-    site, failing = _keys.rebuild(key, text)
+    site, failing = rebuild(key, text)
     # (a failing one is made again: a later registration of a named
     # callback makes it run; only a data key is ever bound from a module)
-    if not failing and _keys.is_data_key(key):
+    if not failing and is_data_key(key):
       _bind(key, site)
       _rebuilt[key] = site
       while len(_rebuilt) > REBUILT_KEPT:
@@ -109,11 +552,11 @@ def _cold(key: bytes, attrs: dict) -> _host_sites.Site:
   return site
 
 
-def _not_exportable(host_callback, why) -> _keys.NotExportable:
+def _not_exportable(host_callback, why) -> NotExportable:
   """The refusal to export ``host_callback``: its fix suggests first the
   call of jax_effects that exports in its place, where it has one (an
   adopted ``jax.debug.print``: ``jax_effects.print``)."""
-  err = _keys.NotExportable(host_callback.description, why)
+  err = NotExportable(host_callback.description, why)
   if host_callback.instead:
     text = str(err)
     head, fix, rest = text.partition("Fix: ")
@@ -123,10 +566,10 @@ def _not_exportable(host_callback, why) -> _keys.NotExportable:
 
 
 def _site_for(side, avals_in, avals_out,
-              for_export: bool) -> _host_sites.Site:
+              for_export: bool) -> Site:
   """The site of ``side`` (bound to its key, made if new)."""
   try:
-    spec, why = _keys.site_spec(side, avals_in, avals_out)
+    spec, why = site_spec(side, avals_in, avals_out)
   except _specs.NotData as err:
     spec, why = None, f"it has {err}"
   # (a spec of symbolic shapes is never lowered for execution)
@@ -139,22 +582,22 @@ def _site_for(side, avals_in, avals_out,
     if site is not None and _bound(site.key) is site:
       return site
     if why is None:
-      key = _keys.key_of(text)
+      key = key_of(text)
       site = _bound(key)
     else:
-      h = _keys.local_hash(text)
+      h = local_hash(text)
       n = _local_counts.get(h, 0)
       _local_counts[h] = n + 1
-      key = _keys.key_of(text, n)
+      key = key_of(text, n)
       site = None
     if site is None:
       decoded_in = [_specs.decode_aval(a) for a in spec["site"]["in"]]
       decoded_out = [_specs.decode_aval(a) for a in spec["site"]["out"]]
       host = side.function([a for a in avals_out
                             if getattr(a, "dtype", None) is not None])
-      site = _host_sites.Site(
+      site = Site(
           key, text, side.host_callback.description, host, decoded_in, decoded_out,
-          _keys.scalars(spec["site"], decoded_in, side.where))
+          scalars(spec["site"], decoded_in, side.where))
       _bind(key, site)
     held[text] = site
   return site
@@ -209,7 +652,7 @@ def _ffi_strings(ir, attrs) -> tuple[bytes, str, bool]:
 def screen_module(module) -> bool:
   """Gives every host call of ``module`` (an exported function called in
   this process: a module from elsewhere) the key it may carry
-  (``host_keys.foreign_key``: its data key, else one no site is bound to)
+  (``hostforeign_key``: its data key, else one no site is bound to)
   and exactly the two attributes this package writes; True if it changed
   anything. So a module reaches no host function it did not bring: not a
   local one of this process, whatever key (and attribute names) it
@@ -225,7 +668,7 @@ def screen_module(module) -> bool:
         ir, attrs["call_target_name"]) != TARGET:
       continue
     key, spec, ours = _ffi_strings(ir, attrs)
-    new = _keys.foreign_key(key, spec)
+    new = foreign_key(key, spec)
     if ours and new == key:
       continue
     for name in _CONFIGS:
@@ -274,7 +717,6 @@ def custom_call(ctx, target, operands, sharding, side_effect: bool = True,
                 **attrs) -> list:
   """The results of an FFI custom call to ``target`` (side-effecting
   unless not ``side_effect``)."""
-  import jax
   lower = _lowerings.get((target, side_effect))
   if lower is None:
     lower = _lowerings[target, side_effect] = (

@@ -206,7 +206,7 @@ def test_import_without_an_internal_it_needs_names_jax_and_the_fix(how):
 
 # A JAX whose internals are there but have another shape: jax_effects
 # re-registers JAX's lowering rules of the higher-order primitives (every
-# line: ``_pass/plain_jit``) and of its ordered callbacks (0.10+) at import
+# line: ``_pass/control_flow_rules``) and of its ordered callbacks (0.10+) at import
 # (``_compat.wrap_lowerings``), outside the guarded imports.
 _RESHAPE = {
     # register_lowering without `inline` (the other rules' callers pass none)

@@ -1,5 +1,5 @@
 """A nested ``jit``'s ``in_shardings``/``out_shardings`` hold when jax_effects
-inlines it (``jax_effects/_pass/inlined_jit.py``).
+inlines it (``jax_effects/_pass/control_flow_rules.py``).
 
 The token-threading pass inlines a jit that holds effects (a ``jax.jit``
 equation inside a ``jax_effects.jit`` function, or the one a

@@ -30,7 +30,7 @@ import jax, jax.numpy as jnp, numpy as np
 import jax_effects as je
 from jax.interpreters import mlir
 from jax_effects import _compat
-from jax_effects._primitives import host_keys
+from jax_effects._primitives import host_target as host_keys
 
 ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
 

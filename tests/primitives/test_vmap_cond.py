@@ -19,7 +19,7 @@ from jax.extend.core import primitives as jex_prims
 
 import jax_effects as je
 from helpers import Recorder
-from jax_effects._primitives import control_flow_batching as _control_flow_batching
+from jax_effects._primitives import effect as _control_flow_batching
 
 
 # rec(tag, *values) in traced code records (tag, *values) when it runs;

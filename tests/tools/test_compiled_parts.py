@@ -2,7 +2,7 @@
 a copy of ``jax_effects`` without it fails at import with one clear error
 naming it and how to build it; a checkout's source tree imported after
 ``pip install .`` takes the installed entry where it was built from the
-same C source (``_primitives/installed.py``), and fails the same way where
+same C source (``_primitives/host_target.py``), and fails the same way where
 it was not.
 
 Fresh processes whose import system refuses the entry's module, as a copy
@@ -96,7 +96,7 @@ def _run_in(checkout, site):
 _CHECKOUT = """
 import os
 import jax_effects as je
-from jax_effects._primitives import host_sites
+from jax_effects._primitives import host_target as host_sites
 print(os.path.relpath(je.__file__), os.path.relpath(host_sites.ENTRY.__file__))
 f = je.jit(lambda x: (je.print("x={}", x), x + 1)[1])
 f(1); f(2)
