@@ -9,7 +9,7 @@ every dispatching thread inside the launch and the client's thread pool
 blocked on the devices' in-flight limits; so did plain ``jax.jit`` (no
 callback needed). ``jax_effects`` launches such computations one at a time.
 A callback that runs once in such a computation adds no collective in which
-the other devices wait for it (``first_device.on_first_device``): with one,
+the other devices wait for it (``threaded.on_first_device``): with one,
 the rendezvous stalled under this load and XLA aborted the process.
 
 Run in a subprocess, bounded: a hang dumps every thread's stack and fails.
