@@ -57,8 +57,8 @@ from jax_effects._runtime import notebook as _notebook  # noqa: F401  (IPython: 
 from jax_effects._runtime.barrier import effects_barrier
 from jax_effects._runtime.placement import current as placement
 from jax_effects._runtime.placement import Placement
-from jax_effects._runtime.snapshot import runtime_tokens
-from jax_effects._runtime.snapshot import RuntimeTokens
+from jax_effects._runtime.threads import runtime_tokens
+from jax_effects._runtime.threads import RuntimeTokens
 
 # As jax.jit's: a user error's filtered traceback shows no frame of ours.
 _compat.exclude_from_tracebacks(_os.path.dirname(__file__))
