@@ -1,7 +1,7 @@
 """JAX's own callbacks inside ``jax_effects.jit`` keep JAX's contract.
 
 Adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` and ``io_callback``
-(``_frontends/adopted_host.py``, ``jax_calling.py``): their errors reach the
+(``_frontends/adopted_host.py``): their errors reach the
 caller as ``jax.jit`` delivers them (``design/errors.md``, "Errors of JAX's own
 callbacks"); the user's function receives and prints what it does under
 ``jax.jit``, at jax_effects' cost; ``deterministic()`` holds their output
