@@ -393,21 +393,14 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
   ``_format_print_callback`` of ``Value``s (``from_numpy``) or of real
   ``jax.Array``s."""
   fmt = params["fmt"]
-  options = dict(params["np_printoptions"])
-  has_placeholders = params["has_placeholders"]
   rebuild = rebuilder(params["in_tree"], params["static_args"])
-  get_printoptions = np.get_printoptions
-  printoptions = np.printoptions
-
-  def text(values) -> str:
-    args, kwargs = rebuild(values)
-    if not has_placeholders:
+  if params["has_placeholders"]:   # (under the call site's print options)
+    text = _printing.formatted(fmt, rebuild, dict(params["np_printoptions"]))
+  else:
+    def text(values) -> str:
+      args, kwargs = rebuild(values)
       assert not kwargs, "Format without placeholders should not have kwargs."
       return " ".join((fmt, *(str(a) for a in args)))
-    if get_printoptions() == options:
-      return fmt.format(*args, **kwargs)
-    with printoptions(**options):
-      return fmt.format(*args, **kwargs)
 
   if from_numpy:
     edges = edges or (None,) * (params["in_tree"].num_leaves

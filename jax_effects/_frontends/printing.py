@@ -244,7 +244,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   spec = text_spec(fmt, fa, args, kwargs, options, edges)
   jit = (numpy_texts(fmt, spec["args"], options, edges)
          if isinstance(spec, dict) else _texts(fmt, fa.rebuild, options, edges))
-  fmt_values = _formatted(fmt, fa.rebuild, options)
+  fmt_values = formatted(fmt, fa.rebuild, options)
 
   def eager(*operands):
     cpu = _cpu()
@@ -291,7 +291,7 @@ def _options_check(options: dict):
   return current, same, match
 
 
-def _formatted(fmt: str, rebuild, options: dict):
+def formatted(fmt: str, rebuild, options: dict):
   """``text(values)``: ``fmt`` formatted under the NumPy print ``options``."""
   current, same, match = _options_check(options)
 
@@ -306,7 +306,7 @@ def _formatted(fmt: str, rebuild, options: dict):
 
 def _texts(fmt: str, rebuild, options: dict, edges: tuple):
   """``jit(*np_operands)``: the text of the values a computation passes."""
-  fmt_values = _formatted(fmt, rebuild, options)
+  fmt_values = formatted(fmt, rebuild, options)
   if any(e is not None for e in edges):
     def jit(*np_operands):
       return fmt_values(_edges.host_values(np_operands, edges))
