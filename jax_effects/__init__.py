@@ -38,7 +38,7 @@ from jax_effects._dispatch.modes import deterministic
 from jax_effects._dispatch.modes import ordering
 from jax_effects._dispatch.modes import set_ordering
 from jax_effects._frontends import adopted_host as _ah  # noqa: F401  (registers)
-from jax_effects._frontends.batching import batched
+from jax_effects._frontends.printing import batched
 from jax_effects._frontends.callback import callback
 from jax_effects._frontends.callback import NamedCallback
 from jax_effects._frontends.callback import register_callback
