@@ -1,7 +1,7 @@
 """The pass's rule for ``exp.call`` of an exported ``jax_effects.jit`` function.
 
 Its part of the token calling convention (``design/tokens.md``, "An
-exported function"): an exported jax_effects function (``_dispatch.exporting``)
+exported function"): an exported jax_effects function (``_dispatch.function``)
 carries JAX's ordered effect ``EXPORTED_ORDER``; inside ``jax_effects.jit``
 its call is threaded on the chain of :data:`~jax_effects.DEFAULT`
 (:data:`~jax_effects.GLOBAL` in global mode), as JAX's adopted callbacks
