@@ -34,7 +34,7 @@ from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
-from jax_effects._dispatch import jit_options as _jit_options
+from jax_effects._dispatch import tracing as _tracing
 from jax_effects._primitives import exported as _exported
 from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import token_value as _token_value
@@ -59,7 +59,7 @@ class PjitFunction(Generic[_P, _R]):
   def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
-    _jit_options.check_names(jit_kwargs)
+    _tracing.check_names(jit_kwargs)
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._jit_kwargs = jit_kwargs
