@@ -51,7 +51,6 @@ from jax_effects._pass import shard_map_rule as _smr  # noqa: F401  (its rule)
 from jax_effects._pass import plain_jit as _pj  # noqa: F401  (after the rules)
 from jax_effects._primitives import control_flow_batching as _cfb  # noqa: F401
 from jax_effects._primitives.host_target import TARGET as HOST_TARGET
-from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
 from jax_effects._runtime import notebook as _notebook  # noqa: F401  (IPython: a cell's effects under it)
 from jax_effects._runtime.barrier import effects_barrier

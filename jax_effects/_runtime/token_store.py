@@ -28,9 +28,9 @@ from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import token_value as _token_value
 
-#: Set once jax_effects' interpreter-exit handler has run (``exit``): a
+#: Set once jax_effects' interpreter-exit handler has run (``barrier``): a
 #: dispatch after it (from an exit handler that runs later) takes the general
-#: path, which reports its errors itself (``exit.report_late``).
+#: path, which reports its errors itself (``barrier.report_late``).
 after_exit_handler = False
 
 
