@@ -38,7 +38,7 @@ from jax_effects._dispatch.modes import deterministic
 from jax_effects._dispatch.modes import ordering
 from jax_effects._dispatch.modes import set_ordering
 from jax_effects._frontends import adopted_host as _ah  # noqa: F401  (registers)
-from jax_effects._frontends.batching import batched
+from jax_effects._frontends.printing import batched
 from jax_effects._frontends.callback import callback
 from jax_effects._frontends.callback import NamedCallback
 from jax_effects._frontends.callback import register_callback
@@ -47,14 +47,13 @@ from jax_effects._frontends.printing import print  # noqa: A004
 from jax_effects._frontends.progress import progress
 from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
 from jax_effects._primitives.host_target import TARGET as HOST_TARGET
-from jax_effects._runtime import exit as _exit  # noqa: F401  (atexit: wait, report)
 from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
 from jax_effects._runtime import notebook as _notebook  # noqa: F401  (IPython: a cell's effects under it)
 from jax_effects._runtime.barrier import effects_barrier
 from jax_effects._runtime.placement import current as placement
 from jax_effects._runtime.placement import Placement
-from jax_effects._runtime.snapshot import runtime_tokens
-from jax_effects._runtime.snapshot import RuntimeTokens
+from jax_effects._runtime.threads import runtime_tokens
+from jax_effects._runtime.threads import RuntimeTokens
 
 # As jax.jit's: a user error's filtered traceback shows no frame of ours.
 _compat.exclude_from_tracebacks(_os.path.dirname(__file__))

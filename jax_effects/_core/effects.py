@@ -215,7 +215,7 @@ PLAIN_JIT_ORDER = PlainJitOrder()
 @dataclasses.dataclass(frozen=True)
 class ExportedOrder(_compat.Effect):
   """The JAX *ordered* effect of a ``jax_effects.jit`` function exported
-  with ``jax.export`` (one value; ``_dispatch.exporting``,
+  with ``jax.export`` (one value; ``_dispatch.function``,
   ``_pass.control_flow_rules``). Serialized by its class's name: part of the
   exported format (``design/host_target.md``).
   """

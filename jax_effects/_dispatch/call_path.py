@@ -62,10 +62,10 @@ from __future__ import annotations
 import jax
 
 from jax_effects import _compat
+from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
-from jax_effects._runtime import exit as _exit
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import interrupts as _interrupts
 from jax_effects._runtime import launch_lock as _launch_lock
@@ -160,7 +160,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
       _errors.move_own_errors()   # (for the next call or barrier)
       raise KeyboardInterrupt   # the computation ran; its token is stored
     if _token_store.after_exit_handler:
-      _exit.report_late(state)
+      _barrier.report_late(state)
     if _errors.own.errors:   # (callbacks that ran inline)
       _errors.raise_own(state, token)
   finally:

@@ -27,7 +27,6 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
-from jax_effects._dispatch import jit_options as _jit_options
 from jax_effects._dispatch import tracing as _tracing
 from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
@@ -47,7 +46,7 @@ class _Threaded:
   ``keys``: the ordered chains passed as runtime tokens, in order.
   ``per_device_sharding``: that of the per-device token returned last (None:
   scalar tokens). ``jitted``: ``g``'s ``jax.jit`` objects for ``len(keys)``
-  tokens, by ``jit_options.n_dynamic``. ``fast``: the fast hook while it
+  tokens, by ``tracing.n_dynamic``. ``fast``: the fast hook while it
   applies. ``launch``: the ``launch_lock`` site of its launches.
   """
   __slots__ = ("keys", "per_device_sharding", "jitted", "fast", "launch")
@@ -66,8 +65,8 @@ class Core:
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
     self.jit_kwargs = jit_kwargs
-    self.signature = _jit_options.signature(fun)
-    self.names = _jit_options.names_of(fun)
+    self.signature = _tracing.signature(fun)
+    self.names = _tracing.names_of(fun)
     self.traces = _tracing.TraceCache(fun_ref)
     #: Guards state changes and each mode's ``keys``/``jitted``.
     self.lock = threading.RLock()
@@ -81,7 +80,7 @@ class Core:
     self.call: Callable = self.first_call
 
   def traceable(self, body: Callable, tokens: int | None):
-    return _jit_options.Traceable(body, self.fun_ref, self.names,
+    return _tracing.Traceable(body, self.fun_ref, self.names,
                               self.signature, tokens)
 
   def enter(self, state: str, mode: str | None = None) -> None:
@@ -104,7 +103,7 @@ class Core:
   def keys_and_jit(self, mode: str, args: tuple = ()):
     """``(keys, jitted)``: ``mode``'s chains and ``g``'s ``jax.jit`` for
     ``len(keys)`` tokens, read together."""
-    n_dynamic = _jit_options.n_dynamic(self.jit_kwargs, args)
+    n_dynamic = _tracing.n_dynamic(self.jit_kwargs, args)
     threaded = self.threaded(mode)
     with self.lock:
       keys = threaded.keys
@@ -113,7 +112,7 @@ class Core:
         k = len(keys)
         body = functools.partial(_tracing.threaded, self.traces, mode, keys)
         jitted = _jax_api.jit(self.traceable(body, k),
-                              **_jit_options.threaded_jit_kwargs(
+                              **_tracing.threaded_jit_kwargs(
                                   self.jit_kwargs, n_dynamic, k))
         threaded.jitted[n_dynamic] = jitted
         self.refresh(mode)

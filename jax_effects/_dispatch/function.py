@@ -13,7 +13,7 @@ Its stages (:class:`Traced`, :class:`Lowered`, :class:`Compiled`) wrap JAX's
 stage of whichever ``jax.jit`` object the call would use and show the
 user's arguments and outputs, never the token; ``Compiled.__call__`` runs
 the call path; lowered for ``jax.export``, the exported form
-(``exporting``). Each is an instance of JAX's class without being built as
+(:func:`_lower_for_export`). Each is an instance of JAX's class without being built as
 one: it forwards to JAX's stage every public name it does not define
 (:func:`_forwarding`), so nothing of JAX's class runs on it.
 """
@@ -30,11 +30,13 @@ import jax
 from jax import tree_util
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._dispatch import call_path as _call_path
 from jax_effects._dispatch import core as _core
-from jax_effects._dispatch import jit_options as _jit_options
-from jax_effects._dispatch import exporting as _exporting
+from jax_effects._dispatch import tracing as _tracing
+from jax_effects._primitives import exported as _exported
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import token_value as _token_value
 from jax_effects._runtime import launch_lock as _launch_lock
 from jax_effects._runtime import threads as _threads
@@ -57,7 +59,7 @@ class PjitFunction(Generic[_P, _R]):
   def __init__(self, fun: Callable[_P, _R], **jit_kwargs: Any) -> None:
     if not callable(fun):
       raise TypeError(f"jax_effects.jit expects a callable, got {fun!r}")
-    _jit_options.check_names(jit_kwargs)
+    _tracing.check_names(jit_kwargs)
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._jit_kwargs = jit_kwargs
@@ -292,7 +294,7 @@ class Traced(_Stage, jax.stages.Traced):
   def lower(self, *, lowering_platforms=None, _private_parameters=None):
     if self._mode is not None and getattr(_private_parameters, "for_export",
                                           False):
-      return _exporting.lower(self, lowering_platforms, _private_parameters)
+      return _lower_for_export(self, lowering_platforms, _private_parameters)
     lowered = self._inner.lower(lowering_platforms=lowering_platforms,
                                 _private_parameters=_private_parameters)
     return Lowered(self._function, lowered, self._mode, self._keys)
@@ -333,3 +335,56 @@ class Compiled(_Stage, jax.stages.Compiled):
     # compiled for scalar tokens (see PjitFunction.lower): no per-device sharding
     return _call_path.dispatch(_threads.thread_state(), self._mode, self._keys,
                                None, self._inner, args, kwargs, self._launch)[0]
+
+
+def _lower_for_export(traced, lowering_platforms, private_parameters):
+  """JAX's ``Lowered`` for ``jax.export`` of ``traced`` (a ``stages.Traced``
+  of the threaded computation): not the threaded ``g`` but its exported
+  form (its part of the token calling convention: ``design/tokens.md``, "An
+  exported function"; ``_primitives.exported``)::
+
+    h(*args) -> outputs:
+      c = exported_entry()                 # JAX's ordered EXPORTED_ORDER
+      outputs, token = g(c, ..., c, *args)
+      exported_exit(token)                 # JAX's ordered EXPORTED_ORDER
+
+  with the user's ``jax.jit`` options. Refused, naming the reason, before
+  lowering: where the host target is unavailable, for platforms other than
+  CPU, and unless ``jax.export`` is told the target is allowed
+  (``design/host_target.md``: what an exported module promises)."""
+  why = _host_target.unavailable()
+  if why is not None:
+    raise ValueError(
+        f"jax.export cannot export the jax_effects.jit function "
+        f"{traced.fun_name!r} with effects in this process: {why}")
+  platforms = tuple(lowering_platforms or ())
+  if platforms != ("cpu",):
+    raise ValueError(
+        f"jax.export cannot export the jax_effects.jit function "
+        f"{traced.fun_name!r} with effects for platforms {platforms}: "
+        f"jax_effects' host target, which exported effects call, exists "
+        f"for CPU only. Export for platforms=['cpu'], or export the "
+        f"function without its effects")
+  allowed = _compat.export_allowed_custom_calls()
+  target = _host_target.TARGET
+  if allowed is not None and target not in allowed and "ALL" not in allowed:
+    raise ValueError(
+        f"jax.export of the jax_effects.jit function {traced.fun_name!r} "
+        f"with effects needs its host target ({target!r}) allowed: "
+        f"jax.export.export(f, disabled_checks=[jax.export."
+        f"DisabledSafetyCheck.custom_call(jax_effects.HOST_TARGET)])")
+  core = traced._function._core
+  keys, jitted = core.keys_and_jit(traced._mode, traced._args)
+
+  @functools.wraps(traced._function._fun)
+  def exported(*a, **kw):
+    carrier = _exported.entry()
+    out, token = jitted(*([carrier] * len(keys)), *a, **kw)
+    _exported.exit(token)
+    return out
+
+  inner = _jax_api.jit(exported, **core.jit_kwargs).trace(*traced._args, **traced._kwargs)
+  traced._export_traced = inner
+  return inner.lower(lowering_platforms=lowering_platforms,
+                     _private_parameters=private_parameters)
+

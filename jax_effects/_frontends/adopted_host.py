@@ -2,7 +2,10 @@
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
 ``io_callback`` runs: what the user observes is JAX's (arguments, text,
-result checks, errors as ``jax.jit`` delivers them), at jax_effects' cost.
+result checks, errors as ``jax.jit`` delivers them), at jax_effects' cost:
+JAX's host-callback calling convention as JAX's impls keep it (operands as
+they give them, arguments rebuilt from JAX's flat callback, results checked
+as ``emit_python_callback`` checks them, errors as ``jax.jit`` raises them).
 It registers itself with the pass (``_pass.adopted.register_host_side``).
 See ``design/formatting.md`` (text), ``design/errors.md`` (errors) and
 ``design/placement.md`` (held output).
@@ -14,14 +17,15 @@ around it (``_primitives.host_functions``) handles the carrier.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+import functools
+import traceback
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax import tree_util
 
 from jax_effects import _compat
-from jax_effects._frontends import jax_calling as _jc
 from jax_effects._frontends import printing as _printing
 from jax_effects._pass import adopted as _adopted
 from jax_effects._primitives import edges as _edges
@@ -30,6 +34,189 @@ from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import placement as _placement
 
+# --- errors as jax.jit delivers them -----------------------------------------
+
+#: XLA's status prefix for a failed Python callback (jaxlib 0.8-0.10).
+JAX_ERROR_PREFIX = "INTERNAL: CpuCallback error calling callback: "
+
+
+def jax_error(exc: Exception) -> jax.errors.JaxRuntimeError:
+  """The error ``jax.jit`` raises when a host callback raised ``exc`` (its
+  ``__cause__``); built where ``exc`` is caught, while its frames are live.
+  Its text: ``exc`` as jaxlib puts it in the status message (nanobind's
+  ``python_error::what()``)."""
+  parts = []
+  tb = exc.__traceback__
+  if tb is not None:
+    while tb.tb_next is not None:
+      tb = tb.tb_next
+    parts.append("Traceback (most recent call last):\n")
+    for frame, lineno in reversed(list(traceback.walk_stack(tb.tb_frame))):
+      code = frame.f_code
+      parts.append(f'  File "{code.co_filename}", line {lineno}, '
+                   f"in {code.co_name}\n")
+  parts.append(f"{type(exc).__name__}: ")
+  try:
+    parts.append(str(exc))
+  except Exception:  # noqa: BLE001 - as jaxlib does
+    parts.append("<exception str() failed>")
+  err = jax.errors.JaxRuntimeError(JAX_ERROR_PREFIX + "".join(parts))
+  err.__cause__ = exc
+  return err
+
+
+# --- arguments as JAX's impls give them --------------------------------------
+
+@functools.cache
+def cpu():
+  """``(device, sharding)``: the first local CPU device (where JAX's impls
+  put the operands) and its ``SingleDeviceSharding``."""
+  try:
+    device = jax.local_devices(backend="cpu")[0]
+  except RuntimeError as e:
+    raise RuntimeError(
+        "jax.debug.callback failed to find a local CPU device to place the"
+        " inputs on. Make sure \"cpu\" is listed in --jax_platforms or the"
+        " JAX_PLATFORMS environment variable.") from e
+  return device, jax.sharding.SingleDeviceSharding(device)
+
+
+def avals() -> Callable[[np.ndarray], Any]:
+  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``,
+  cached by shape and dtype."""
+  avals: dict = {}
+  shaped = jax.core.ShapedArray
+
+  def aval_of(x):
+    key = (x.shape, x.dtype)
+    aval = avals.get(key)
+    if aval is None:
+      aval = avals[key] = shaped(x.shape, x.dtype)
+    return aval
+  return aval_of
+
+
+def putter() -> Callable[[tuple, Any, Any], Sequence]:
+  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
+  ``jax.Array`` s ``jax.device_put(x, device)`` returns (marked explicit
+  only under a transfer guard: the mark costs a tenth of the put)."""
+  aval_of = avals()
+  put = _compat.batched_device_put
+  guarded = _compat.host_transfers_guarded
+
+  def put_all(operands, device, sharding):
+    devices = [device]
+    if guarded():
+      return explicit_puts(put, aval_of, sharding, devices, operands)
+    if len(operands) == 1:   # (no comprehension's frame)
+      x = operands[0]
+      return (put(aval_of(x), sharding, [x], devices, True),)
+    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+  return put_all
+
+
+def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
+  """``operands`` on ``devices`` as explicit transfers, as
+  ``jax.device_put``'s are for ``jax.transfer_guard``."""
+  state = _compat.transfer_guard_state()
+  previous = state.explicit_device_put
+  state.explicit_device_put = True
+  try:
+    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
+  finally:
+    state.explicit_device_put = previous
+
+
+class Slot:
+  """Stands for flat argument ``i`` while the argument structure is read."""
+  __slots__ = ("i",)
+
+  def __init__(self, i):
+    self.i = i
+
+
+def slots(in_tree) -> tuple:
+  """``(args, kwargs)`` of ``in_tree`` with each flat argument ``i`` a
+  ``Slot(i)``."""
+  return tree_util.tree_unflatten(
+      in_tree, [Slot(i) for i in range(in_tree.num_leaves)])
+
+
+def rebuilder(in_tree, static_args) -> Callable[[list], tuple]:
+  """``rebuild(dynamic_values) -> (args, kwargs)`` as JAX's
+  ``merge_callback_args`` does, without a pytree unflatten when every
+  argument is itself a leaf."""
+  static = dict(static_args)
+  n = in_tree.num_leaves
+  args, kwargs = slots(in_tree)
+  dynamic = [i for i in range(n) if i not in static]
+  where = {leaf: pos for pos, leaf in enumerate(dynamic)}
+
+  def leaf(node):   # ("d", k): dynamic value k; ("s", v): static v
+    i = node.i
+    return ("d", where[i]) if i in where else ("s", static[i])
+
+  if all(type(a) is Slot for a in args) and all(
+      type(v) is Slot for v in kwargs.values()):
+    arg_parts = [leaf(a) for a in args]
+    kw_parts = [(k, leaf(v)) for k, v in kwargs.items()]
+
+    def flat(values):
+      return ([values[x] if kind == "d" else x for kind, x in arg_parts],
+              {k: values[x] if kind == "d" else x for k, (kind, x) in kw_parts})
+    return flat
+
+  def general(values):
+    full = [None] * n
+    for i, v in static.items():
+      full[i] = v
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    return tree_util.tree_unflatten(in_tree, full)
+  return general
+
+
+def caller(fn, in_tree, static_args) -> Callable[..., Any]:
+  """``call(*values)``: ``fn`` called with the arguments JAX's flat callback
+  rebuilds from ``values``; ``fn`` itself when they are those arguments."""
+  n = in_tree.num_leaves
+  args, kwargs = slots(in_tree)
+  if (not static_args and not kwargs and len(args) == n
+      and all(type(a) is Slot and a.i == i for i, a in enumerate(args))):
+    return fn
+  rebuild = rebuilder(in_tree, static_args)
+
+  def call(*values):
+    a, k = rebuild(values)
+    return fn(*a, **k)
+  return call
+
+
+# --- results as JAX checks them ----------------------------------------------
+
+def check_results(out, result_avals: tuple, n_results: int) -> tuple:
+  """JAX's checks of a callback's flat results, with its messages."""
+  out = tuple(out)
+  if len(out) != n_results:
+    raise RuntimeError(
+        "Mismatched number of outputs from callback. "
+        f"Expected: {n_results}, Actual: {len(out)}")
+  # (with JAX's canonical dtypes, as JAX converts them before it compares)
+  out = [np.asarray(a) for a in out]
+  out = tuple(np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype)) for x in out)
+  for i, (value, aval) in enumerate(zip(out, result_avals)):
+    if value.shape != aval.shape:
+      raise RuntimeError(
+          f"Incorrect output shape for return value #{i}: "
+          f"Expected: {aval.shape}, Actual: {value.shape}")
+    if value.dtype != aval.dtype:
+      raise RuntimeError(
+          f"Incorrect output dtype for return value #{i}: "
+          f"Expected: {aval.dtype}, Actual: {value.dtype}")
+  return out
+
+
+# --- jax.debug.callback / io_callback ---------------------------------------
 
 def _refuse_if_held(what: str) -> None:
   """Refuses a per-device callback inside ``deterministic()``: releasing
@@ -57,8 +244,8 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     call = params["callback"]
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
-    call = _jc.caller(fn, in_tree, tuple(static_args.items()))
-  put_all = _jc.putter()
+    call = caller(fn, in_tree, tuple(static_args.items()))
+  put_all = putter()
   default_device = _compat.default_device_setting
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
@@ -70,7 +257,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
       _refuse_if_held("a jax.debug.callback")
     release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
-      device, sharding = _jc.cpu()
+      device, sharding = cpu()
       args = put_all(operands, device, sharding)
       d = default_device.swap_local(device)
       c = concrete.swap_local(no_concrete)
@@ -85,7 +272,7 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
         concrete.set_local(c)
         default_device.set_local(d)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise _jc.jax_error(exc) from exc
+      raise jax_error(exc) from exc
     return ()
   return host
 
@@ -97,9 +284,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   if parts is None:   # bound by other code: called as it is
     callback, flat = params["callback"], True
   else:   # io_callback's: its steps without its pytree unflatten
-    callback, flat = _jc.caller(*parts, ()), False
+    callback, flat = caller(*parts, ()), False
   leaves = tree_util.tree_leaves
-  put_all = _jc.putter()
+  put_all = putter()
   default_device = _compat.default_device_setting
   # (JAX 0.12's io_callback_impl also runs it with no mesh: as its)
   no_mesh = (_compat.NO_MESH_SETTINGS if _compat.IO_CALLBACK_CLEARS_MESHES
@@ -114,7 +301,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
       _refuse_if_held("an io_callback")
     release()   # (what held lines' sinks raise: their dispatch's errors)
     try:
-      device, sharding = _jc.cpu()
+      device, sharding = cpu()
       args = put_all(operands, device, sharding)
       d = default_device.swap_local(device)
       meshes = [state.swap_local(none) for state, none in no_mesh]
@@ -134,9 +321,9 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
         default_device.set_local(d)
       if not n_results and not out:
         return ()
-      return _jc.check_results(out, result_avals, n_results)
+      return check_results(out, result_avals, n_results)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise _jc.jax_error(exc) from exc
+      raise jax_error(exc) from exc
   return host
 
 
@@ -177,7 +364,7 @@ def print_edges(params: dict, avals: tuple) -> tuple:
 
 def _formats_only_values(params: dict) -> bool:
   """Whether NumPy values can stand for the print's arrays."""
-  args_, kwargs_ = _jc.slots(params["in_tree"])
+  args_, kwargs_ = slots(params["in_tree"])
   return not _reaches_into_arguments(params["fmt"]) and all(
       _plain_structure(a) for a in (*args_, *kwargs_.values()))
 
@@ -191,7 +378,7 @@ def _numpy_text(params: dict, edges: tuple):
   static = dict(params["static_args"])
   n = in_tree.num_leaves
   tree = tree_util.tree_unflatten(
-      in_tree, [static[i] if i in static else _jc.Slot(i) for i in range(n)])
+      in_tree, [static[i] if i in static else Slot(i) for i in range(n)])
   try:
     args_data = _host_specs.encode_tree(tree, set(range(n)) - static.keys())
   except _host_specs.NotData:
@@ -206,21 +393,14 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
   ``_format_print_callback`` of ``Value``s (``from_numpy``) or of real
   ``jax.Array``s."""
   fmt = params["fmt"]
-  options = dict(params["np_printoptions"])
-  has_placeholders = params["has_placeholders"]
-  rebuild = _jc.rebuilder(params["in_tree"], params["static_args"])
-  get_printoptions = np.get_printoptions
-  printoptions = np.printoptions
-
-  def text(values) -> str:
-    args, kwargs = rebuild(values)
-    if not has_placeholders:
+  rebuild = rebuilder(params["in_tree"], params["static_args"])
+  if params["has_placeholders"]:   # (under the call site's print options)
+    text = _printing.formatted(fmt, rebuild, dict(params["np_printoptions"]))
+  else:
+    def text(values) -> str:
+      args, kwargs = rebuild(values)
       assert not kwargs, "Format without placeholders should not have kwargs."
       return " ".join((fmt, *(str(a) for a in args)))
-    if get_printoptions() == options:
-      return fmt.format(*args, **kwargs)
-    with printoptions(**options):
-      return fmt.format(*args, **kwargs)
 
   if from_numpy:
     edges = edges or (None,) * (params["in_tree"].num_leaves
@@ -229,14 +409,14 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
     def message(*operands) -> str:
       return text(_edges.host_values(operands, edges))
     return message
-  aval_of = _jc.avals()
+  aval_of = avals()
   put = _compat.batched_device_put
   default_device = _compat.default_device_setting
   (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
 
   def message(*operands) -> str:
-    device, sharding = _jc.cpu()
-    values = _jc.explicit_puts(put, aval_of, sharding, [device], operands)
+    device, sharding = cpu()
+    values = explicit_puts(put, aval_of, sharding, [device], operands)
     d = default_device.swap_local(device)
     c = concrete.swap_local(no_concrete)
     a = abstract.swap_local(no_abstract)
@@ -277,7 +457,7 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
         logger.exception("jax.debug.callback failed")   # as JAX's impl
         raise
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise _jc.jax_error(exc) from exc
+      raise jax_error(exc) from exc
     return ()
   return host
 

@@ -6,6 +6,7 @@ the token and carrier); the results are the primitive's outputs after them.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable
 
@@ -40,27 +41,19 @@ def _result_avals(what: str, result_shape_dtypes):
   return tuple(avals), treedef
 
 
+@dataclasses.dataclass(slots=True, repr=False, unsafe_hash=True)
 class NamedCallback:
   """A host function referred to by name (:func:`register_callback`):
   passed to :func:`callback` as its ``fn``, or called, it calls the
-  function registered under ``name`` where and when it runs."""
-  __slots__ = ("name",)
+  function registered under ``name`` where and when it runs. Equal (and
+  hashed alike) where the names are."""
   name: str
-
-  def __init__(self, name: str) -> None:
-    self.name = name
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return _registered(self.name)(*args, **kwargs)
 
   def __repr__(self):
     return f"NamedCallback({self.name!r})"
-
-  def __eq__(self, other):
-    return isinstance(other, NamedCallback) and other.name == self.name
-
-  def __hash__(self):
-    return hash(("NamedCallback", self.name))
 
 
 _named: dict[str, Callable[..., Any]] = {}

@@ -259,7 +259,7 @@ def progress(total: int | jax.Array | None, *, desc: str | None = None,
   jax_effects[progress]``; ``tqdm.auto``, a widget in notebooks, when
   ``file`` is None); without it a plain renderer draws
   ``desc:  40%|####      | 4/10 [00:01<00:01, 3.96it/s]`` and the options
-  it can (``_runtime/plain_bars.DRAWN``) as tqdm does. An unknown option or
+  it can (``_runtime/bars.DRAWN``) as tqdm does. An unknown option or
   a value that cannot be drawn is refused here, naming it. Lines printed or
   logged while the bar is drawn are written around it, as ``tqdm.write``.
 

@@ -1,6 +1,6 @@
 """The token calling convention of an exported ``jax_effects.jit`` function.
 
-``jax.export`` of a ``jax_effects.jit`` function (``_dispatch.exporting``)
+``jax.export`` of a ``jax_effects.jit`` function (``_dispatch.function``)
 exports::
 
     h(*args) -> outputs:

@@ -5,7 +5,8 @@ other: its :class:`ThreadTokens` (made on first use, :func:`thread_state`)
 holds its chains' tokens (``token_store``, where a call's returned token is
 stored) and hands them to each dispatch (:meth:`ThreadTokens.tokens_for`);
 a failed token is never handed on (``design/errors.md``). A thread's state
-goes with the thread (``thread_slots``).
+goes with the thread (``thread_slots``). :func:`runtime_tokens` (public
+API) is a read-only snapshot of the calling thread's tokens.
 
 Part in the token calling convention: the runtime tokens each computation
 is passed (``token_value``), by ``_dispatch.call_path``; the contract:
@@ -13,8 +14,10 @@ is passed (``token_value``), by ``_dispatch.call_path``; the contract:
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any
+import types
+from typing import Any, Mapping
 import weakref
 
 import jax
@@ -237,3 +240,36 @@ def _forget_forking_thread() -> None:
   """A forked child's forking thread starts without state (its entry goes:
   the fast hooks hold ``local`` itself)."""
   local.__dict__.pop("state", None)
+
+
+# --- runtime_tokens(): the public, read-only snapshot ---------------------
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeTokens:
+  """Read-only snapshot of one thread's tokens (see :func:`runtime_tokens`)."""
+  effects: Mapping[Any, jax.Array]
+  devices: Mapping[Any, jax.Array]
+
+
+def runtime_tokens() -> RuntimeTokens:
+  """Snapshot for the calling thread.
+
+  ``.effects`` maps each :class:`~jax_effects.Effect` (or ``GLOBAL`` in global
+  mode) to its current runtime token; ``.devices`` maps each device to the
+  latest output token returned by a computation that ran on it.
+
+  While ``ordering("global")`` is active on this thread, ``.effects`` has
+  exactly one entry, ``GLOBAL`` (the initial token if no global-mode call
+  has run yet). In ``"per_effect"`` mode it lists every stream this thread
+  has used (``GLOBAL`` too, after a global block).
+  """
+  state = thread_state()
+  if _effects.get_ordering() == "global":
+    token = state.runtime.get(_effects.GLOBAL)
+    if token is None:   # (a jax.Array, as every other token in the snapshot)
+      token = as_array(state.initial_token())
+    effects = {_effects.GLOBAL: token}
+  else:
+    effects = dict(state.runtime)
+  return RuntimeTokens(types.MappingProxyType(effects),
+                       types.MappingProxyType(state.devices()))

@@ -4,7 +4,7 @@ returned token is stored.
 A thread's :class:`TokenStore` holds, per chain, its latest runtime token
 (``runtime``: uncommitted, or kept on its devices, ``device_tokens``) and
 sequence number (``seqs``: the host's copy of the device's), and the output
-tokens per device set (:class:`OutputTokens`, for the barrier). It changes
+tokens per device set (for the barrier). It changes
 only through the methods of the thread's state (one object:
 ``threads.ThreadTokens``, which reads for a dispatch), but for
 ``dispatching``, which the fast hook sets and clears: a call's returned
@@ -28,9 +28,9 @@ from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import token_value as _token_value
 
-#: Set once jax_effects' interpreter-exit handler has run (``exit``): a
+#: Set once jax_effects' interpreter-exit handler has run (``barrier``): a
 #: dispatch after it (from an exit handler that runs later) takes the general
-#: path, which reports its errors itself (``exit.report_late``).
+#: path, which reports its errors itself (``barrier.report_late``).
 after_exit_handler = False
 
 
@@ -72,12 +72,15 @@ def devices_mode(mode: str | None) -> str | None:
   return _DEVICES_MODES.setdefault(mode, mode + " (devices)")
 
 
-class OutputTokens:
-  """A thread's output tokens, for the barrier: the latest on each device
-  set, and the fast hook's last one, filed by the next :meth:`file`."""
-  __slots__ = ("output", "last_sharding", "last_token")
+class TokenStore:
+  """What a thread's chains hold (module docstring); its output tokens, for
+  the barrier: the latest on each device set, and the fast hook's last one,
+  filed by the next :meth:`file`."""
+  __slots__ = ("output", "last_sharding", "last_token", "runtime", "seqs",
+               "at_risk", "verified", "joined", "plain", "device_tokens",
+               "fast_mode", "dispatching", "mode", "slot", "base")
 
-  def __init__(self):
+  def __init__(self, slot: int, base: int):
     # sharding -> latest output token on that device set (insertion = recency)
     self.output: dict[Any, jax.Array] = {}
     # The sharding of the most recent dispatch's output token, and that token
@@ -85,6 +88,33 @@ class OutputTokens:
     # hashing a sharding).
     self.last_sharding: Any = None
     self.last_token: jax.Array | None = None
+    # chain key (Effect) -> uncommitted runtime token (or kept on devices)
+    self.runtime: dict[Any, jax.Array] = {}
+    # chain key -> the sequence number of its latest token (token_value):
+    # the host's copy of what the device computes
+    self.seqs: dict[Any, int] = {}
+    # chain keys whose computation may fail as a whole (tokens_for)
+    self.at_risk: set = set()
+    # The token last stored that was ready when its call returned (a failure
+    # there was raised by the call): handed on without a check.
+    self.verified: Any = None
+    # tokens of calls made inside this thread's call in flight (join)
+    self.joined: list = []
+    self.plain = None
+    # True while some runtime token is kept on its devices (device_tokens)
+    self.device_tokens = False
+    # The mode in which the fast hooks may run (devices_mode(mode) while a
+    # token is kept on devices); None while anything needs the general
+    # path (_refresh_fast): one comparison stands for all those checks.
+    self.fast_mode: str | None = None
+    # dispatches in progress (>1: a call from a host callback of the
+    # thread's own call); while nonzero a SIGINT is handled by interrupts
+    self.dispatching = 0
+    # The ordering mode of this thread's last dispatch (switch_mode).
+    self.mode: str | None = None
+    self.slot = slot
+    # where every chain's numbers start (``thread_slots.base_of``)
+    self.base = base
 
   def devices(self) -> dict[Any, jax.Array]:
     """Device -> the latest output token covering it (this process's)."""
@@ -119,48 +149,6 @@ class OutputTokens:
         del self.output[sharding]
     if self.last_token is not None and id(self.last_token) in ids:
       self.last_token = None
-
-  def reset(self) -> None:
-    self.output.clear()
-    self.last_sharding = None
-    self.last_token = None
-
-
-class TokenStore(OutputTokens):
-  """What a thread's chains hold (module docstring)."""
-  __slots__ = ("runtime", "seqs", "at_risk", "verified", "joined", "plain",
-               "device_tokens", "fast_mode", "dispatching", "mode", "slot",
-               "base")
-
-  def __init__(self, slot: int, base: int):
-    super().__init__()
-    # chain key (Effect) -> uncommitted runtime token (or kept on devices)
-    self.runtime: dict[Any, jax.Array] = {}
-    # chain key -> the sequence number of its latest token (token_value):
-    # the host's copy of what the device computes
-    self.seqs: dict[Any, int] = {}
-    # chain keys whose computation may fail as a whole (tokens_for)
-    self.at_risk: set = set()
-    # The token last stored that was ready when its call returned (a failure
-    # there was raised by the call): handed on without a check.
-    self.verified: Any = None
-    # tokens of calls made inside this thread's call in flight (join)
-    self.joined: list = []
-    self.plain = None
-    # True while some runtime token is kept on its devices (device_tokens)
-    self.device_tokens = False
-    # The mode in which the fast hooks may run (devices_mode(mode) while a
-    # token is kept on devices); None while anything needs the general
-    # path (_refresh_fast): one comparison stands for all those checks.
-    self.fast_mode: str | None = None
-    # dispatches in progress (>1: a call from a host callback of the
-    # thread's own call); while nonzero a SIGINT is handled by interrupts
-    self.dispatching = 0
-    # The ordering mode of this thread's last dispatch (switch_mode).
-    self.mode: str | None = None
-    self.slot = slot
-    # where every chain's numbers start (``thread_slots.base_of``)
-    self.base = base
 
   def last_seq(self, key) -> int:
     """The sequence number of ``key``'s latest execution on this thread
@@ -295,7 +283,9 @@ class TokenStore(OutputTokens):
     _executions.failed(self.slot, {k: self.last_seq(k) for k in keys}, ended)
 
   def reset(self) -> None:
-    super().reset()
+    self.output.clear()
+    self.last_sharding = None
+    self.last_token = None
     self.runtime.clear()
     self.seqs.clear()
     self.at_risk.clear()

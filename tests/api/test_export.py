@@ -1,5 +1,5 @@
 """``jax.export`` of ``jax_effects.jit`` functions with effects
-(``design/host_target.md``, "Exported modules"; ``_dispatch/exporting.py``).
+(``design/host_target.md``, "Exported modules"; ``_dispatch/function.py``).
 
 The exported module calls jax_effects' FFI target; its host sides are
 rebuilt from their specs wherever it runs: ``print``/``log`` from data, a

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_effects as je
-from jax_effects._dispatch import jit_options as _jit_options
+from jax_effects._dispatch import tracing as _jit_options
 
 
 def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
@@ -44,7 +44,7 @@ def test_concurrent_learning_never_leaves_a_jit_for_the_wrong_token_count(
       other_done.wait(3)   # (times out where building holds a lock)
     return original(body, fun_ref, names, sig, k)
 
-  # (the g a jax.jit object of f is built around, jit_options.Traceable)
+  # (the g a jax.jit object of f is built around, tracing.Traceable)
   monkeypatch.setattr(_jit_options, "Traceable", traceable)
   errors = []
 

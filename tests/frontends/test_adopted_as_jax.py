@@ -1,7 +1,7 @@
 """JAX's own callbacks inside ``jax_effects.jit`` keep JAX's contract.
 
 Adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` and ``io_callback``
-(``_frontends/adopted_host.py``, ``jax_calling.py``): their errors reach the
+(``_frontends/adopted_host.py``): their errors reach the
 caller as ``jax.jit`` delivers them (``design/errors.md``, "Errors of JAX's own
 callbacks"); the user's function receives and prints what it does under
 ``jax.jit``, at jax_effects' cost; ``deterministic()`` holds their output
@@ -482,3 +482,29 @@ def test_an_adopted_callback_sees_the_meshes_jax_gives_it(devices, kind):
     je.jit(f)(x)
     je.effects_barrier()
   assert len(seen) == 2 and seen[0] == seen[1], seen
+
+
+def test_jax_debug_print_of_arrays_keeps_its_call_sites_print_options(capsys):
+  """A field that reaches into its argument (``{x.dtype}``: the values are
+  formatted as ``jax.Array`` s, not NumPy's) is formatted under the NumPy
+  print options of the call site, as ``jax.jit`` formats it, also when the
+  compiled function runs again outside them."""
+  def f(x):
+    jax.debug.print("{x.dtype} {x}", x=x)
+    return x
+
+  x = jnp.array([1 / 3, 2 / 3], jnp.float32)
+  outputs = []
+  for jit, barrier in ((jax.jit, jax.effects_barrier),
+                       (je.jit, je.effects_barrier)):
+    g = jit(f)
+    with np.printoptions(precision=2):
+      g(x)
+      barrier()
+    capsys.readouterr()
+    g(x)   # outside the options: the compiled call site's are kept
+    barrier()
+    outputs.append(capsys.readouterr().out)
+  theirs, ours = outputs
+  assert theirs == "float32 [0.33 0.67]\n"
+  assert ours == theirs

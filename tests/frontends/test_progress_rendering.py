@@ -1,7 +1,7 @@
 """``jax_effects.progress``: the same bar with and without tqdm, its options,
 and the terminal it shares with ``print`` and ``log``.
 
-Contract: ``jax_effects/_runtime/plain_bars.py`` and ``_runtime/bars.py``
+Contract: ``jax_effects/_runtime/bars.py`` (its standard-library renderer too)
 (README "Progress bars for compiled loops"; ``docs/reference.md``
 ``progress``). Oracles: tqdm itself where it is installed (the
 standard-library renderer's text is ``tqdm.format_meter``'s, and a program's
@@ -24,7 +24,7 @@ import pytest
 import jax_effects as je
 from jax_effects._runtime import bars as _bars
 from jax_effects._runtime import output as _output
-from jax_effects._runtime import plain_bars as _plain_bars
+from jax_effects._runtime import bars as _plain_bars
 
 RENDERERS = ["plain", "tqdm"]
 
