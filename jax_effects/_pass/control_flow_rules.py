@@ -39,7 +39,7 @@ needed). No collective is added. ``jax.pmap`` is staged as
 
 ``exp.call`` of an exported ``jax_effects.jit`` function: its part of the
 token calling convention (``design/tokens.md``, "An exported function"):
-an exported jax_effects function (``_dispatch.exporting``) carries JAX's
+an exported jax_effects function (``_dispatch.function``) carries JAX's
 ordered effect ``EXPORTED_ORDER``; inside ``jax_effects.jit`` its call is
 threaded on the chain of :data:`~jax_effects.DEFAULT`
 (:data:`~jax_effects.GLOBAL` in global mode), as JAX's adopted callbacks
