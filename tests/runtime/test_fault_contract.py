@@ -437,10 +437,14 @@ def test_exited_threads_release_their_token_state_and_arrays():
     for t in threads:
       t.join()
   # No all-threads barrier: exiting is enough to release a thread's state.
-  # (Tokens of exited threads still pending are kept until complete; the
-  # effects here are tiny, so wait for them without a barrier.)
-  for t in list(getattr(_threads, "_orphans", [])):
+  # Tokens of exited threads still pending are kept until they complete,
+  # and let go when a thread next starts using jax_effects (its first call
+  # sweeps them): wait for them without a barrier, then start one more.
+  for t in _thread_slots.orphans():
     t.block_until_ready()
+  last = threading.Thread(target=short_lived, args=(201,))
+  last.start()
+  last.join()
   gc.collect()
   assert len(_thread_slots._all_states) <= states_before
   # 200 threads x (initial token + token) were held before the fix
