@@ -1096,7 +1096,7 @@ def main(argv=None) -> int:
       ("o", lambda: _warm_cache(max(3, rounds // 6), 200 if quick else 700)),
       ("p", lambda: bench_plain.bench_plain(
           interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
-          max(10, calls // 4), 2 if quick else 4)),
+          max(10, calls // 4), 2 if quick else 8)),
       ("q", lambda: bench_loop_print.bench_loop_print(
           interleave, _ratio, _summary, max(5, rounds // 3),
           loop_print_steps)),

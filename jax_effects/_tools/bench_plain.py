@@ -7,9 +7,9 @@
 * ``p_jax_print``: the same step with ``jax.debug.print(...,
   ordered=True)`` under ``jax.jit``;
 * ``p_import``: a plain ``jax.jit`` step with no effect of ours, timed in
-  two processes, one with ``import jax_effects`` and one without, taking
-  turns block by block (``_import_ratios``; several such pairs, the median
-  of all the rounds' ratios): importing must cost it nothing.
+  one process before and after ``import jax_effects``, over the same in a
+  process that imports nothing (``_import_cost``): importing must cost it
+  nothing.
 
 Targets: JAX's / ours >= 2.5; with / without the import <= 1.02.
 
@@ -35,65 +35,59 @@ TARGETS = {
                    "jax.debug.print(ordered=True) / jax_effects.print "
                    "(below 5 under JAX's dispatch: bench_plain)"),
     "p_import": ("<=", 1.02, "plain jax.jit step without effects: with / "
-                 "without import jax_effects (two processes taking turns)"),
+                 "without import jax_effects (after / before it, one process)"),
 }
 
-# A child times blocks of a plain jax.jit step, one block per line it reads
-# from its parent (its first line: the step compiled and warm).
+# A child times blocks of a plain jax.jit step, runs its first argument
+# (``import jax_effects``, or nothing), and times as many blocks again.
 _CHILD = """
-import sys, time
-if sys.argv[1] == "1":
-    import jax_effects
+import json, statistics, sys, time
 import jax, jax.numpy as jnp
 calls = int(sys.argv[2])
 f = jax.jit(lambda v: v * 2.0 + 1.0)
 x = jnp.arange(8, dtype=jnp.float32)
 f(x).block_until_ready()
-print("ready", flush=True)
-for _ in sys.stdin:
-    t = time.perf_counter()
-    for _ in range(calls):
-        y = f(x)
-    y.block_until_ready()
-    print((time.perf_counter() - t) / calls, flush=True)
+
+def blocks(n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        for _ in range(calls):
+            y = f(x)
+        y.block_until_ready()
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
+
+before = blocks(20)
+exec(sys.argv[1])
+print(json.dumps(blocks(20) / before))
 """
 
 
-def _import_ratios(calls: int, rounds: int) -> list[float]:
-  """Per round, a block in a process with ``import jax_effects`` / the
-  next block in one without, the two alternating.
+def _after_before(statement: str, calls: int) -> float:
+  out = subprocess.run([sys.executable, "-c", _CHILD, statement, str(calls)],
+                       capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.splitlines()[-1])
 
-  Both processes live through all the rounds and take turns, so each
-  round's two blocks see the same state of the machine. This VM's dispatch
-  speed switches between two levels (about 6.7 and 10 us a call of this
-  step here) for tenths of a second at a time, whatever the import: timed
-  one process after the other, the ratio of two fresh processes' fastest
-  blocks read 0.6-1.6."""
-  children = [subprocess.Popen(
-      [sys.executable, "-c", _CHILD, flag, str(calls)], stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE, text=True) for flag in ("1", "0")]
-  try:
-    for child in children:
-      assert child.stdout.readline().strip() == "ready"
 
-    def block(child) -> float:
-      child.stdin.write("\n")
-      child.stdin.flush()
-      return float(child.stdout.readline())
+def _import_cost(calls: int, processes: int) -> tuple[float, dict]:
+  """The step's time after ``import jax_effects`` / before it, in one
+  process, over the same in a process that imports nothing (medians over
+  ``processes`` of each, alternated).
 
-    ratios = []
-    for r in range(rounds):
-      if r % 2:
-        without = block(children[1])
-        ratios.append(block(children[0]) / without)
-      else:
-        with_import = block(children[0])
-        ratios.append(with_import / block(children[1]))
-    return ratios
-  finally:
-    for child in children:
-      child.stdin.close()
-      child.wait()
+  Before and after are timed in one process because this VM's dispatch
+  speed differs between processes (about 6.7 or 10 us a call of this step
+  here, a process keeping its level for tenths of a second or longer):
+  timed in two processes, even taking turns block by block, the ratio of
+  two processes that both import nothing read 0.93-1.03 over four runs."""
+  ours, control = [], []
+  for _ in range(processes):
+    ours.append(_after_before("import jax_effects", calls))
+    control.append(_after_before("pass", calls))
+  ratio = statistics.median(ours) / statistics.median(control)
+  return ratio, {"with_import": statistics.median(ours),
+                 "without": statistics.median(control),
+                 "processes": processes}
 
 
 def steps():
@@ -124,9 +118,6 @@ def bench_plain(interleave, quiet_output, ratio, summary, rounds: int,
     samples = interleave({"p_ours_plain": (lambda: fo(x), calls),
                           "p_jax_print": (lambda: ft(x), calls)}, rounds)
   results = {k: summary(v) for k, v in samples.items()}
-  imports = [q for _ in range(pairs) for q in _import_ratios(calls * 10, 20)]
-  results["p_import_ratios"] = {"median": statistics.median(imports),
-                                "min": min(imports), "max": max(imports),
-                                "rounds": len(imports)}
+  imports, results["p_import_after/before"] = _import_cost(calls * 10, pairs)
   return results, {"p_jax/ours": ratio(samples, "p_jax_print", "p_ours_plain"),
-                   "p_import": statistics.median(imports)}
+                   "p_import": imports}
