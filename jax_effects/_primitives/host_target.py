@@ -474,6 +474,11 @@ SPEC_ATTR = "jax_effects_spec"
 #: How many sites rebuilt from a spec are kept alive (the oldest dropped
 #: first).
 REBUILT_KEPT = 4096
+#: How many local sites made last are kept alive whatever else holds them
+#: (the oldest dropped first): a computation may run on after its function,
+#: its caches and its executable are gone (design/host_target.md,
+#: "Registry and lifetime").
+LOCAL_KEPT = 4096
 
 _registered = False
 _unavailable: str | None = None
@@ -511,6 +516,8 @@ _rebuilt: "collections.OrderedDict[bytes, Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
+#: The local sites made last (LOCAL_KEPT).
+_local_kept: "collections.deque[Site]" = collections.deque(maxlen=LOCAL_KEPT)
 
 
 def _bind(key: bytes, site: Site) -> None:
@@ -599,6 +606,8 @@ def _site_for(side, avals_in, avals_out,
           key, text, side.host_callback.description, host, decoded_in, decoded_out,
           scalars(spec["site"], decoded_in, side.where))
       _bind(key, site)
+      if why is not None:
+        _local_kept.append(site)
     held[text] = site
   return site
 
