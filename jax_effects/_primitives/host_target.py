@@ -474,10 +474,11 @@ SPEC_ATTR = "jax_effects_spec"
 #: How many sites rebuilt from a spec are kept alive (the oldest dropped
 #: first).
 REBUILT_KEPT = 4096
-#: How many local sites made last are kept alive whatever else holds them
-#: (the oldest dropped first): a computation may run on after its function,
-#: its caches and its executable are gone (design/host_target.md,
-#: "Registry and lifetime").
+#: How many local sites lowered last under plain ``jax.jit`` (outside any
+#: ``jax_effects.jit`` function, which keeps its own) are kept alive, the
+#: oldest dropped first: a computation may run on after its function, its
+#: caches and its executable are gone (design/host_target.md, "Registry and
+#: lifetime").
 LOCAL_KEPT = 4096
 
 _registered = False
@@ -516,7 +517,7 @@ _rebuilt: "collections.OrderedDict[bytes, Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
-#: The local sites made last (LOCAL_KEPT).
+#: The local sites lowered last under plain jax.jit (LOCAL_KEPT).
 _local_kept: "collections.deque[Site]" = collections.deque(maxlen=LOCAL_KEPT)
 
 
@@ -606,8 +607,6 @@ def _site_for(side, avals_in, avals_out,
           key, text, side.host_callback.description, host, decoded_in, decoded_out,
           scalars(spec["site"], decoded_in, side.where))
       _bind(key, site)
-      if why is not None:
-        _local_kept.append(site)
     held[text] = site
   return site
 
@@ -718,6 +717,8 @@ def emit(ctx, side, operands, sharding, side_effect: bool = True) -> list:
     owner = None if holder is None else holder()
     if owner is not None:
       owner.sites.add(site)
+    elif not is_data_key(site.key):   # (plain jax.jit: LOCAL_KEPT)
+      _local_kept.append(site)
   return custom_call(ctx, TARGET, operands, sharding, side_effect,
                      **{KEY_ATTR: site.key.decode(), SPEC_ATTR: site.spec})
 
