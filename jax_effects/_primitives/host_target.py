@@ -474,6 +474,12 @@ SPEC_ATTR = "jax_effects_spec"
 #: How many sites rebuilt from a spec are kept alive (the oldest dropped
 #: first).
 REBUILT_KEPT = 4096
+#: How many local sites lowered last under plain ``jax.jit`` (outside any
+#: ``jax_effects.jit`` function, which keeps its own) are kept alive, the
+#: oldest dropped first: a computation may run on after its function, its
+#: caches and its executable are gone (design/host_target.md, "Registry and
+#: lifetime").
+LOCAL_KEPT = 4096
 
 _registered = False
 _unavailable: str | None = None
@@ -511,6 +517,8 @@ _rebuilt: "collections.OrderedDict[bytes, Site]" = (
     collections.OrderedDict())
 #: Local sites given a key, per hash of their description.
 _local_counts: dict[str, int] = {}
+#: The local sites lowered last under plain jax.jit (LOCAL_KEPT).
+_local_kept: "collections.deque[Site]" = collections.deque(maxlen=LOCAL_KEPT)
 
 
 def _bind(key: bytes, site: Site) -> None:
@@ -709,6 +717,8 @@ def emit(ctx, side, operands, sharding, side_effect: bool = True) -> list:
     owner = None if holder is None else holder()
     if owner is not None:
       owner.sites.add(site)
+    elif not is_data_key(site.key):   # (plain jax.jit: LOCAL_KEPT)
+      _local_kept.append(site)
   return custom_call(ctx, TARGET, operands, sharding, side_effect,
                      **{KEY_ATTR: site.key.decode(), SPEC_ATTR: site.spec})
 

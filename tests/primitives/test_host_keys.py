@@ -462,3 +462,4 @@ je.effects_barrier()
 print(len(seen), N * T, errors[:3])
 """, timeout=600)
   assert lines == ["450 450 []"]
+

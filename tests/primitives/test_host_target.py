@@ -19,6 +19,8 @@ import pytest
 import jax_effects as je
 from jax_effects._primitives import host_target
 
+import helpers
+
 ALLOW = [jax.export.DisabledSafetyCheck.custom_call(je.HOST_TARGET)]
 
 
@@ -185,3 +187,52 @@ def test_calls_keep_no_memory_per_execution():
   grown = sum(s.size_diff for s in after.compare_to(before, "filename")
               if s.size_diff > 0)
   assert grown < 200_000, after.compare_to(before, "lineno")[:5]
+
+
+# --- a site outlives its function while its computation runs ---------------------
+
+def test_a_plain_jit_executable_running_after_its_function_is_gone_finds_its_sites():
+  # Under plain jax.jit nothing of ours owns the sites: the executable's
+  # keepalives and the jaxpr in JAX's trace cache do, and both go with the
+  # function (JAX's eager shard_map makes such a function for every
+  # primitive). A launch over several devices waits at most a second for a
+  # computation that runs the user's code (launch_lock.finish), so the
+  # function can be gone while its computation runs. Here the first
+  # callback holds every device past that second; the function, JAX's
+  # caches and the executable are dropped; then the second callback's local
+  # site must still be bound (it was UnboundHostFunction, reported at
+  # exit: 1 in 25 runs of test_entries' eager entry on JAX 0.12).
+  # The same program with its function kept is the reference.
+  proc = helpers.run_script("""
+import gc, threading
+import jax, jax.numpy as jnp, numpy as np
+import jax_effects as je
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("i",))
+
+def run(drop):
+  gate = threading.Event()
+  seen = []
+  def body(x):
+    je.callback(lambda v: None if gate.wait(60) else print("timeout"), None, x)
+    je.callback(lambda v: seen.append(v.tolist()), None, x + 1)   # (local)
+    # (work enough that XLA runs the computation asynchronously, not
+    # inline on the calling thread: design/host_target.md)
+    return x * 2, jnp.full((64, 64), 1.0 / 64) @ jnp.full((64, 64), 1.0)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"),
+                            out_specs=(P("i"), P())))
+  out, m = f(jnp.arange(8, dtype=jnp.int32))
+  if drop:
+    del f
+    jax.clear_caches(); gc.collect()
+  gate.set()
+  je.effects_barrier()
+  print(drop, out.tolist(), float(m.sum()), sorted(seen))
+
+run(True)
+run(False)
+""", timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = proc.stdout.splitlines()
+  assert [line.split(" ", 1)[1] for line in lines] == [lines[1].split(" ", 1)[1]] * 2
+  assert lines[1].startswith("False [0, 2, 4, 6, 8, 10, 12, 14] 4096.0 [")
