@@ -18,7 +18,8 @@ _TRAMPOLINE = "jax_effects._primitives._trampoline"
 
 def _without(blocked, body):
   """Runs ``body`` in a fresh process where ``blocked`` modules are not
-  importable (as if never built)."""
+  importable (as if never built) and no installed distribution of
+  ``jax_effects`` is found."""
   code = textwrap.dedent(f"""
       import sys
       BLOCKED = {sorted(blocked)!r}
@@ -28,6 +29,10 @@ def _without(blocked, body):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
           return None
       sys.meta_path.insert(0, NotBuilt())
+      # (nor installed anywhere: a checkout run as `python -m pytest` after
+      # `pip install .` would take the installed copy's entry)
+      import importlib.metadata
+      importlib.metadata.distributions = lambda **kwargs: iter(())
       """) + textwrap.dedent(body)
   return run_python("-c", code, timeout=300)
 
