@@ -1,4 +1,4 @@
-"""The host side of the JAX callbacks that the pass adopts (``_pass.adopted``).
+"""The host side of JAX's callbacks that the pass adopts (``_pass.token_pass``).
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
 ``io_callback`` runs: what the user observes is JAX's (arguments, text,
@@ -6,7 +6,7 @@ result checks, errors as ``jax.jit`` delivers them), at jax_effects' cost:
 JAX's host-callback calling convention as JAX's impls keep it (operands as
 they give them, arguments rebuilt from JAX's flat callback, results checked
 as ``emit_python_callback`` checks them, errors as ``jax.jit`` raises them).
-It registers itself with the pass (``_pass.adopted.register_host_side``).
+It registers itself with the pass (``_pass.token_pass.register_host_side``).
 See ``design/formatting.md`` (text), ``design/errors.md`` (errors) and
 ``design/placement.md`` (held output).
 
@@ -27,7 +27,7 @@ from jax import tree_util
 
 from jax_effects import _compat
 from jax_effects._frontends import printing as _printing
-from jax_effects._pass import adopted as _adopted
+from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
@@ -505,7 +505,6 @@ def _io_callback_host_callback(params: dict, avals,
                        result_avals, user_code=True, instead=_NAMED_CALLBACK)
 
 
-_adopted.register_host_side(_compat.debug_print_p, _print_host_callback)
-_adopted.register_host_side(_compat.debug_callback_p,
-                            _debug_callback_host_callback)
-_adopted.register_host_side(_compat.io_callback_p, _io_callback_host_callback)
+_token_pass.register_host_side(_compat.debug_print_p, _print_host_callback)
+_token_pass.register_host_side(_compat.debug_callback_p, _debug_callback_host_callback)
+_token_pass.register_host_side(_compat.io_callback_p, _io_callback_host_callback)
