@@ -127,6 +127,18 @@ def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
     state.explicit_device_put = previous
 
 
+def swap_settings(device, no_mesh) -> list:
+  """Sets this thread's JAX default device to ``device`` and clears the
+  ``no_mesh`` settings (``_compat.NO_MESH_SETTINGS``), as the ``with``
+  blocks of JAX's callback impls do, directly (cheaper); returns
+  ``[(setting, previous), ...]``, for the caller to put back in reverse."""
+  default = _compat.default_device_setting
+  swapped = [(default, default.swap_local(device))]
+  for state, none in no_mesh:
+    swapped.append((state, state.swap_local(none)))
+  return swapped
+
+
 class Slot:
   """Stands for flat argument ``i`` while the argument structure is read."""
   __slots__ = ("i",)
@@ -246,8 +258,6 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     fn, in_tree, static_args = parts
     call = caller(fn, in_tree, tuple(static_args.items()))
   put_all = putter()
-  default_device = _compat.default_device_setting
-  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
   logger = _compat.debugging_logger
   release = _output.release_in_callback
   holding = _output.holding
@@ -259,18 +269,15 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
     try:
       device, sharding = cpu()
       args = put_all(operands, device, sharding)
-      d = default_device.swap_local(device)
-      c = concrete.swap_local(no_concrete)
-      a = abstract.swap_local(no_abstract)
+      swapped = swap_settings(device, _compat.NO_MESH_SETTINGS)
       try:
         call(*args)
       except BaseException:
         logger.exception("jax.debug.callback failed")
         raise
       finally:
-        abstract.set_local(a)
-        concrete.set_local(c)
-        default_device.set_local(d)
+        for state, previous in reversed(swapped):
+          state.set_local(previous)
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
       raise jax_error(exc) from exc
     return ()
@@ -287,7 +294,6 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
     callback, flat = caller(*parts, ()), False
   leaves = tree_util.tree_leaves
   put_all = putter()
-  default_device = _compat.default_device_setting
   # (JAX 0.12's io_callback_impl also runs it with no mesh: as its)
   no_mesh = (_compat.NO_MESH_SETTINGS if _compat.IO_CALLBACK_CLEARS_MESHES
              else ())
@@ -303,8 +309,7 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
     try:
       device, sharding = cpu()
       args = put_all(operands, device, sharding)
-      d = default_device.swap_local(device)
-      meshes = [state.swap_local(none) for state, none in no_mesh]
+      swapped = swap_settings(device, no_mesh)
       try:
         out = callback(*args)
         if not flat:   # what io_callback's flat callback returns
@@ -316,9 +321,8 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
         logger.exception("jax.io_callback failed")
         raise
       finally:
-        for (state, _), previous in zip(no_mesh[::-1], meshes[::-1]):
+        for state, previous in reversed(swapped):
           state.set_local(previous)
-        default_device.set_local(d)
       if not n_results and not out:
         return ()
       return check_results(out, result_avals, n_results)
@@ -411,21 +415,16 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
     return message
   aval_of = avals()
   put = _compat.batched_device_put
-  default_device = _compat.default_device_setting
-  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
 
   def message(*operands) -> str:
     device, sharding = cpu()
     values = explicit_puts(put, aval_of, sharding, [device], operands)
-    d = default_device.swap_local(device)
-    c = concrete.swap_local(no_concrete)
-    a = abstract.swap_local(no_abstract)
+    swapped = swap_settings(device, _compat.NO_MESH_SETTINGS)
     try:
       return text(values)
     finally:
-      abstract.set_local(a)
-      concrete.set_local(c)
-      default_device.set_local(d)
+      for state, previous in reversed(swapped):
+        state.set_local(previous)
   return message
 
 
