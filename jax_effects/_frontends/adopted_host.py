@@ -208,6 +208,8 @@ def caller(fn, in_tree, static_args) -> Callable[..., Any]:
 
 def check_results(out, result_avals: tuple, n_results: int) -> tuple:
   """JAX's checks of a callback's flat results, with its messages."""
+  if not n_results and not out:
+    return ()
   out = tuple(out)
   if len(out) != n_results:
     raise RuntimeError(
@@ -248,6 +250,44 @@ def _refuse_if_held(what: str) -> None:
 # JAX's impls (``debug_callback_impl``, ``io_callback_impl``) with
 # ``jax.device_put`` and the ``with`` blocks inlined, for speed.
 
+def _run_as_jax(call, what: str, logger, failed: str, no_mesh, convert=None,
+                check=None):
+  """``host(*operands)``: ``call`` run as JAX's impl of an adopted ``what``
+  runs it: refused per device inside ``deterministic()``, held lines
+  released first, the operands put on the first CPU device, JAX's default
+  device and the ``no_mesh`` settings swapped around it, a failure logged
+  by ``logger`` (``failed``) and raised as ``jax.jit`` raises it.
+  ``convert(out)``: its results as the impl returns them (inside the logged
+  part); ``check``: ``emit_python_callback``'s checks of those (outside
+  it); no results where None."""
+  put_all = putter()
+  release = _output.release_in_callback
+  holding = _output.holding
+
+  def host(*operands):
+    if holding():
+      _refuse_if_held(what)
+    release()   # (what held lines' sinks raise: their dispatch's errors)
+    try:
+      device, sharding = cpu()
+      args = put_all(operands, device, sharding)
+      swapped = swap_settings(device, no_mesh)
+      try:
+        out = call(*args)
+        if convert is not None:
+          out = convert(out)
+      except BaseException:
+        logger.exception(failed)
+        raise
+      finally:
+        for state, previous in reversed(swapped):
+          state.set_local(previous)
+      return () if check is None else check(out)
+    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
+      raise jax_error(exc) from exc
+  return host
+
+
 def debug_callback(params: dict) -> Callable[..., tuple]:
   """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
   params), as ``debug_callback_impl`` calls it."""
@@ -257,31 +297,8 @@ def debug_callback(params: dict) -> Callable[..., tuple]:
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
     call = caller(fn, in_tree, tuple(static_args.items()))
-  put_all = putter()
-  logger = _compat.debugging_logger
-  release = _output.release_in_callback
-  holding = _output.holding
-
-  def host(*operands):
-    if holding():
-      _refuse_if_held("a jax.debug.callback")
-    release()   # (what held lines' sinks raise: their dispatch's errors)
-    try:
-      device, sharding = cpu()
-      args = put_all(operands, device, sharding)
-      swapped = swap_settings(device, _compat.NO_MESH_SETTINGS)
-      try:
-        call(*args)
-      except BaseException:
-        logger.exception("jax.debug.callback failed")
-        raise
-      finally:
-        for state, previous in reversed(swapped):
-          state.set_local(previous)
-    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
-    return ()
-  return host
+  return _run_as_jax(call, "a jax.debug.callback", _compat.debugging_logger,
+                     "jax.debug.callback failed", _compat.NO_MESH_SETTINGS)
 
 
 def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
@@ -293,42 +310,21 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
   else:   # io_callback's: its steps without its pytree unflatten
     callback, flat = caller(*parts, ()), False
   leaves = tree_util.tree_leaves
-  put_all = putter()
+
+  def convert(out):
+    if not flat:   # what io_callback's flat callback returns
+      out = [] if out is None else leaves(out)
+    # io_callback_impl's tree_map(np.asarray, out) (of a list of leaves)
+    return ([np.asarray(r) for r in out] if type(out) is list
+            else tree_util.tree_map(np.asarray, out))
+
   # (JAX 0.12's io_callback_impl also runs it with no mesh: as its)
   no_mesh = (_compat.NO_MESH_SETTINGS if _compat.IO_CALLBACK_CLEARS_MESHES
              else ())
-  logger = _compat.callback_logger
-  release = _output.release_in_callback
-  holding = _output.holding
-  n_results = len(result_avals)
-
-  def host(*operands):
-    if holding():
-      _refuse_if_held("an io_callback")
-    release()   # (what held lines' sinks raise: their dispatch's errors)
-    try:
-      device, sharding = cpu()
-      args = put_all(operands, device, sharding)
-      swapped = swap_settings(device, no_mesh)
-      try:
-        out = callback(*args)
-        if not flat:   # what io_callback's flat callback returns
-          out = [] if out is None else leaves(out)
-        # io_callback_impl's tree_map(np.asarray, out) (of a list of leaves)
-        out = ([np.asarray(r) for r in out] if type(out) is list
-               else tree_util.tree_map(np.asarray, out))
-      except BaseException:
-        logger.exception("jax.io_callback failed")
-        raise
-      finally:
-        for state, previous in reversed(swapped):
-          state.set_local(previous)
-      if not n_results and not out:
-        return ()
-      return check_results(out, result_avals, n_results)
-    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
-  return host
+  check = functools.partial(check_results, result_avals=result_avals,
+                            n_results=len(result_avals))
+  return _run_as_jax(callback, "an io_callback", _compat.callback_logger,
+                     "jax.io_callback failed", no_mesh, convert, check)
 
 
 # --- jax.debug.print / jax.debug.log -----------------------------------------
