@@ -81,11 +81,16 @@ def cpu():
   return device, jax.sharding.SingleDeviceSharding(device)
 
 
-def avals() -> Callable[[np.ndarray], Any]:
-  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``,
-  cached by shape and dtype."""
+def putter() -> Callable[[tuple, Any, Any], Sequence]:
+  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
+  ``jax.Array`` s ``jax.device_put(x, device)`` returns, their avals cached
+  by shape and dtype; marked explicit transfers, as ``jax.device_put``'s
+  are for ``jax.transfer_guard``, only under a guard (the mark costs a
+  tenth of the put)."""
   avals: dict = {}
   shaped = jax.core.ShapedArray
+  put = _compat.batched_device_put
+  guarded = _compat.host_transfers_guarded
 
   def aval_of(x):
     key = (x.shape, x.dtype)
@@ -93,38 +98,23 @@ def avals() -> Callable[[np.ndarray], Any]:
     if aval is None:
       aval = avals[key] = shaped(x.shape, x.dtype)
     return aval
-  return aval_of
-
-
-def putter() -> Callable[[tuple, Any, Any], Sequence]:
-  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
-  ``jax.Array`` s ``jax.device_put(x, device)`` returns (marked explicit
-  only under a transfer guard: the mark costs a tenth of the put)."""
-  aval_of = avals()
-  put = _compat.batched_device_put
-  guarded = _compat.host_transfers_guarded
 
   def put_all(operands, device, sharding):
     devices = [device]
     if guarded():
-      return explicit_puts(put, aval_of, sharding, devices, operands)
+      state = _compat.transfer_guard_state()
+      previous = state.explicit_device_put
+      state.explicit_device_put = True
+      try:
+        return [put(aval_of(x), sharding, [x], devices, True)
+                for x in operands]
+      finally:
+        state.explicit_device_put = previous
     if len(operands) == 1:   # (no comprehension's frame)
       x = operands[0]
       return (put(aval_of(x), sharding, [x], devices, True),)
     return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
   return put_all
-
-
-def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
-  """``operands`` on ``devices`` as explicit transfers, as
-  ``jax.device_put``'s are for ``jax.transfer_guard``."""
-  state = _compat.transfer_guard_state()
-  previous = state.explicit_device_put
-  state.explicit_device_put = True
-  try:
-    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
-  finally:
-    state.explicit_device_put = previous
 
 
 def swap_settings(device, no_mesh) -> list:
@@ -409,12 +399,11 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
     def message(*operands) -> str:
       return text(_edges.host_values(operands, edges))
     return message
-  aval_of = avals()
-  put = _compat.batched_device_put
+  put_all = putter()
 
   def message(*operands) -> str:
     device, sharding = cpu()
-    values = explicit_puts(put, aval_of, sharding, [device], operands)
+    values = put_all(operands, device, sharding)
     swapped = swap_settings(device, _compat.NO_MESH_SETTINGS)
     try:
       return text(values)
