@@ -222,6 +222,16 @@ def check_results(out, result_avals: tuple, n_results: int) -> tuple:
 
 # --- jax.debug.callback / io_callback ---------------------------------------
 
+_ADOPTED = "(adopted by jax_effects.jit)"
+_HostCallback = _host_callback.HostCallback
+#: What export suggests in place of an adopted callback (README, "Cache,
+#: export and asynchronous dispatch").
+_NAMED_CALLBACK = ("a named jax_effects.callback (jax_effects.callback("
+                   "jax_effects.register_callback('my_callback', fn), ...), "
+                   "with fn registered under that name in the process that "
+                   "calls the exported function too)")
+
+
 def _refuse_if_held(what: str) -> None:
   """Refuses a per-device callback inside ``deterministic()``: releasing
   the held output before it would leave it unsorted (``design/placement.md``).
@@ -278,22 +288,27 @@ def _run_as_jax(call, what: str, logger, failed: str, no_mesh, convert=None,
   return host
 
 
-def debug_callback(params: dict) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
-  params), as ``debug_callback_impl`` calls it."""
+def debug_callback(params: dict, avals: tuple,
+                   source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``jax.debug.callback``
+  (``debug_callback_p``'s params; ``token_pass.register_host_side``'s
+  arguments), run as ``debug_callback_impl`` calls it."""
   parts = _compat.debug_callback_parts(params["callback"])
   if parts is None:   # bound by other code: called as it is
     call = params["callback"]
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
     call = caller(fn, in_tree, tuple(static_args.items()))
-  return _run_as_jax(call, "a jax.debug.callback", _compat.debugging_logger,
+  host = _run_as_jax(call, "a jax.debug.callback", _compat.debugging_logger,
                      "jax.debug.callback failed", _compat.NO_MESH_SETTINGS)
+  return _HostCallback(host, f"jax.debug.callback {_ADOPTED}", user_code=True,
+                       instead=_NAMED_CALLBACK)
 
 
-def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
-  """Host side of an adopted ``io_callback``: ``io_callback_impl`` (results
-  as NumPy arrays) followed by ``emit_python_callback``'s checks."""
+def io_callback(params: dict, avals: tuple, source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``io_callback``: ``io_callback_impl``
+  (results as NumPy arrays) followed by ``emit_python_callback``'s checks."""
+  result_avals = tuple(params["result_avals"])
   parts = _compat.io_callback_parts(params["callback"])
   if parts is None:   # bound by other code: called as it is
     callback, flat = params["callback"], True
@@ -313,8 +328,10 @@ def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
              else ())
   check = functools.partial(check_results, result_avals=result_avals,
                             n_results=len(result_avals))
-  return _run_as_jax(callback, "an io_callback", _compat.callback_logger,
+  host = _run_as_jax(callback, "an io_callback", _compat.callback_logger,
                      "jax.io_callback failed", no_mesh, convert, check)
+  return _HostCallback(host, f"jax.experimental.io_callback {_ADOPTED}",
+                       result_avals, user_code=True, instead=_NAMED_CALLBACK)
 
 
 # --- jax.debug.print / jax.debug.log -----------------------------------------
@@ -413,11 +430,17 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
   return message
 
 
-def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
-  ``_format_print_callback``, delivered through ``_output``. ``edges``:
-  :func:`print_edges`."""
+def debug_print(params: dict, avals: tuple, source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``jax.debug.print``/``log``: the
+  text of JAX's ``_format_print_callback``, delivered through ``_output``
+  (NumPy's edges of its operands: :func:`print_edges`). A format string
+  that holds a traced value's text is warned of as ``jax_effects.print``
+  warns, at the user's line (``source_info``'s)."""
   record = params["logging_record"]
+  what = "jax.debug.print" if record is None else "jax.debug.log"
+  _printing.warn_tracer_text_at(what, params["fmt"],
+                                _compat.user_line(source_info))
+  edges = print_edges(params, avals)
   from_numpy = _formats_only_values(params)
   message = ((params["has_placeholders"] and from_numpy
               and _numpy_text(params, edges))
@@ -443,52 +466,15 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
       raise jax_error(exc) from exc
     return ()
-  return host
-
-
-# --- registered with the pass ------------------------------------------------
-
-_ADOPTED = "(adopted by jax_effects.jit)"
-_HostCallback = _host_callback.HostCallback
-#: What export suggests in place of an adopted callback (README, "Cache,
-#: export and asynchronous dispatch").
-_NAMED_CALLBACK = ("a named jax_effects.callback (jax_effects.callback("
-                   "jax_effects.register_callback('my_callback', fn), ...), "
-                   "with fn registered under that name in the process that "
-                   "calls the exported function too)")
-
-
-def _print_host_callback(params: dict, avals: tuple,
-                         source_info=None) -> _HostCallback:
-  what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
-  # (an f-string of a traced value: warned as jax_effects.print warns, at
-  # the user's line)
-  _printing.warn_tracer_text_at(what, params["fmt"],
-                                _compat.user_line(source_info))
-  edges = print_edges(params, avals)
-  ours = "jax_effects.log" if what == "jax.debug.log" else "jax_effects.print"
-  return _HostCallback(debug_print(params, edges),
-                       f"{what}({params['fmt']!r}) {_ADOPTED}",
+  ours = "jax_effects.log" if record is not None else "jax_effects.print"
+  return _HostCallback(host, f"{what}({params['fmt']!r}) {_ADOPTED}",
                        reads_placement=True, edges=edges,
                        instead=f"{ours}({params['fmt']!r}, ...) (the same "
                                f"format string and arguments)")
 
 
-def _debug_callback_host_callback(params: dict, avals,
-                                  source_info=None) -> _HostCallback:
-  return _HostCallback(debug_callback(params),
-                       f"jax.debug.callback {_ADOPTED}", user_code=True,
-                       instead=_NAMED_CALLBACK)
+_token_pass.register_host_side(_compat.debug_print_p, debug_print)
+_token_pass.register_host_side(_compat.debug_callback_p, debug_callback)
+_token_pass.register_host_side(_compat.io_callback_p, io_callback)
 
 
-def _io_callback_host_callback(params: dict, avals,
-                               source_info=None) -> _HostCallback:
-  result_avals = tuple(params["result_avals"])
-  return _HostCallback(io_callback(params, result_avals),
-                       f"jax.experimental.io_callback {_ADOPTED}",
-                       result_avals, user_code=True, instead=_NAMED_CALLBACK)
-
-
-_token_pass.register_host_side(_compat.debug_print_p, _print_host_callback)
-_token_pass.register_host_side(_compat.debug_callback_p, _debug_callback_host_callback)
-_token_pass.register_host_side(_compat.io_callback_p, _io_callback_host_callback)
