@@ -584,12 +584,9 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   operands, eager, jit, edges, text = formatter(what, fmt, args, kwargs)
   spec = ({"kind": "print", "what": what, "text": text, "ordered": ordered}
           if isinstance(text, dict) else text)
-
-  def emit_eager(*operands):
-    _output.deliver_line(eager(*operands), ordered)
-
   _effect.bind_effect(_emit_line(jit, ordered), what, operands,
-                          effect=effect, ordered=ordered, eager=emit_eager,
+                          effect=effect, ordered=ordered,
+                          eager=_emit_line(eager, ordered),
                           reads_placement=True, edges=edges, spec=spec,
                           batchable=True)
 
