@@ -27,7 +27,7 @@ from jax._src.callback import OrderedIOEffect
 # of ``jax.config.jax_disable_jit`` (read on every dispatch). JAX 0.8-0.12.
 from jax._src.config import disable_jit as disable_jit_flag  # noqa: E402
 # JAX's host-callback primitives and their effect types, adopted by the pass
-# (``_pass.adopted``): no public handle. JAX 0.8-0.12.
+# (``_pass.token_pass``): no public handle. JAX 0.8-0.12.
 from jax._src.debugging import debug_callback_p  # noqa: E402
 from jax._src.debugging import debug_print_p
 from jax._src.debugging import DebugEffect

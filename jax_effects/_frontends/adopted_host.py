@@ -1,4 +1,4 @@
-"""The host side of the JAX callbacks that the pass adopts (``_pass.adopted``).
+"""The host side of JAX's callbacks that the pass adopts (``_pass.token_pass``).
 
 What an adopted ``jax.debug.print``/``log``, ``jax.debug.callback`` or
 ``io_callback`` runs: what the user observes is JAX's (arguments, text,
@@ -6,7 +6,7 @@ result checks, errors as ``jax.jit`` delivers them), at jax_effects' cost:
 JAX's host-callback calling convention as JAX's impls keep it (operands as
 they give them, arguments rebuilt from JAX's flat callback, results checked
 as ``emit_python_callback`` checks them, errors as ``jax.jit`` raises them).
-It registers itself with the pass (``_pass.adopted.register_host_side``).
+It registers itself with the pass (``_pass.token_pass.register_host_side``).
 See ``design/formatting.md`` (text), ``design/errors.md`` (errors) and
 ``design/placement.md`` (held output).
 
@@ -27,7 +27,7 @@ from jax import tree_util
 
 from jax_effects import _compat
 from jax_effects._frontends import printing as _printing
-from jax_effects._pass import adopted as _adopted
+from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
@@ -81,11 +81,16 @@ def cpu():
   return device, jax.sharding.SingleDeviceSharding(device)
 
 
-def avals() -> Callable[[np.ndarray], Any]:
-  """``aval_of(x)``: the aval ``jax.device_put`` gives NumPy array ``x``,
-  cached by shape and dtype."""
+def putter() -> Callable[[tuple, Any, Any], Sequence]:
+  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
+  ``jax.Array`` s ``jax.device_put(x, device)`` returns, their avals cached
+  by shape and dtype; marked explicit transfers, as ``jax.device_put``'s
+  are for ``jax.transfer_guard``, only under a guard (the mark costs a
+  tenth of the put)."""
   avals: dict = {}
   shaped = jax.core.ShapedArray
+  put = _compat.batched_device_put
+  guarded = _compat.host_transfers_guarded
 
   def aval_of(x):
     key = (x.shape, x.dtype)
@@ -93,21 +98,18 @@ def avals() -> Callable[[np.ndarray], Any]:
     if aval is None:
       aval = avals[key] = shaped(x.shape, x.dtype)
     return aval
-  return aval_of
-
-
-def putter() -> Callable[[tuple, Any, Any], Sequence]:
-  """``put_all(operands, device, sharding)``: NumPy ``operands`` as the
-  ``jax.Array`` s ``jax.device_put(x, device)`` returns (marked explicit
-  only under a transfer guard: the mark costs a tenth of the put)."""
-  aval_of = avals()
-  put = _compat.batched_device_put
-  guarded = _compat.host_transfers_guarded
 
   def put_all(operands, device, sharding):
     devices = [device]
     if guarded():
-      return explicit_puts(put, aval_of, sharding, devices, operands)
+      state = _compat.transfer_guard_state()
+      previous = state.explicit_device_put
+      state.explicit_device_put = True
+      try:
+        return [put(aval_of(x), sharding, [x], devices, True)
+                for x in operands]
+      finally:
+        state.explicit_device_put = previous
     if len(operands) == 1:   # (no comprehension's frame)
       x = operands[0]
       return (put(aval_of(x), sharding, [x], devices, True),)
@@ -115,16 +117,16 @@ def putter() -> Callable[[tuple, Any, Any], Sequence]:
   return put_all
 
 
-def explicit_puts(put, aval_of, sharding, devices, operands) -> list:
-  """``operands`` on ``devices`` as explicit transfers, as
-  ``jax.device_put``'s are for ``jax.transfer_guard``."""
-  state = _compat.transfer_guard_state()
-  previous = state.explicit_device_put
-  state.explicit_device_put = True
-  try:
-    return [put(aval_of(x), sharding, [x], devices, True) for x in operands]
-  finally:
-    state.explicit_device_put = previous
+def swap_settings(device, no_mesh) -> list:
+  """Sets this thread's JAX default device to ``device`` and clears the
+  ``no_mesh`` settings (``_compat.NO_MESH_SETTINGS``), as the ``with``
+  blocks of JAX's callback impls do, directly (cheaper); returns
+  ``[(setting, previous), ...]``, for the caller to put back in reverse."""
+  default = _compat.default_device_setting
+  swapped = [(default, default.swap_local(device))]
+  for state, none in no_mesh:
+    swapped.append((state, state.swap_local(none)))
+  return swapped
 
 
 class Slot:
@@ -196,6 +198,8 @@ def caller(fn, in_tree, static_args) -> Callable[..., Any]:
 
 def check_results(out, result_avals: tuple, n_results: int) -> tuple:
   """JAX's checks of a callback's flat results, with its messages."""
+  if not n_results and not out:
+    return ()
   out = tuple(out)
   if len(out) != n_results:
     raise RuntimeError(
@@ -218,6 +222,16 @@ def check_results(out, result_avals: tuple, n_results: int) -> tuple:
 
 # --- jax.debug.callback / io_callback ---------------------------------------
 
+_ADOPTED = "(adopted by jax_effects.jit)"
+_HostCallback = _host_callback.HostCallback
+#: What export suggests in place of an adopted callback (README, "Cache,
+#: export and asynchronous dispatch").
+_NAMED_CALLBACK = ("a named jax_effects.callback (jax_effects.callback("
+                   "jax_effects.register_callback('my_callback', fn), ...), "
+                   "with fn registered under that name in the process that "
+                   "calls the exported function too)")
+
+
 def _refuse_if_held(what: str) -> None:
   """Refuses a per-device callback inside ``deterministic()``: releasing
   the held output before it would leave it unsorted (``design/placement.md``).
@@ -236,95 +250,88 @@ def _refuse_if_held(what: str) -> None:
 # JAX's impls (``debug_callback_impl``, ``io_callback_impl``) with
 # ``jax.device_put`` and the ``with`` blocks inlined, for speed.
 
-def debug_callback(params: dict) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.callback`` (``debug_callback_p``'s
-  params), as ``debug_callback_impl`` calls it."""
+def _run_as_jax(call, what: str, logger, failed: str, no_mesh, convert=None,
+                check=None):
+  """``host(*operands)``: ``call`` run as JAX's impl of an adopted ``what``
+  runs it: refused per device inside ``deterministic()``, held lines
+  released first, the operands put on the first CPU device, JAX's default
+  device and the ``no_mesh`` settings swapped around it, a failure logged
+  by ``logger`` (``failed``) and raised as ``jax.jit`` raises it.
+  ``convert(out)``: its results as the impl returns them (inside the logged
+  part); ``check``: ``emit_python_callback``'s checks of those (outside
+  it); no results where None."""
+  put_all = putter()
+  release = _output.release_in_callback
+  holding = _output.holding
+
+  def host(*operands):
+    if holding():
+      _refuse_if_held(what)
+    release()   # (what held lines' sinks raise: their dispatch's errors)
+    try:
+      device, sharding = cpu()
+      args = put_all(operands, device, sharding)
+      swapped = swap_settings(device, no_mesh)
+      try:
+        out = call(*args)
+        if convert is not None:
+          out = convert(out)
+      except BaseException:
+        logger.exception(failed)
+        raise
+      finally:
+        for state, previous in reversed(swapped):
+          state.set_local(previous)
+      return () if check is None else check(out)
+    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
+      raise jax_error(exc) from exc
+  return host
+
+
+def debug_callback(params: dict, avals: tuple,
+                   source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``jax.debug.callback``
+  (``debug_callback_p``'s params; ``token_pass.register_host_side``'s
+  arguments), run as ``debug_callback_impl`` calls it."""
   parts = _compat.debug_callback_parts(params["callback"])
   if parts is None:   # bound by other code: called as it is
     call = params["callback"]
   else:   # jax.debug.callback's: its steps without its pytree unflatten
     fn, in_tree, static_args = parts
     call = caller(fn, in_tree, tuple(static_args.items()))
-  put_all = putter()
-  default_device = _compat.default_device_setting
-  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
-  logger = _compat.debugging_logger
-  release = _output.release_in_callback
-  holding = _output.holding
-
-  def host(*operands):
-    if holding():
-      _refuse_if_held("a jax.debug.callback")
-    release()   # (what held lines' sinks raise: their dispatch's errors)
-    try:
-      device, sharding = cpu()
-      args = put_all(operands, device, sharding)
-      d = default_device.swap_local(device)
-      c = concrete.swap_local(no_concrete)
-      a = abstract.swap_local(no_abstract)
-      try:
-        call(*args)
-      except BaseException:
-        logger.exception("jax.debug.callback failed")
-        raise
-      finally:
-        abstract.set_local(a)
-        concrete.set_local(c)
-        default_device.set_local(d)
-    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
-    return ()
-  return host
+  host = _run_as_jax(call, "a jax.debug.callback", _compat.debugging_logger,
+                     "jax.debug.callback failed", _compat.NO_MESH_SETTINGS)
+  return _HostCallback(host, f"jax.debug.callback {_ADOPTED}", user_code=True,
+                       instead=_NAMED_CALLBACK)
 
 
-def io_callback(params: dict, result_avals: tuple) -> Callable[..., tuple]:
-  """Host side of an adopted ``io_callback``: ``io_callback_impl`` (results
-  as NumPy arrays) followed by ``emit_python_callback``'s checks."""
+def io_callback(params: dict, avals: tuple, source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``io_callback``: ``io_callback_impl``
+  (results as NumPy arrays) followed by ``emit_python_callback``'s checks."""
+  result_avals = tuple(params["result_avals"])
   parts = _compat.io_callback_parts(params["callback"])
   if parts is None:   # bound by other code: called as it is
     callback, flat = params["callback"], True
   else:   # io_callback's: its steps without its pytree unflatten
     callback, flat = caller(*parts, ()), False
   leaves = tree_util.tree_leaves
-  put_all = putter()
-  default_device = _compat.default_device_setting
+
+  def convert(out):
+    if not flat:   # what io_callback's flat callback returns
+      out = [] if out is None else leaves(out)
+    # io_callback_impl's tree_map(np.asarray, out) (of a list of leaves)
+    return ([np.asarray(r) for r in out] if type(out) is list
+            else tree_util.tree_map(np.asarray, out))
+
   # (JAX 0.12's io_callback_impl also runs it with no mesh: as its)
   no_mesh = (_compat.NO_MESH_SETTINGS if _compat.IO_CALLBACK_CLEARS_MESHES
              else ())
-  logger = _compat.callback_logger
-  release = _output.release_in_callback
-  holding = _output.holding
-  n_results = len(result_avals)
-
-  def host(*operands):
-    if holding():
-      _refuse_if_held("an io_callback")
-    release()   # (what held lines' sinks raise: their dispatch's errors)
-    try:
-      device, sharding = cpu()
-      args = put_all(operands, device, sharding)
-      d = default_device.swap_local(device)
-      meshes = [state.swap_local(none) for state, none in no_mesh]
-      try:
-        out = callback(*args)
-        if not flat:   # what io_callback's flat callback returns
-          out = [] if out is None else leaves(out)
-        # io_callback_impl's tree_map(np.asarray, out) (of a list of leaves)
-        out = ([np.asarray(r) for r in out] if type(out) is list
-               else tree_util.tree_map(np.asarray, out))
-      except BaseException:
-        logger.exception("jax.io_callback failed")
-        raise
-      finally:
-        for (state, _), previous in zip(no_mesh[::-1], meshes[::-1]):
-          state.set_local(previous)
-        default_device.set_local(d)
-      if not n_results and not out:
-        return ()
-      return check_results(out, result_avals, n_results)
-    except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
-      raise jax_error(exc) from exc
-  return host
+  check = functools.partial(check_results, result_avals=result_avals,
+                            n_results=len(result_avals))
+  host = _run_as_jax(callback, "an io_callback", _compat.callback_logger,
+                     "jax.io_callback failed", no_mesh, convert, check)
+  return _HostCallback(host, f"jax.experimental.io_callback {_ADOPTED}",
+                       result_avals, user_code=True, instead=_NAMED_CALLBACK)
 
 
 # --- jax.debug.print / jax.debug.log -----------------------------------------
@@ -409,31 +416,31 @@ def _values_text(params: dict, edges: tuple, from_numpy: bool):
     def message(*operands) -> str:
       return text(_edges.host_values(operands, edges))
     return message
-  aval_of = avals()
-  put = _compat.batched_device_put
-  default_device = _compat.default_device_setting
-  (concrete, no_concrete), (abstract, no_abstract) = _compat.NO_MESH_SETTINGS
+  put_all = putter()
 
   def message(*operands) -> str:
     device, sharding = cpu()
-    values = explicit_puts(put, aval_of, sharding, [device], operands)
-    d = default_device.swap_local(device)
-    c = concrete.swap_local(no_concrete)
-    a = abstract.swap_local(no_abstract)
+    values = put_all(operands, device, sharding)
+    swapped = swap_settings(device, _compat.NO_MESH_SETTINGS)
     try:
       return text(values)
     finally:
-      abstract.set_local(a)
-      concrete.set_local(c)
-      default_device.set_local(d)
+      for state, previous in reversed(swapped):
+        state.set_local(previous)
   return message
 
 
-def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
-  """Host side of an adopted ``jax.debug.print``/``log``: the text of JAX's
-  ``_format_print_callback``, delivered through ``_output``. ``edges``:
-  :func:`print_edges`."""
+def debug_print(params: dict, avals: tuple, source_info=None) -> _HostCallback:
+  """The ``HostCallback`` of an adopted ``jax.debug.print``/``log``: the
+  text of JAX's ``_format_print_callback``, delivered through ``_output``
+  (NumPy's edges of its operands: :func:`print_edges`). A format string
+  that holds a traced value's text is warned of as ``jax_effects.print``
+  warns, at the user's line (``source_info``'s)."""
   record = params["logging_record"]
+  what = "jax.debug.print" if record is None else "jax.debug.log"
+  _printing.warn_tracer_text_at(what, params["fmt"],
+                                _compat.user_line(source_info))
+  edges = print_edges(params, avals)
   from_numpy = _formats_only_values(params)
   message = ((params["has_placeholders"] and from_numpy
               and _numpy_text(params, edges))
@@ -459,53 +466,15 @@ def debug_print(params: dict, edges: tuple = ()) -> Callable[..., tuple]:
     except Exception as exc:  # noqa: BLE001 - delivered as jax.jit would
       raise jax_error(exc) from exc
     return ()
-  return host
-
-
-# --- registered with the pass ------------------------------------------------
-
-_ADOPTED = "(adopted by jax_effects.jit)"
-_HostCallback = _host_callback.HostCallback
-#: What export suggests in place of an adopted callback (README, "Cache,
-#: export and asynchronous dispatch").
-_NAMED_CALLBACK = ("a named jax_effects.callback (jax_effects.callback("
-                   "jax_effects.register_callback('my_callback', fn), ...), "
-                   "with fn registered under that name in the process that "
-                   "calls the exported function too)")
-
-
-def _print_host_callback(params: dict, avals: tuple,
-                         source_info=None) -> _HostCallback:
-  what = "jax.debug.log" if params.get("logging_record") else "jax.debug.print"
-  # (an f-string of a traced value: warned as jax_effects.print warns, at
-  # the user's line)
-  _printing.warn_tracer_text_at(what, params["fmt"],
-                                _compat.user_line(source_info))
-  edges = print_edges(params, avals)
-  ours = "jax_effects.log" if what == "jax.debug.log" else "jax_effects.print"
-  return _HostCallback(debug_print(params, edges),
-                       f"{what}({params['fmt']!r}) {_ADOPTED}",
+  ours = "jax_effects.log" if record is not None else "jax_effects.print"
+  return _HostCallback(host, f"{what}({params['fmt']!r}) {_ADOPTED}",
                        reads_placement=True, edges=edges,
                        instead=f"{ours}({params['fmt']!r}, ...) (the same "
                                f"format string and arguments)")
 
 
-def _debug_callback_host_callback(params: dict, avals,
-                                  source_info=None) -> _HostCallback:
-  return _HostCallback(debug_callback(params),
-                       f"jax.debug.callback {_ADOPTED}", user_code=True,
-                       instead=_NAMED_CALLBACK)
+_token_pass.register_host_side(_compat.debug_print_p, debug_print)
+_token_pass.register_host_side(_compat.debug_callback_p, debug_callback)
+_token_pass.register_host_side(_compat.io_callback_p, io_callback)
 
 
-def _io_callback_host_callback(params: dict, avals,
-                               source_info=None) -> _HostCallback:
-  result_avals = tuple(params["result_avals"])
-  return _HostCallback(io_callback(params, result_avals),
-                       f"jax.experimental.io_callback {_ADOPTED}",
-                       result_avals, user_code=True, instead=_NAMED_CALLBACK)
-
-
-_adopted.register_host_side(_compat.debug_print_p, _print_host_callback)
-_adopted.register_host_side(_compat.debug_callback_p,
-                            _debug_callback_host_callback)
-_adopted.register_host_side(_compat.io_callback_p, _io_callback_host_callback)

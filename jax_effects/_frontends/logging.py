@@ -198,7 +198,9 @@ class _Record:
     _output.deliver_record(lg, record, self.ordered)
 
   def jit_side(self, jit, n: int):
-    """The host function of the compiled computation's values."""
+    """The host function of the compiled computation's values (``jit``,
+    formatting the first ``n``), or of the values outside any trace
+    (``formatter``'s ``eager``)."""
     lg, levelno, emit = self.lg, self.levelno, self.emit
 
     def emit_jit(*np_operands):
@@ -306,15 +308,10 @@ def log(fmt: str, *args: Any, level: int | str = logging.INFO,
                    process_index=jax.process_index())
   spec = _log_spec(what, record, text, extra_spec, len(extra_operands))
   host = _log_host(spec).fn if isinstance(spec, dict) else record.jit_side(jit, n)
-
-  def emit_eager(*all_operands):
-    if not lg.isEnabledFor(levelno) and not _output.capturing_all_records():
-      return
-    record.emit(eager(*all_operands[:n]),
-                [np.asarray(jax.numpy.asarray(x)) for x in all_operands[n:]])
-
+  # (run eagerly: extra='s operands are jax.Arrays, made NumPy's there)
   _effect.bind_effect(host, what, [*operands, *extra_operands],
-                      effect=effect, ordered=ordered, eager=emit_eager,
+                      effect=effect, ordered=ordered,
+                      eager=record.jit_side(eager, n),
                       reads_placement=True,
                       edges=(*edges, *(None,) * len(extra_operands)),
                       spec=spec, batchable=True)

@@ -125,34 +125,28 @@ _PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(?:\d+|\*)?(?:\.\d+)?"
 _TRACER_TEXT = re.compile(r"\b\w*Tracer\([^)]*\)|Traced<")
 
 
-def _tracer_text(what: str, fmt: str) -> str | None:
-  """The warning where ``fmt`` holds the text of a traced value, or None."""
-  found = _TRACER_TEXT.search(fmt) if "Trace" in fmt else None
-  if found is None:
-    return None
-  return (f"{what}: the format string holds {found.group(0)!r}, the text of "
-          f"a traced value (an f-string or str() of it, made when the "
-          f"function was traced), so every run prints that text, not the "
-          f"value. Pass the value as an argument: {what.split('(', 1)[0]}"
-          f"(\"loss={{}}\", loss)")
-
-
 # file name -> the registry of warn_tracer_text_at's warnings from its lines
 # (``warnings``' ``__warningregistry__`` of a module: once per line under
 # the default filter).
 _registries: dict[str, dict] = {}
 
 
-def warn_tracer_text_at(what: str, fmt: str, where) -> None:
-  """Warns, as :func:`formatter` does for ``print``, where the format
-  string of a call traced earlier (an adopted ``jax.debug.print``, seen by
-  the pass) holds the text of a traced value: at ``where``, ``(file name,
-  line)`` of the call, or here where None."""
-  message = _tracer_text(what, fmt)
-  if message is None:
+def warn_tracer_text_at(what: str, fmt: str, where, stacklevel: int = 2) -> None:
+  """Warns where the format string ``fmt`` holds the text of a traced value
+  (``print``'s and ``log``'s, from :func:`formatter`; an adopted
+  ``jax.debug.print``'s, seen by the pass, traced earlier): at ``where``,
+  ``(file name, line)`` of the call, or where None at ``stacklevel`` (as
+  ``warnings.warn``'s, counted from here)."""
+  found = _TRACER_TEXT.search(fmt) if "Trace" in fmt else None
+  if found is None:
     return
+  message = (f"{what}: the format string holds {found.group(0)!r}, the text "
+             f"of a traced value (an f-string or str() of it, made when the "
+             f"function was traced), so every run prints that text, not the "
+             f"value. Pass the value as an argument: {what.split('(', 1)[0]}"
+             f"(\"loss={{}}\", loss)")
   if where is None:
-    warnings.warn(message, TracedTextWarning, stacklevel=2)
+    warnings.warn(message, TracedTextWarning, stacklevel=stacklevel)
     return
   filename, lineno = where
   module = os.path.splitext(os.path.basename(filename))[0] or "<unknown>"
@@ -244,9 +238,7 @@ def formatter(what: str, fmt: str, args: tuple, kwargs: dict):
   to them), or None. ``spec``: :func:`text_spec`.
   """
   check_format(what, fmt, args, kwargs)
-  message = _tracer_text(what, fmt)
-  if message is not None:   # (at the caller of print/log)
-    warnings.warn(message, TracedTextWarning, stacklevel=3)
+  warn_tracer_text_at(what, fmt, None, stacklevel=4)   # (print's caller)
   fa = _arguments.split_for_format(what, args, kwargs)
   check_format_specs(what, fmt, fa)
   options = np.get_printoptions()
@@ -592,12 +584,9 @@ def print(fmt: str, *args: Any, ordered: bool | None = None,  # noqa: A001
   operands, eager, jit, edges, text = formatter(what, fmt, args, kwargs)
   spec = ({"kind": "print", "what": what, "text": text, "ordered": ordered}
           if isinstance(text, dict) else text)
-
-  def emit_eager(*operands):
-    _output.deliver_line(eager(*operands), ordered)
-
   _effect.bind_effect(_emit_line(jit, ordered), what, operands,
-                          effect=effect, ordered=ordered, eager=emit_eager,
+                          effect=effect, ordered=ordered,
+                          eager=_emit_line(eager, ordered),
                           reads_placement=True, edges=edges, spec=spec,
                           batchable=True)
 

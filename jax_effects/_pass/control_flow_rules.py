@@ -91,7 +91,6 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
-from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._pass import token_pass as _token_pass
 from jax_effects._primitives import exported as _exported
@@ -407,7 +406,7 @@ def _call_exported_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   if _effects.EXPORTED_ORDER not in exported.ordered_effects:
     return _compat.bind_equation(eqn, invals)
   return _token_pass.bind_on_chain(
-      chains, _adopted.default_chain(None, mode),
+      chains, _token_pass.default_chain(None, mode),
       lambda token, carrier: _exported.call(token, carrier, invals, exported),
       from_first=False)
 
@@ -415,7 +414,7 @@ def _call_exported_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 if _compat.call_exported_p is not None:   # (else: _compat.EXPORTED_CALLS)
   _token_pass.register_rule(_compat.call_exported_p, _call_exported_rule)
 # (its chain, for the registry that answers which chain an effect is on)
-_effects.register_chain_kind(_effects.ExportedOrder, _adopted.default_chain)
+_effects.register_chain_kind(_effects.ExportedOrder, _token_pass.default_chain)
 
 
 # --- regions of ours under plain jax.jit: through the rules above ------------

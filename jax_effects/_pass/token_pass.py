@@ -14,7 +14,10 @@ Higher-order primitives go through rules (:func:`register_rule`, in
 ``control_flow_rules``); one with an effect inside and no rule is
 refused, naming why (:func:`refusal`). In a loop, an effect offered for
 batching is written to the loop's stage instead, and anything
-else on its chain flushes the stage first (``staging``).
+else on its chain flushes the stage first (``staging``). JAX's own
+callbacks (``jax.debug.print``/``log``, ``jax.debug.callback``,
+``io_callback``) are adopted: threaded on DEFAULT's chain as ours are
+(:func:`adopt`), their host side registered by ``_frontends.adopted_host``.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import jax.numpy as jnp
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
-from jax_effects._pass import adopted as _adopted
 from jax_effects._pass import staging as _staging
 from jax_effects._primitives import counter as _counters
 from jax_effects._primitives import effect as _effect
@@ -133,6 +135,57 @@ def in_region(kind: str | None = None, mask=None):
     _context.kind, _context.masks = saved
 
 
+# --- JAX's own callbacks, adopted ---------------------------------------------
+# ``jax.debug.print``/``log`` (``debug_print_p``), ``jax.debug.callback``
+# (``debug_callback_p``) and ``io_callback`` (``io_callback_p``) traced inside
+# a ``jax_effects.jit`` function become ``threaded_effect_p`` equations:
+# ordered or not, each joins the chain of DEFAULT (GLOBAL in global mode;
+# their effect types are registered so here), so it runs in program order
+# with jax_effects' effects, and no JAX effect is left. Their host side is a
+# front end's (``_frontends.adopted_host``, :func:`register_host_side`),
+# which keeps JAX's contract. Unlike JAX's lowering, ``io_callback``'s
+# ``sharding=`` is ignored (it runs where ours run); an ordered
+# ``io_callback`` under ``vmap`` is still refused by JAX. Left to JAX:
+# ``jax.debug.callback(partitioned=True)`` and a callback inside a
+# higher-order primitive without a rule (``design/architecture.md``).
+
+def default_chain(effect, mode: str):
+  """DEFAULT (GLOBAL in global mode), whatever the effect."""
+  del effect
+  return _effects.GLOBAL if mode == "global" else _effects.DEFAULT
+
+
+for _effect_type in (_compat.OrderedDebugEffect, _compat.DebugEffect,
+                     _compat.OrderedIOEffect, _compat.IOEffect):
+  _effects.register_chain_kind(_effect_type, default_chain)
+
+
+# primitive -> ``host_side(params, avals, source_info) -> HostCallback``,
+# registered by ``_frontends.adopted_host``.
+_host_sides: dict = {}
+
+
+def register_host_side(primitive, host_side) -> None:
+  """Registers ``host_side(params, avals, source_info)``, the
+  :class:`~jax_effects._primitives.host_callback.HostCallback` that runs an
+  adopted ``primitive`` equation (``avals``: its operands'; ``source_info``:
+  the equation's, which names the user's line)."""
+  _host_sides[primitive] = host_side
+
+
+def adopt(eqn):
+  """The ``HostCallback`` of an adoptable equation, or None if it stays
+  JAX's (a new one per pass run)."""
+  params = eqn.params
+  host_side = _host_sides.get(eqn.primitive)
+  if host_side is None or params.get("partitioned"):
+    return None
+  return host_side(params, tuple(v.aval for v in eqn.invars), eqn.source_info)
+
+
+#: The primitives of JAX's callbacks that the pass adopts.
+ADOPTED = frozenset({_compat.debug_callback_p, _compat.debug_print_p,
+                     _compat.io_callback_p})
 
 
 # --- the interpreter ---------------------------------------------------------
@@ -150,8 +203,8 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
   def handle(eqn, invals):
     if eqn.primitive is _effect.effect_p:
       return _thread_effect(eqn, invals, chains, mode)
-    if eqn.primitive in _adopted.PRIMITIVES:
-      host_callback = _adopted.adopt(eqn)
+    if eqn.primitive in ADOPTED:
+      host_callback = adopt(eqn)
       if host_callback is not None:   # JAX's own callback: threaded like ours
         (key,) = _effects.chain_keys(eqn.effects, mode)
         if _staging.stages.by_key:
@@ -179,7 +232,7 @@ def unchanged(eqn) -> bool:
   effects = eqn.effects
   return not (
       eqn.primitive is _effect.effect_p
-      or eqn.primitive in _adopted.PRIMITIVES
+      or eqn.primitive in ADOPTED
       or (effects and _effects.has_chain(effects))
       or eqn.primitive.name in _effect.HIDES_EFFECTS)
 
