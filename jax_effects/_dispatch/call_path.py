@@ -17,7 +17,7 @@ the tree", places them among the modules):
    dispatches (``ThreadTokens.switch_mode``);
 3. fetch the runtime tokens (``ThreadTokens.tokens_for``: a failed token is
    never handed on, its chain starts afresh; one kept on other devices is
-   combined, ``device_tokens``);
+   combined, ``token_store.combine``);
 4. mark the thread dispatching (``ThreadTokens.begin_dispatch``: a SIGINT
    is now handled by ``interrupts``);
 5. launch ``g``, under ``launch_lock`` when it spans several CPU devices; a
@@ -63,7 +63,6 @@ import jax
 
 from jax_effects import _compat
 from jax_effects._runtime import barrier as _barrier
-from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import host_jobs as _host_jobs
@@ -102,7 +101,7 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
   than the computation's (step 5)."""
   message = str(err)
   return ("incompatible devices" in message and TOKENS_KW in message
-          and any(_device_tokens.kept_on_devices(t) for t in tokens))
+          and any(_token_store.kept_on_devices(t) for t in tokens))
 
 
 def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,

@@ -14,7 +14,7 @@ logger; listeners (``effects_capture``) see both in delivery order, and
 **The deterministic view** (:func:`start_holding`/:func:`stop_holding`):
 the ordered output of per-device callbacks of token-threaded code is
 *held*, and released sorted by (position on its device, device) when the
-per-device token is combined (``device_tokens.combine``), before an
+per-device token is combined (``token_store.combine``), before an
 ordered effect that runs once, or when the view ends (``design/placement.md``).
 What a release's deliveries raise is returned (:func:`release_held`) and
 reported to the dispatching thread, never raised in a host callback.

@@ -26,7 +26,6 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -77,7 +76,7 @@ class ThreadTokens(_token_store.TokenStore):
     computation, and those read for them (for :meth:`update`). A failed
     token is never handed on; one still running is, unless it is
     :attr:`at_risk` (``design/errors.md``). ``device_sharding``:
-    ``device_tokens.for_sharding``'s; ``nested``: :meth:`_past_outer`."""
+    ``token_store.for_sharding``'s; ``nested``: :meth:`_past_outer`."""
     if self.joined:
       self._wait_joined()
     runtime = self.runtime
@@ -128,22 +127,22 @@ class ThreadTokens(_token_store.TokenStore):
     its devices, after it), and the host's copy follows."""
     self.seqs[key] = (self.last_seq(key) + 1) & _token_value.SEQ_MASK
     if isinstance(token, jax.Array):
-      return _device_tokens.advanced(token)
+      return _token_store.advanced(token)
     return self._fresh(key)   # (an initial token: no computation to follow)
 
   def _for_sharding(self, keys, tokens, sharding) -> list:
-    """``tokens`` through ``device_tokens.for_sharding``, stored back."""
+    """``tokens`` through ``token_store.for_sharding``, stored back."""
     out = []
     kept = False   # (one of them stays kept on devices: device_tokens holds)
     for key, token in zip(keys, tokens):
-      moved = _device_tokens.for_sharding(token, sharding)
+      moved = _token_store.for_sharding(token, sharding)
       if moved is not token:
         self.runtime[key] = moved
       elif not kept:
-        kept = _device_tokens.kept_on_devices(token)
+        kept = _token_store.kept_on_devices(token)
       out.append(moved)
     if not kept:
-      self.device_tokens = any(_device_tokens.kept_on_devices(t)
+      self.device_tokens = any(_token_store.kept_on_devices(t)
                                for t in self.runtime.values())
     return out
 
