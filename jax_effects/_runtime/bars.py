@@ -534,9 +534,7 @@ def _reset_after_fork() -> None:
   _output.write_around(None)
 
 
-_bars: dict[int, Any] = {}   # open bars by id
-# Open bars' ids by the slot whose execution opened them (close_for).
-_by_slot: dict[int, set] = {}
+_bars: dict[int, Any] = {}   # open bars by id (each knows its opened_by)
 _bars_lock = threading.Lock()
 _ids = itertools.count(1)
 
@@ -577,16 +575,14 @@ class BarSpec:
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
-      bar.opened_by = slot
-      _by_slot.setdefault(slot, set()).add(bar_id)
+      bar.opened_by = slot   # (the slot whose execution opened it: close_for)
     _output.deliver(bar.open, True)
     return (np.asarray(bar_id, np.int32),)
 
   def advance(self, bar_id, n) -> tuple:
     bar = _bars.get(int(bar_id))
     if bar is not None:
-      n = int(n)
-      _output.deliver(lambda: bar.advance(n), True)
+      _output.deliver(functools.partial(bar.advance, int(n)), True)
     return ()
 
   def advance_counted(self, id_and_count) -> tuple:
@@ -598,23 +594,11 @@ class BarSpec:
   def close(self, bar_id, n) -> tuple:
     """Closes the bar (a *cleanup* effect: it runs also after an earlier
     effect of its chain failed)."""
-    bar = _pop(int(bar_id))
+    with _bars_lock:
+      bar = _bars.pop(int(bar_id), None)
     if bar is not None:
-      n = int(n)
-      _output.deliver(lambda: bar.close(n), True)
+      _output.deliver(functools.partial(bar.close, int(n)), True)
     return ()
-
-
-def _pop(bar_id: int):
-  with _bars_lock:
-    bar = _bars.pop(bar_id, None)
-    if bar is not None:
-      ids = _by_slot.get(bar.opened_by)
-      if ids is not None:
-        ids.discard(bar_id)
-        if not ids:
-          del _by_slot[bar.opened_by]
-  return bar
 
 
 def close_for(slot: int, chains: tuple = ()) -> None:
@@ -625,11 +609,10 @@ def close_for(slot: int, chains: tuple = ()) -> None:
                         for c in chains):
     return
   with _bars_lock:
-    ids = list(_by_slot.get(slot, ()))
-  for bar_id in ids:
-    bar = _pop(bar_id)
-    if bar is not None:
-      _output.deliver(lambda bar=bar: bar.close(0), True)
+    ids = [bar_id for bar_id, bar in _bars.items() if bar.opened_by == slot]
+    bars = [_bars.pop(bar_id) for bar_id in ids]
+  for bar in bars:
+    _output.deliver(functools.partial(bar.close, 0), True)
 
 
 def open_bars() -> int:
