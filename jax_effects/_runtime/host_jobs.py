@@ -267,7 +267,7 @@ def retire(slot: int, chains: dict) -> None:
 
 
 def forget(slot: int) -> None:
-  """``slot`` is freed (``thread_slots``): drop what is kept under it."""
+  """``slot`` is freed (``threads.sweep``): drop what is kept under it."""
   with lock:
     for site in list(_sites):
       site.parts.pop(slot, None)

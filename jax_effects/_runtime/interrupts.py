@@ -18,7 +18,6 @@ import threading
 
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
-from jax_effects._runtime import thread_slots as _thread_slots
 
 #: Slots whose call in progress was interrupted (read without a lock by
 #: every host function: empty in the common case).
@@ -70,4 +69,4 @@ def dispatching_frame(function) -> None:
   _placement.mark(function.__code__, _placement.DISPATCH)
 
 
-_thread_slots.on_new_thread.append(_install_sigint_handler)
+_threads.on_new_thread.append(_install_sigint_handler)

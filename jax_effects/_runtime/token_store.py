@@ -194,7 +194,7 @@ class TokenStore:
     # The ordering mode of this thread's last dispatch (switch_mode).
     self.mode: str | None = None
     self.slot = slot
-    # where every chain's numbers start (``thread_slots.base_of``)
+    # where every chain's numbers start (``threads.base_of``)
     self.base = base
 
   def devices(self) -> dict[Any, jax.Array]:
