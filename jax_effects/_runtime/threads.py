@@ -56,7 +56,9 @@ class ThreadTokens(_token_store.TokenStore):
     self.python_thread = _placement.python_thread(thread)
 
   def pending(self) -> list[jax.Array]:
-    return [*self.outputs(), *self.runtime.values(), *self.joined]
+    last = () if self.last_token is None else (self.last_token,)
+    return [*self.output.values(), *last, *self.runtime.values(),
+            *self.joined]
 
   def begin_dispatch(self) -> None:
     self.dispatching += 1

@@ -205,10 +205,6 @@ class TokenStore:
     return {device: token for sharding, token in items
             for device in sharding.addressable_devices}
 
-  def outputs(self) -> list[jax.Array]:
-    last = [] if self.last_token is None else [self.last_token]
-    return [*self.output.values(), *last]
-
   def file(self, token: jax.Array) -> None:
     """Files ``token`` as the latest output token of its device set."""
     output = self.output
