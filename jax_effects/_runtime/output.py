@@ -358,7 +358,8 @@ def _run(thunk: Callable[[], None]) -> None:
 def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
   if _hold_depth:
     p = _placement.current()
-    if ordered and p is not None and p.per_device and _placement.threaded():
+    # (site.running[1]: the running host function went through the pass)
+    if ordered and p is not None and p.per_device and _placement.site.running[1]:
       key = (p.device_id if p.device_id is not None else -1, p.shard_index)
       with _hold_lock:
         if _hold_depth:

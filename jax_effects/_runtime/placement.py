@@ -160,12 +160,6 @@ def python_thread(thread: threading.Thread | None = None) -> bool:
   return thread is not None and not isinstance(thread, threading._DummyThread)
 
 
-def threaded() -> bool:
-  """Whether the running host callback (one that sets ``site``) went
-  through the token-threading pass."""
-  return site.running[1]
-
-
 # --- lowering side ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
