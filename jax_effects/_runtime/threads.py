@@ -294,7 +294,9 @@ def sweep() -> None:
 
 @_fork.reset_in_child
 def _reset_after_fork() -> None:
-  """Nothing of the parent's, JAX's own runtime tokens included."""
+  """Nothing of the parent's, JAX's own runtime tokens included; the
+  forking thread starts without state (its entry goes: the fast hooks hold
+  ``local`` itself)."""
   global _all_lock, _all_states, _next_slot, _generation
   _generation += 1
   for state in list(_all_states):
@@ -306,6 +308,7 @@ def _reset_after_fork() -> None:
   _free_slots.clear()
   _next_slot = 1
   _compat.clear_jax_runtime_tokens()
+  local.__dict__.pop("state", None)
 
 
 def held_slots() -> int:
@@ -377,13 +380,6 @@ def mode_changed(all_threads: bool) -> None:
   ``all_threads``) changed: their next dispatch takes the general path."""
   for state in states(all_threads):
     state.fast_mode = None
-
-
-@_fork.reset_in_child
-def _forget_forking_thread() -> None:
-  """A forked child's forking thread starts without state (its entry goes:
-  the fast hooks hold ``local`` itself)."""
-  local.__dict__.pop("state", None)
 
 
 # --- runtime_tokens(): the public, read-only snapshot ---------------------
