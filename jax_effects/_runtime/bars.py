@@ -539,18 +539,6 @@ _bars_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-def _new_bar(spec: "BarSpec", total: int | None, element: int | None):
-  p = _placement.current()
-  label = p.prefix() if p is not None and p.per_device else ""
-  if element is not None:
-    label += f"[element {element}] "
-  desc = (label + spec.desc) if spec.desc else (label.rstrip() or None)
-  tqdm = _tqdm_class(spec.file)
-  if tqdm is None:
-    return PlainBar(total, desc, spec.file, spec.options)
-  return _TqdmBar(tqdm, total, desc, spec.file, spec.options)
-
-
 class BarSpec:
   """What a ``progress(...)`` call fixed when it was traced."""
 
@@ -565,12 +553,18 @@ class BarSpec:
   def open(self, *operands) -> tuple:
     """``operands``: the element's index (``per_element``), then the total
     if it is computed in the program."""
-    element = None
+    p = _placement.current()
+    label = p.prefix() if p is not None and p.per_device else ""
     if self.per_element:
       element, *operands = operands
-      element = int(element)
+      label += f"[element {int(element)}] "
     total = int(operands[0]) if operands else self.total
-    bar = _new_bar(self, total, element)
+    desc = (label + self.desc) if self.desc else (label.rstrip() or None)
+    tqdm = _tqdm_class(self.file)
+    if tqdm is None:
+      bar = PlainBar(total, desc, self.file, self.options)
+    else:
+      bar = _TqdmBar(tqdm, total, desc, self.file, self.options)
     slot = _placement.carrier_slot()
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
