@@ -60,12 +60,6 @@ class ThreadTokens(_token_store.TokenStore):
     return [*self.output.values(), *last, *self.runtime.values(),
             *self.joined]
 
-  def begin_dispatch(self) -> None:
-    self.dispatching += 1
-
-  def end_dispatch(self) -> None:
-    self.dispatching -= 1
-
   def alive(self) -> bool:
     thread = self.thread()
     return thread is not None and thread.is_alive()

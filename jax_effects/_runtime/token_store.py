@@ -7,7 +7,7 @@ sequence number (``seqs``: the host's copy of the device's), and the output
 tokens per device set (for the barrier). It changes
 only through the methods of the thread's state (one object:
 ``threads.ThreadTokens``, which reads for a dispatch), but for
-``dispatching``, which the fast hook sets and clears: a call's returned
+``dispatching``, which the call path sets and clears: a call's returned
 token is stored by :meth:`TokenStore.update` (:meth:`TokenStore.store` for
 the fast hook's one chain), and joins one a call made inside it stored
 (``design/errors.md``, "Calls made inside a call").
@@ -188,8 +188,9 @@ class TokenStore:
     # token is kept on devices); None while anything needs the general
     # path (_refresh_fast): one comparison stands for all those checks.
     self.fast_mode: str | None = None
-    # dispatches in progress (>1: a call from a host callback of the
-    # thread's own call); while nonzero a SIGINT is handled by interrupts
+    # dispatches in progress, counted by the call path (>1: a call from a
+    # host callback of the thread's own call); while nonzero a SIGINT is
+    # handled by interrupts
     self.dispatching = 0
     # The ordering mode of this thread's last dispatch (switch_mode).
     self.mode: str | None = None
