@@ -47,7 +47,6 @@ from jax_effects._frontends.printing import print  # noqa: A004
 from jax_effects._frontends.progress import progress
 from jax_effects._pass import control_flow_rules as _cfr  # noqa: F401  (rules)
 from jax_effects._primitives.host_target import TARGET as HOST_TARGET
-from jax_effects._runtime import interrupts as _interrupts  # noqa: F401  (SIGINT)
 from jax_effects._runtime import notebook as _notebook  # noqa: F401  (IPython: a cell's effects under it)
 from jax_effects._runtime.barrier import effects_barrier
 from jax_effects._runtime.placement import current as placement

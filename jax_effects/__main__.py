@@ -10,7 +10,8 @@ import argparse
 import sys
 
 
-def _parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(
       prog="python -m jax_effects",
       description="Ordered side effects from compiled JAX code.")
@@ -20,17 +21,10 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_arguments(demo_parser)
   # (its options are the benchmark's: main hands them on unparsed)
   sub.add_parser("bench", help="benchmarks (see `bench --help`)", add_help=False)
-  return parser
-
-
-def main(argv=None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  parser = _parser()
   if argv and argv[0] == "bench":
     from jax_effects._tools import bench
     return bench.main(argv[1:]) or 0
   args = parser.parse_args(argv)   # (the command is demo: bench returned)
-  from jax_effects._tools import demo
   return demo.run(args) or 0
 
 

@@ -27,6 +27,3 @@ from jax_effects._compat import jax_debug_callback as debug_callback
 from jax_effects._compat import jax_effects_barrier as effects_barrier
 from jax_effects._compat import jax_io_callback as io_callback
 from jax_effects._compat import jax_jit as jit
-
-__all__ = ["debug_callback", "effects_barrier", "io_callback", "jit",
-           "make_jaxpr", "shard_map"]

@@ -348,7 +348,8 @@ def runtime_inventory() -> dict[str, int]:
   runtime's owners change, re-point this function, not the tests.
   """
   from jax_effects._runtime import (bars, errors, executions, host_jobs,
-                                    interrupts, output, thread_slots)
+                                    interrupts, output)
+  from jax_effects._runtime import threads as thread_slots
   # (a thread whose state outlived its end, in a caller's frame or a
   # traceback, leaves its slot when the state goes; the runtime frees such
   # slots at the next thread start or all-threads barrier: here, now)

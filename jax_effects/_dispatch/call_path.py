@@ -17,8 +17,8 @@ the tree", places them among the modules):
    dispatches (``ThreadTokens.switch_mode``);
 3. fetch the runtime tokens (``ThreadTokens.tokens_for``: a failed token is
    never handed on, its chain starts afresh; one kept on other devices is
-   combined, ``device_tokens``);
-4. mark the thread dispatching (``ThreadTokens.begin_dispatch``: a SIGINT
+   combined, ``token_store.combine``);
+4. mark the thread dispatching (``TokenStore.dispatching``: a SIGINT
    is now handled by ``interrupts``);
 5. launch ``g``, under ``launch_lock`` when it spans several CPU devices; a
    failure frees what the host kept for the execution
@@ -63,7 +63,6 @@ import jax
 
 from jax_effects import _compat
 from jax_effects._runtime import barrier as _barrier
-from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import host_jobs as _host_jobs
@@ -102,7 +101,7 @@ def _placed_elsewhere(err: ValueError, tokens) -> bool:
   than the computation's (step 5)."""
   message = str(err)
   return ("incompatible devices" in message and TOKENS_KW in message
-          and any(_device_tokens.kept_on_devices(t) for t in tokens))
+          and any(_token_store.kept_on_devices(t) for t in tokens))
 
 
 def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
@@ -122,7 +121,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
   outer = _errors.enter_call() if nested else None
   outside_callback = state.python_thread and not nested   # (launch_lock)
   try:
-    state.begin_dispatch()
+    state.dispatching += 1
     try:
       elsewhere = False
       try:
@@ -153,7 +152,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
           and _host_jobs.sites_lowered()):
         _executions.watch_failure(state.slot, seqs, token)
     finally:
-      state.end_dispatch()
+      state.dispatching -= 1
     if site.finish is not None and not nested:   # (runs the user's code:
       site.finish(token, outside_callback)       #  launch_lock.finish)
     if _interrupts.slots and _interrupts.take(state):
@@ -237,7 +236,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
       except Exception:  # noqa: BLE001 - see ThreadTokens.tokens_for
         return general(*args, **kwargs)
     seq = (state.seqs[key] + 1) & seq_mask   # (this execution's: token_value)
-    state.dispatching = 1   # (ThreadTokens.begin_dispatch: SIGINT now
+    state.dispatching = 1   # (as the general path's += 1: SIGINT now
     try:                    # handled by interrupts)
       try:
         # (forwarding an empty **kwargs costs a dict: about 1% of a call)
@@ -278,7 +277,7 @@ def fast_dispatch(mode: str, key, jitted, *, site: _launch_lock.LaunchSite,
           state.store_interrupted(keys, token, (passed,), seq=seq)
           raise
     finally:
-      state.dispatching = 0   # (ThreadTokens.end_dispatch)
+      state.dispatching = 0   # (as the general path's -= 1)
     if token is None:   # (outside the handler: no __context__)
       return general(*args, **kwargs)
     if interrupted or own.errors:   # (a SIGINT, a callback that failed)

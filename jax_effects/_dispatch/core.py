@@ -32,7 +32,6 @@ from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import launch_lock as _launch_lock
-from jax_effects._runtime import device_tokens as _device_tokens
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_store as _token_store
 
@@ -229,7 +228,7 @@ class Core:
           if self.state is FAST:
             self.enter(THREADED)
       if (token.sharding is not threaded.per_device_sharding
-          and _device_tokens.kept_on_devices(token)):
+          and _token_store.kept_on_devices(token)):
         with self.lock:   # (learnt here only: the fast hook comes here)
           threaded.per_device_sharding = token.sharding
           self.refresh(mode)

@@ -30,7 +30,6 @@ from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
-from jax_effects._runtime import thread_slots as _thread_slots
 from jax_effects._runtime import token_store as _token_store
 
 
@@ -50,9 +49,9 @@ def _wait_later_dispatches(waited: list) -> None:
   identities are compared), until a look finds nothing new."""
   seen = {id(t) for t in waited}
   while True:
-    new = [t for state in _thread_slots.all_states() for t in state.pending()
+    new = [t for state in _threads.all_states() for t in state.pending()
            if id(t) not in seen]
-    new += [t for t in _thread_slots.orphans() if id(t) not in seen]
+    new += [t for t in _threads.orphans() if id(t) not in seen]
     if not new:
       return
     seen.update(id(t) for t in new)
@@ -64,7 +63,7 @@ def _wait(all_threads: bool, states: list, own=None) -> None:
   """Waits for ``states``' dispatched effects (and exited threads' with
   ``all_threads``), then for JAX's own runtime tokens; ``own`` (this
   thread's state) is settled: a failed computation's chains start afresh."""
-  orphans = _thread_slots.orphans() if all_threads else []
+  orphans = _threads.orphans() if all_threads else []
   waited = []
   for state in states:
     pending = state.pending()
@@ -95,7 +94,7 @@ def check_not_in_callback(call: str) -> None:
 def quiet_barrier(all_threads: bool) -> None:
   """Blocks on this thread's tokens (every thread's, exited ones included,
   with ``all_threads``) and reports nothing."""
-  states = _thread_slots.all_states() if all_threads else [_threads.thread_state()]
+  states = _threads.all_states() if all_threads else [_threads.thread_state()]
   _wait(all_threads, states)
 
 
@@ -174,7 +173,7 @@ def effects_barrier(all_threads: bool = False) -> None:
   report = _errors.pop_deferred(None if all_threads
                                 else tuple(state.slot for state in states))
   if all_threads:
-    _thread_slots.forget(dead)
+    _threads.forget(dead)
   if report is not None:
     try:
       raise report

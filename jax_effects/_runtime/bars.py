@@ -534,23 +534,9 @@ def _reset_after_fork() -> None:
   _output.write_around(None)
 
 
-_bars: dict[int, Any] = {}   # open bars by id
-# Open bars' ids by the slot whose execution opened them (close_for).
-_by_slot: dict[int, set] = {}
+_bars: dict[int, Any] = {}   # open bars by id (each knows its opened_by)
 _bars_lock = threading.Lock()
 _ids = itertools.count(1)
-
-
-def _new_bar(spec: "BarSpec", total: int | None, element: int | None):
-  p = _placement.current()
-  label = p.prefix() if p is not None and p.per_device else ""
-  if element is not None:
-    label += f"[element {element}] "
-  desc = (label + spec.desc) if spec.desc else (label.rstrip() or None)
-  tqdm = _tqdm_class(spec.file)
-  if tqdm is None:
-    return PlainBar(total, desc, spec.file, spec.options)
-  return _TqdmBar(tqdm, total, desc, spec.file, spec.options)
 
 
 class BarSpec:
@@ -567,26 +553,30 @@ class BarSpec:
   def open(self, *operands) -> tuple:
     """``operands``: the element's index (``per_element``), then the total
     if it is computed in the program."""
-    element = None
+    p = _placement.current()
+    label = p.prefix() if p is not None and p.per_device else ""
     if self.per_element:
       element, *operands = operands
-      element = int(element)
+      label += f"[element {int(element)}] "
     total = int(operands[0]) if operands else self.total
-    bar = _new_bar(self, total, element)
+    desc = (label + self.desc) if self.desc else (label.rstrip() or None)
+    tqdm = _tqdm_class(self.file)
+    if tqdm is None:
+      bar = PlainBar(total, desc, self.file, self.options)
+    else:
+      bar = _TqdmBar(tqdm, total, desc, self.file, self.options)
     slot = _placement.carrier_slot()
     with _bars_lock:
       bar_id = next(_ids) & 0x7FFFFFFF
       _bars[bar_id] = bar
-      bar.opened_by = slot
-      _by_slot.setdefault(slot, set()).add(bar_id)
+      bar.opened_by = slot   # (the slot whose execution opened it: close_for)
     _output.deliver(bar.open, True)
     return (np.asarray(bar_id, np.int32),)
 
   def advance(self, bar_id, n) -> tuple:
     bar = _bars.get(int(bar_id))
     if bar is not None:
-      n = int(n)
-      _output.deliver(lambda: bar.advance(n), True)
+      _output.deliver(functools.partial(bar.advance, int(n)), True)
     return ()
 
   def advance_counted(self, id_and_count) -> tuple:
@@ -598,23 +588,11 @@ class BarSpec:
   def close(self, bar_id, n) -> tuple:
     """Closes the bar (a *cleanup* effect: it runs also after an earlier
     effect of its chain failed)."""
-    bar = _pop(int(bar_id))
+    with _bars_lock:
+      bar = _bars.pop(int(bar_id), None)
     if bar is not None:
-      n = int(n)
-      _output.deliver(lambda: bar.close(n), True)
+      _output.deliver(functools.partial(bar.close, int(n)), True)
     return ()
-
-
-def _pop(bar_id: int):
-  with _bars_lock:
-    bar = _bars.pop(bar_id, None)
-    if bar is not None:
-      ids = _by_slot.get(bar.opened_by)
-      if ids is not None:
-        ids.discard(bar_id)
-        if not ids:
-          del _by_slot[bar.opened_by]
-  return bar
 
 
 def close_for(slot: int, chains: tuple = ()) -> None:
@@ -625,11 +603,10 @@ def close_for(slot: int, chains: tuple = ()) -> None:
                         for c in chains):
     return
   with _bars_lock:
-    ids = list(_by_slot.get(slot, ()))
-  for bar_id in ids:
-    bar = _pop(bar_id)
-    if bar is not None:
-      _output.deliver(lambda bar=bar: bar.close(0), True)
+    ids = [bar_id for bar_id, bar in _bars.items() if bar.opened_by == slot]
+    bars = [_bars.pop(bar_id) for bar_id in ids]
+  for bar in bars:
+    _output.deliver(functools.partial(bar.close, 0), True)
 
 
 def open_bars() -> int:

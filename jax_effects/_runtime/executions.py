@@ -34,7 +34,7 @@ def failed(slot: int, chains: dict, ended: bool = True) -> None:
 
 
 def slot_freed(slot: int) -> None:
-  """``slot`` is freed (``thread_slots``): drop what is kept under it."""
+  """``slot`` is freed (``threads.sweep``): drop what is kept under it."""
   _host_jobs.forget(slot)
   _bars.close_for(slot)
 

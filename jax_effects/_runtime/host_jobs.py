@@ -267,7 +267,7 @@ def retire(slot: int, chains: dict) -> None:
 
 
 def forget(slot: int) -> None:
-  """``slot`` is freed (``thread_slots``): drop what is kept under it."""
+  """``slot`` is freed (``threads.sweep``): drop what is kept under it."""
   with lock:
     for site in list(_sites):
       site.parts.pop(slot, None)
@@ -287,13 +287,9 @@ def sites_lowered() -> bool:
   return bool(_sites)
 
 
-class _Pieces:
-  """The pieces one execution (``seq``) of a slot left at a site so far."""
-  __slots__ = ("seq", "by_device")
-
-  def __init__(self, seq: int):
-    self.seq = seq
-    self.by_device: dict[int, tuple] = {}
+#: The pieces one execution (``seq``) of a slot left at a site so far
+#: (``by_device``: device -> its piece).
+_Pieces = collections.namedtuple("_Pieces", ("seq", "by_device"))
 
 
 class Pieces:
@@ -322,7 +318,7 @@ class Pieces:
     pieces of an earlier one are stale; returns the slot's entry."""
     entry = self.parts.get(slot)
     if entry is None or _token_value.seq_after(seq, entry.seq):
-      entry = self.parts[slot] = _Pieces(seq)
+      entry = self.parts[slot] = _Pieces(seq, {})
     return entry
 
   def complete(self, slot: int, seq: int) -> bool:
@@ -335,7 +331,7 @@ class Pieces:
     """One piece from each other device, in device order (locked)."""
     entry = self.parts[slot]
     pieces = [entry.by_device[d] for d in range(1, self.num_devices)]
-    entry.by_device = {}
+    entry.by_device.clear()
     return pieces
 
   def drop(self, slot: int, seq: int) -> None:
@@ -343,7 +339,7 @@ class Pieces:
     number: a late piece of it is stale."""
     entry = self.parts.get(slot)
     if entry is not None and entry.seq == seq:
-      entry.by_device = {}
+      entry.by_device.clear()
 
 
 def held(slot: int | None = None) -> int:

@@ -4,12 +4,11 @@ Python's own handler would raise into XLA as a callback's failure, or lose
 the token of a call that is returning. While the main thread is inside a
 call, :func:`_on_sigint` marks its slot interrupted (:data:`slots`: every
 later host function of that slot's computations raises) and raises by the
-innermost marked frame (``frames``): at once, but not in the call path's
-frame that stores the token (``frames.DISPATCH``) or in what the FFI
-entry calls around a host function (``frames.ENTRY``: it would fail the
-computation in XLA; the host function raises it); the call then raises it
-(:func:`take`). ``design/errors.md``,
-"KeyboardInterrupt".
+innermost marked frame (``placement.innermost``): at once, but not in the
+call path's frame that stores the token (``placement.DISPATCH``) or in
+what the FFI entry calls around a host function (``placement.ENTRY``: it
+would fail the computation in XLA; the host function raises it); the call
+then raises it (:func:`take`). ``design/errors.md``, "KeyboardInterrupt".
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ import contextlib
 import signal
 import threading
 
-from jax_effects._runtime import frames as _frames
+from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
-from jax_effects._runtime import thread_slots as _thread_slots
 
 #: Slots whose call in progress was interrupted (read without a lock by
 #: every host function: empty in the common case).
@@ -32,8 +30,8 @@ def _on_sigint(signum, frame):
     signal.default_int_handler(signum, frame)
     return
   slots.add(state.slot)
-  marked, kind, top = _frames.innermost(frame)
-  if top and (kind == _frames.DISPATCH or kind == _frames.ENTRY):
+  marked, kind, top = _placement.innermost(frame)
+  if top and (kind == _placement.DISPATCH or kind == _placement.ENTRY):
     return   # the call raises it once its token is stored (take); in an
     #          entry, its host function raises it
   signal.default_int_handler(signum, frame)
@@ -62,13 +60,13 @@ def _install_sigint_handler() -> None:
 
 def entry_frame(function) -> None:
   """Marks Python the FFI entry calls around a host function
-  (``frames.ENTRY``)."""
-  _frames.mark(function.__code__, _frames.ENTRY)
+  (``placement.ENTRY``)."""
+  _placement.mark(function.__code__, _placement.ENTRY)
 
 
 def dispatching_frame(function) -> None:
-  """Marks a function of the call path (``frames.DISPATCH``)."""
-  _frames.mark(function.__code__, _frames.DISPATCH)
+  """Marks a function of the call path (``placement.DISPATCH``)."""
+  _placement.mark(function.__code__, _placement.DISPATCH)
 
 
-_thread_slots.on_new_thread.append(_install_sigint_handler)
+_threads.on_new_thread.append(_install_sigint_handler)

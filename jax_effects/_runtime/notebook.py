@@ -15,7 +15,7 @@ import warnings
 import weakref
 
 from jax_effects._runtime import barrier as _barrier
-from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import threads as _threads
 
 #: How long (seconds) the end of a cell waits for its effects.
 CELL_WAIT_S = 10.0
@@ -61,4 +61,4 @@ def install() -> bool:
 
 
 install()
-_thread_slots.on_new_thread.append(install)
+_threads.on_new_thread.append(install)

@@ -14,7 +14,7 @@ logger; listeners (``effects_capture``) see both in delivery order, and
 **The deterministic view** (:func:`start_holding`/:func:`stop_holding`):
 the ordered output of per-device callbacks of token-threaded code is
 *held*, and released sorted by (position on its device, device) when the
-per-device token is combined (``device_tokens.combine``), before an
+per-device token is combined (``token_store.combine``), before an
 ordered effect that runs once, or when the view ends (``design/placement.md``).
 What a release's deliveries raise is returned (:func:`release_held`) and
 reported to the dispatching thread, never raised in a host callback.
@@ -189,7 +189,7 @@ def deliver_line(text: str, ordered: bool, placed: bool = True) -> None:
   (``placed``; an adopted ``jax.debug.print``'s line, as JAX writes it, is
   not ``placed``).
 
-  The common case (no deterministic view) is :func:`_hold_or_run` and
+  The common case (no deterministic view) is :func:`deliver` and
   :func:`_run` in this frame, then :func:`_write_line`: a line in a
   compiled loop pays for every Python frame (issue 48)."""
   site = _placement.site
@@ -201,7 +201,7 @@ def deliver_line(text: str, ordered: bool, placed: bool = True) -> None:
     if p is not None and p.shard_index is not None:   # (p.per_device)
       text = p.prefix() + text
   if _hold_depth:
-    _hold_or_run(ordered, lambda: _write_line(text))
+    deliver(lambda: _write_line(text), ordered)
     return
   if running[0] is None:
     _write_line(text)
@@ -221,8 +221,8 @@ def _prefix_at(running: tuple) -> str:
 
 
 def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
-  """``deliver(text)``: :func:`deliver_line` from a host function that runs
-  at ``running`` (``placement.running``) and has not set
+  """``deliver_text(text)``: :func:`deliver_line` from a host function
+  that runs at ``running`` (``placement.running``) and has not set
   ``placement.site``: an outer host function's site is cleared around the
   write, as :func:`_run` clears it; the prefix of a per-device placement is
   made once. The common case (no deterministic view, no outer site) goes
@@ -231,14 +231,14 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
   prefix = _prefix_at(running)
   site = _placement.site
 
-  def deliver(text: str) -> None:
+  def deliver_text(text: str) -> None:
     if prefix:
       text = prefix + text
     outer = site.running
     if _hold_depth:
       site.running = running
       try:
-        _hold_or_run(ordered, lambda: _write_line(text))
+        deliver(lambda: _write_line(text), ordered)
       finally:
         site.running = outer
       return
@@ -250,13 +250,13 @@ def line_at(ordered: bool, running: tuple) -> Callable[[str], None]:
         site.running = outer
       return
     _write_line(text)
-  return deliver
+  return deliver_text
 
 
 def lines_at(ordered: bool, running: tuple) -> Callable[[list], None]:
   """``deliver_all(texts)``: each of ``texts`` delivered as
-  :func:`line_at`'s ``deliver`` delivers it, in order (a batched loop's
-  flush, ``_primitives/batching``). The common case (no deterministic
+  :func:`line_at`'s ``deliver_text`` delivers it, in order (a batched
+  loop's flush, ``_primitives/batching``). The common case (no deterministic
   view, no bars drawn, no listener, a stream of :func:`_whole_lines`, no
   outer site) writes them in one write: the same text, each line whole."""
   deliver = line_at(ordered, running)
@@ -286,7 +286,7 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
   """Delivers a log record (held in the deterministic view like lines);
   the common case in this frame, as :func:`deliver_line`'s."""
   if _hold_depth:
-    _hold_or_run(ordered, lambda: _handle_record(logger, record))
+    deliver(lambda: _handle_record(logger, record), ordered)
     return
   site = _placement.site
   running = site.running
@@ -300,16 +300,10 @@ def deliver_record(logger: logging.Logger, record: logging.LogRecord,
     site.running = running
 
 
-def deliver(thunk: Callable[[], None], ordered: bool) -> None:
-  """Runs an output action of a host callback (``progress`` drawing its
-  bar), held in the deterministic view like lines."""
-  _hold_or_run(ordered, thunk)
-
-
 def deliver_jax_record(logger: logging.Logger, record: logging.LogRecord) -> None:
   """Delivers a record of an adopted ``jax.debug.log`` as JAX hands it over
   (handled whatever the logger's level), as an ordered record."""
-  _hold_or_run(True, lambda: _handle_record(logger, record, True))
+  deliver(lambda: _handle_record(logger, record, True), True)
 
 
 # --- the deterministic view ------------------------------------------------
@@ -355,10 +349,14 @@ def _run(thunk: Callable[[], None]) -> None:
     site.running = saved
 
 
-def _hold_or_run(ordered: bool, thunk: Callable[[], None]) -> None:
+def deliver(thunk: Callable[[], None], ordered: bool) -> None:
+  """Runs an output action of a host callback (a line, a record, a
+  ``progress`` bar's drawing), held in the deterministic view (per-device,
+  ``ordered``), else run now (:func:`_run`)."""
   if _hold_depth:
     p = _placement.current()
-    if ordered and p is not None and p.per_device and _placement.threaded():
+    # (site.running[1]: the running host function went through the pass)
+    if ordered and p is not None and p.per_device and _placement.site.running[1]:
       key = (p.device_id if p.device_id is not None else -1, p.shard_index)
       with _hold_lock:
         if _hold_depth:

@@ -8,18 +8,32 @@ one device (on the first device of the assignment), none eagerly.
 ``design/placement.md``, "Three placements". While the host function runs,
 :func:`current` returns its placement: from :data:`site` (set by the host
 functions of ``print``/``log``), else from the innermost host-function frame
-on the thread's stack (``frames``: no cost per run).
+on the thread's stack: no cost per run.
+
+*Is this frame ours?* Marked code objects, found by one walk up the stack:
+*where does the running host callback run* (:func:`current`) and *what
+does a SIGINT interrupt* (``interrupts``) are answered from the thread's
+stack: code objects of jax_effects' functions are marked with a *kind*
+(:func:`mark`) and :func:`innermost` walks ``f_back`` to the innermost
+marked one. Not a flag set per call (as in trio's ``_core/_ki.py``): a
+signal lands between any two bytecodes, and a host function runs per
+effect. A frame called from C below one of ours has ours as its
+``f_back``, so :func:`innermost` also says whether the marked frame *is*
+the frame asked about.
+
+Part in the token calling convention: none.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+from types import CodeType, FrameType
 
 import jax
 import numpy as np
 
 from jax_effects import _compat
-from jax_effects._runtime import frames as _frames
 from jax_effects._runtime import token_value as _token_value
 
 
@@ -45,6 +59,47 @@ class Placement:
     return f"[device {self.device_id} shard {shard} process {self.process_index}] "
 
 
+# --- is this frame ours ---------------------------------------------------
+
+#: A host function XLA calls for an effect (its frame holds its placement).
+HOST = "host"
+#: A dispatching frame of the call path, from the launch to the storing of
+#: the returned token.
+DISPATCH = "dispatch"
+#: Python called by the FFI entry around a host function (a site's
+#: runner): an interrupt raised there would fail the computation in XLA.
+ENTRY = "entry"
+
+_kinds: dict[CodeType, str] = {}
+
+
+def mark(code: CodeType, kind: str) -> None:
+  """Marks ``code`` (a function's ``__code__``) as jax_effects' ``kind``."""
+  _kinds[code] = kind
+
+
+def innermost(frame: FrameType | None, kind: str | None = None):
+  """``(marked_frame, its_kind, is_top)`` for the innermost frame from
+  ``frame`` up that is marked (of ``kind``, if given); ``(None, None,
+  False)`` if there is none. ``is_top``: the marked frame is ``frame``
+  itself (nothing runs below it)."""
+  top = frame
+  kinds = _kinds
+  while frame is not None:
+    found = kinds.get(frame.f_code)
+    if found is not None and (kind is None or found == kind):
+      return frame, found, frame is top
+    frame = frame.f_back
+  return None, None, False
+
+
+def local_of_innermost(kind: str, name: str):
+  """The local ``name`` of the innermost ``kind`` frame on the calling
+  thread's stack (None: none, or it has no such local)."""
+  frame, _, _ = innermost(sys._getframe(1), kind)
+  return None if frame is None else frame.f_locals.get(name)
+
+
 # --- the running callback's placement --------------------------------------
 
 class _Running(threading.local):
@@ -63,14 +118,14 @@ RUNNING_LOCAL = "running"
 
 
 def register_host_code(code) -> None:
-  """Marks the code of a host function (``frames.HOST``); refuses code
+  """Marks the code of a host function (:data:`HOST`); refuses code
   without a :data:`RUNNING_LOCAL` (which would hide every placement)."""
   if RUNNING_LOCAL not in (*code.co_varnames, *code.co_freevars, *code.co_cellvars):
     raise AssertionError(
         f"jax_effects: host function {code.co_name} ({code.co_filename}:"
         f"{code.co_firstlineno}) has no variable {RUNNING_LOCAL!r} for "
         f"placement() to read")
-  _frames.mark(code, _frames.HOST)
+  mark(code, HOST)
 
 
 def running(placement: Placement | None, threaded: bool) -> tuple:
@@ -81,7 +136,7 @@ def running(placement: Placement | None, threaded: bool) -> tuple:
 def carrier_slot() -> int:
   """The slot of the thread that dispatched the running execution (its
   carrier's, ``token_value``; 0 outside one)."""
-  carrier = _frames.local_of_innermost(_frames.HOST, "carrier")
+  carrier = local_of_innermost(HOST, "carrier")
   return 0 if carrier is None else _token_value.slot_of(int(np.max(carrier)))
 
 
@@ -90,7 +145,7 @@ def current() -> Placement | None:
   placement = site.running[0]
   if placement is not None:
     return placement
-  found = _frames.local_of_innermost(_frames.HOST, RUNNING_LOCAL)
+  found = local_of_innermost(HOST, RUNNING_LOCAL)
   return None if found is None else found[0]
 
 
@@ -103,12 +158,6 @@ def python_thread(thread: threading.Thread | None = None) -> bool:
   if thread is None:
     thread = threading._active.get(threading.get_ident())
   return thread is not None and not isinstance(thread, threading._DummyThread)
-
-
-def threaded() -> bool:
-  """Whether the running host callback (one that sets ``site``) went
-  through the token-threading pass."""
-  return site.running[1]
 
 
 # --- lowering side ---------------------------------------------------------

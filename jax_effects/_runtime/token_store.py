@@ -2,15 +2,22 @@
 returned token is stored.
 
 A thread's :class:`TokenStore` holds, per chain, its latest runtime token
-(``runtime``: uncommitted, or kept on its devices, ``device_tokens``) and
+(``runtime``: uncommitted, or kept on its devices) and
 sequence number (``seqs``: the host's copy of the device's), and the output
 tokens per device set (for the barrier). It changes
 only through the methods of the thread's state (one object:
 ``threads.ThreadTokens``, which reads for a dispatch), but for
-``dispatching``, which the fast hook sets and clears: a call's returned
+``dispatching``, which the call path sets and clears: a call's returned
 token is stored by :meth:`TokenStore.update` (:meth:`TokenStore.store` for
 the fast hook's one chain), and joins one a call made inside it stored
 (``design/errors.md``, "Calls made inside a call").
+
+A token returned over several devices (a vector, one element per device,
+after a ``shard_map`` program; a scalar copied on each, after automatic
+partitioning) stays on its devices (:func:`kept_on_devices`) for the next
+call over the same devices; any other computation gets one scalar on the
+first device (:func:`combine`), ready once every device's effects have run
+(``design/placement.md``, "Tokens across devices").
 
 Part in the token calling convention: the runtime tokens passed to and
 returned by every computation; the contract: ``design/tokens.md``.
@@ -20,10 +27,13 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jax_effects import _compat
+from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
-from jax_effects._runtime import device_tokens as _device_tokens
+from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import executions as _executions
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import token_value as _token_value
@@ -58,6 +68,77 @@ def wait_quietly(tokens: Iterable) -> None:
   the call or barrier that reports it (``design/errors.md``)."""
   for token in tokens:
     settled(token)
+
+
+# --- tokens kept on their devices ------------------------------------------
+
+def kept_on_devices(token) -> bool:
+  """Whether ``token`` (returned by a computation) stays on its devices for
+  the next call of a program over them (:func:`for_sharding`): one element
+  per device, or a scalar over several (whose first device's copy is the
+  chain's: passing it back whole spares a copy per call)."""
+  if isinstance(token, np.generic):
+    return False
+  return bool(token.ndim) or len(token.sharding.device_set) > 1
+
+
+def for_sharding(token, sharding):
+  """``token`` as the next computation may take it: a token kept on its
+  devices as it is only over the same devices (``sharding``: of the token
+  the callee returned last time, or None), else one scalar token on the
+  first device."""
+  if kept_on_devices(token) and (sharding is None
+                                 or (token.sharding is not sharding
+                                     and token.sharding != sharding)):
+    return combine(token) if token.ndim else _compat.uncommitted(token)
+  return token
+
+
+def _release_and_pass(token):
+  # Raises nothing (that would fail every later computation given the
+  # token): what the deliveries raised goes to the token's thread.
+  failures = _output.release_held()
+  if failures:
+    slot = _token_value.slot_of(int(token))   # (a read from the device: once)
+    for exc in failures:
+      _errors.defer(exc, slot)
+  return token
+
+
+def _combine(*shards):
+  return jnp.max(jnp.concatenate([s.reshape((-1,)) for s in shards]))
+
+
+def _combine_and_release(*shards):
+  # (the callback's result is the token: the next effects follow it)
+  return _jax_api.io_callback(
+      _release_and_pass, jax.ShapeDtypeStruct((), _token_value.TOKEN_DTYPE),
+      _combine(*shards))
+
+
+_combine_jit = _jax_api.jit(_combine)
+_advance_jit = _jax_api.jit(_token_value.advance)
+_combine_release_jit = _jax_api.jit(_combine_and_release)
+
+
+def combine(token):
+  """The next runtime token from a per-device token: the elements copied
+  to the first device (no collective) and reduced there, uncommitted; in
+  the deterministic view the held output is released then (``output``)."""
+  shards = [s.data for s in token.addressable_shards]
+  fn = _combine_release_jit if _output.holding() else _combine_jit
+  # Our own computation, on the token's devices: never the user's mesh.
+  with _compat.no_user_mesh():
+    moved = jax.device_put(shards, shards[0].device)
+    return _compat.uncommitted(fn(*moved))
+
+
+def advanced(token):
+  """``token`` one sequence number on, computed on its devices (so still
+  ordered after it); kept there if it was, else uncommitted."""
+  with _compat.no_user_mesh():
+    out = _advance_jit(token)
+  return out if kept_on_devices(token) else _compat.uncommitted(out)
 
 
 _DEVICES_MODES: dict = {}
@@ -101,19 +182,20 @@ class TokenStore:
     # tokens of calls made inside this thread's call in flight (join)
     self.joined: list = []
     self.plain = None
-    # True while some runtime token is kept on its devices (device_tokens)
+    # True while some runtime token is kept on its devices (kept_on_devices)
     self.device_tokens = False
     # The mode in which the fast hooks may run (devices_mode(mode) while a
     # token is kept on devices); None while anything needs the general
     # path (_refresh_fast): one comparison stands for all those checks.
     self.fast_mode: str | None = None
-    # dispatches in progress (>1: a call from a host callback of the
-    # thread's own call); while nonzero a SIGINT is handled by interrupts
+    # dispatches in progress, counted by the call path (>1: a call from a
+    # host callback of the thread's own call); while nonzero a SIGINT is
+    # handled by interrupts
     self.dispatching = 0
     # The ordering mode of this thread's last dispatch (switch_mode).
     self.mode: str | None = None
     self.slot = slot
-    # where every chain's numbers start (``thread_slots.base_of``)
+    # where every chain's numbers start (``threads.base_of``)
     self.base = base
 
   def devices(self) -> dict[Any, jax.Array]:
@@ -123,10 +205,6 @@ class TokenStore:
       items.append((self.last_sharding, self.last_token))
     return {device: token for sharding, token in items
             for device in sharding.addressable_devices}
-
-  def outputs(self) -> list[jax.Array]:
-    last = [] if self.last_token is None else [self.last_token]
-    return [*self.output.values(), *last]
 
   def file(self, token: jax.Array) -> None:
     """Files ``token`` as the latest output token of its device set."""
@@ -171,9 +249,9 @@ class TokenStore:
     Raises nothing."""
     self.file(token)
     if keys:
-      if _device_tokens.kept_on_devices(token):
+      if kept_on_devices(token):
         if _output.holding():
-          runtime = _device_tokens.combine(token)
+          runtime = combine(token)
         else:
           runtime = token
           self.device_tokens = True
@@ -277,7 +355,7 @@ class TokenStore:
     ended = True
     for key in keys:
       token = self.runtime.pop(key, None)
-      if token is not None and _device_tokens.kept_on_devices(token):
+      if token is not None and kept_on_devices(token):
         ended = False
     self.fast_mode = None
     _executions.failed(self.slot, {k: self.last_seq(k) for k in keys}, ended)

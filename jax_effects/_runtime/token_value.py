@@ -13,7 +13,7 @@ bit 30      ``FAILED``: an earlier effect of this chain in this
 ==========  ==========================================================
 
 (slot, sequence number) is the *identity* of one execution on one chain,
-unique in the process (``thread_slots.base_of``) and the same on every
+unique in the process (``threads.base_of``) and the same on every
 device (each computation :func:`advance` s a token as the chain enters it),
 so a host function knows from its carrier who dispatched it and which
 execution it belongs to. Nothing here is state.

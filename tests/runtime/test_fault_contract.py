@@ -20,7 +20,7 @@ from jax_effects._runtime import barrier as _barrier
 from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_store as _token_store
-from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import threads as _thread_slots
 
 import helpers
 from helpers import flat, reports, sharded

@@ -4,7 +4,7 @@ whether it is the frame asked about (nothing of anyone else's below it).
 """
 import sys
 
-from jax_effects._runtime import frames
+from jax_effects._runtime import placement as frames
 
 
 def host(inner=None):

@@ -21,7 +21,7 @@ import pytest
 
 import jax_effects as je
 from jax_effects._runtime import threads as _threads
-from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import threads as _thread_slots
 import helpers
 from helpers import run_threads
 

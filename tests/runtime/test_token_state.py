@@ -21,7 +21,7 @@ import jax_effects as je
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
 from jax_effects._runtime import threads as _threads
-from jax_effects._runtime import thread_slots as _thread_slots
+from jax_effects._runtime import threads as _thread_slots
 from jax_effects._runtime import token_store as _token_store
 from jax_effects._runtime import token_value as _token_value
 
