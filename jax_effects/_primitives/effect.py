@@ -47,7 +47,7 @@ from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import batching as _batching
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import host_call as _host_call
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -109,22 +109,22 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(effect, ordered, host_callback.user_code)
-  # (in program order with JAX's own ordered callbacks: host_call.join)
-  token = _host_call.join(ctx, marker) if ordered else None
+  # (in program order with JAX's own ordered callbacks: host_target.join)
+  token = _host_target.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
   avals_in = list(ctx.avals_in)
   if any(edges):   # (summarized operands: only their edges cross)
     avals_in, args = _edges.cut(ctx, args, edges, first=0)
-  args = _host_call.gathered(ctx, args, avals_in)
+  args = _host_target.gathered(ctx, args, avals_in)
   # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(ctx, list(args), avals_in)
-  side = _host_call.HostSide(host_callback, where, passthrough=0, threaded=False)
-  results, token = _host_call.emit_ordered(
+  side = _host_target.HostSide(host_callback, where, passthrough=0, threaded=False)
+  results, token = _host_target.emit_ordered(
       ctx, side, token, operands, avals_in, ctx.avals_out,
       _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
-    _host_call.set_joined(ctx, marker, token)
+    _host_target.set_joined(ctx, marker, token)
   return results
 
 

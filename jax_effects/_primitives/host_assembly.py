@@ -26,8 +26,8 @@ from jax.interpreters import mlir
 
 from jax_effects import _compat
 from jax_effects._primitives import edges as _edges
-from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
@@ -254,7 +254,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
 
   target = _TARGETS[ctx.module_context.platforms[0]]
   sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals, avals_out=avals_out)
-  new_carrier, *results = _host_call.emit(
+  new_carrier, *results = _host_target.emit(
       sub_ctx, host, operands, _compat.replicated_results(avals_out), target)
   return [new_carrier, *(_compat.on_first_device(sub_ctx, r, a)
                          for r, a in zip(results, avals_out[1:]))]
