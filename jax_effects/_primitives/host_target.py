@@ -36,7 +36,7 @@ Registry, lifetime and handler: ``design/host_target.md``. Four parts:
 Part in the token calling convention: the call takes the chain's carrier
 as an operand and returns it (the data dependency that orders the calls);
 on our target the carrier is one of a site's passthrough operands
-(:func:`scalars`), arriving (with a partition id) as a Python int, its
+(:class:`Site`), arriving (with a partition id) as a Python int, its
 result written as an int32.
 
 Program order across ordered-effect kinds under plain ``jax.jit``. JAX
@@ -183,16 +183,24 @@ class SiteMismatch(Exception):
 
 
 class Site:
-  """One call site's host side (module docstring); ``avals_in`` and
-  ``avals_out``: ``(dtype, shape)``, or None for a token; ``scalars``:
-  the operand positions passed as Python ints."""
+  """One call site's host side (module docstring): ``side``'s (a
+  :class:`HostSide`) lowered under the key ``key`` of the site spec text
+  ``spec``, whose avals ``avals_in`` and ``avals_out`` are decoded
+  (:func:`decoded`). Passed as Python ints: 0-d passthrough operands (the
+  carrier) and the partition id."""
   __slots__ = ("key", "spec", "what", "c", "__weakref__")
 
-  def __init__(self, key: bytes, spec: str, what: str, host: Callable,
-               avals_in: list, avals_out: list, scalars: frozenset):
+  def __init__(self, key: bytes, spec: str, side, avals_in: list,
+               avals_out: list):
     self.key = key
     self.spec = spec
-    self.what = what
+    self.what = side.host_callback.description
+    host = side.function(_results(avals_out))
+    tokens = avals_in.count(None)
+    scalars = {tokens + i for i in range(side.passthrough)
+               if avals_in[tokens + i][1] == ()}
+    if side.where.table is not None:
+      scalars.add(len(avals_in) - 1)
     words, empties, kinds = [len(avals_in), len(avals_out)], [], []
     for side, avals in ((0, avals_in), (1, avals_out)):
       for i, aval in enumerate(avals):
@@ -205,6 +213,17 @@ class Site:
     converts = any(k == BYTES or (s == 1 and k != INT) for s, k, _ in kinds)
     runner = _converting(host, kinds) if converts else host
     self.c = (struct.pack(f"<{len(words)}q", *words), runner, tuple(empties))
+
+
+def decoded(site: dict) -> tuple[list, list]:
+  """A site spec's ``"in"`` and ``"out"`` avals: ``(dtype, shape)``, or
+  None for a token."""
+  return tuple([_specs.decode_aval(a) for a in site[k]] for k in ("in", "out"))
+
+
+def _results(avals: list) -> list:
+  """The arrays of decoded ``avals`` (tokens left out)."""
+  return [jax.core.ShapedArray(shape, dtype) for dtype, shape in filter(None, avals)]
 
 
 def _buffer(aval, side: int, scalar: bool) -> tuple:
@@ -361,12 +380,11 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
       raise ValueError(f"spec version {spec.get('v')!r}, this jax_effects "
                        f"writes {_specs.VERSION}")
     site_spec = spec["site"]
-    avals_in = [_specs.decode_aval(a) for a in site_spec["in"]]
-    avals_out = [_specs.decode_aval(a) for a in site_spec["out"]]
-    where = _decode_where(site_spec["where"])
-    passthrough = int(site_spec["passthrough"])
-    results = [jax.core.ShapedArray(shape, dtype)
-               for dtype, shape in filter(None, avals_out)]
+    avals_in, avals_out = decoded(site_spec)
+    side = HostSide(None, _decode_where(site_spec["where"]),
+                    int(site_spec["passthrough"]), bool(site_spec["threaded"]),
+                    bool(site_spec["entry"]), site_spec.get("operands"))
+    results = _results(avals_out)[side.passthrough:]
   except Exception as err:  # noqa: BLE001 - a spec this version cannot read
     raise SiteMismatch(
         f"a call site spec jax_effects cannot read ({err})")
@@ -395,15 +413,10 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
 
     def fail(*args):
       raise exc
-    host_callback = _host_callback.HostCallback(
-        fail, what, tuple(results[passthrough:]))
+    host_callback = _host_callback.HostCallback(fail, what, tuple(results))
     failing = True
-  host = _host_functions.host_function(
-      host_callback, where, passthrough=passthrough,
-      threaded=bool(site_spec["threaded"]), avals_out=results,
-      entry=bool(site_spec["entry"]), operands=site_spec.get("operands"))
-  return Site(key, text, host_callback.description, host, avals_in, avals_out,
-                          scalars(site_spec, avals_in, where)), failing
+  side = dataclasses.replace(side, host_callback=host_callback)
+  return Site(key, text, side, avals_in, avals_out), failing
 
 
 def _encode_chain(chain):
@@ -413,17 +426,6 @@ def _encode_chain(chain):
 
 def _decode_chain(name):
   return _effects.UNORDERED if name is None else _effects.Effect(name)
-
-
-def scalars(site_spec, avals_in, where) -> frozenset:
-  """Operand positions passed as NumPy scalars: 0-d passthrough ones (the
-  carrier) and the partition id."""
-  tokens = sum(1 for a in avals_in if a is None)
-  out = {tokens + i for i in range(site_spec["passthrough"])
-         if avals_in[tokens + i][1] == ()}
-  if where.table is not None:
-    out.add(len(avals_in) - 1)
-  return frozenset(out)
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -628,13 +630,7 @@ def _site_for(side, avals_in, avals_out,
       key = key_of(text, n)
       site = None
     if site is None:
-      decoded_in = [_specs.decode_aval(a) for a in spec["site"]["in"]]
-      decoded_out = [_specs.decode_aval(a) for a in spec["site"]["out"]]
-      host = side.function([a for a in avals_out
-                            if getattr(a, "dtype", None) is not None])
-      site = Site(
-          key, text, side.host_callback.description, host, decoded_in, decoded_out,
-          scalars(spec["site"], decoded_in, side.where))
+      site = Site(key, text, side, *decoded(spec["site"]))
       _bind(key, site)
     held[text] = site
   return site
