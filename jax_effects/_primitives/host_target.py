@@ -512,30 +512,13 @@ REBUILT_KEPT = 4096
 #: lifetime").
 LOCAL_KEPT = 4096
 
-_registered = False
 _unavailable: str | None = None
 
 
 def unavailable() -> str | None:
-  """Why :data:`TARGET` is not registered in this process (None: it is)."""
-  _register()
+  """Why :data:`TARGET` is not registered in this process (None: it is;
+  registered when this module is imported, at its end)."""
   return _unavailable
-
-
-def _register() -> None:
-  global _registered, _unavailable
-  if _registered:
-    return
-  with _lock:
-    if _registered:
-      return
-    try:
-      capsule = ENTRY.configure(
-          _sites, _cold, np.empty, SiteMismatch)
-      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu", api_version=1)
-    except Exception as err:  # noqa: BLE001 - XLA refused the handler
-      _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
-    _registered = True
 
 
 _lock = threading.RLock()
@@ -944,4 +927,8 @@ if _compat.RULES_SEE_EVERY_TOKEN:
 
 # Registered when jax_effects is imported: a process that only runs modules
 # exported or cached by another one has lowered nothing of ours.
-_register()
+try:
+  _capsule = ENTRY.configure(_sites, _cold, np.empty, SiteMismatch)
+  jax.ffi.register_ffi_target(TARGET, _capsule, platform="cpu", api_version=1)
+except Exception as err:  # noqa: BLE001 - XLA refused the handler
+  _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
