@@ -391,20 +391,19 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
   effect = spec.get("effect") or {}
   failing = False
   try:
-    if "local" in effect and _FOREIGN_KEY.fullmatch(key):
-      raise UnboundHostFunction(
-          f"{effect['local']}: its host function is a Python object of the "
-          f"process that lowered it, which an exported module cannot "
-          f"bring: a module called in this process never runs a local "
-          f"host function, whatever key it carries")
     if "local" in effect:
       raise UnboundHostFunction(
           f"{effect['local']}: its host function is a Python object of the "
-          f"process that lowered it and is not bound in this one (its "
-          f"executable outlived it, or the module came from another "
-          f"process)")
+          f"process that lowered it" + (
+              ", which an exported module cannot bring: a module called in "
+              "this process never runs a local host function, whatever key "
+              "it carries" if _FOREIGN_KEY.fullmatch(key) else
+              " and is not bound in this one (its executable outlived it, "
+              "or the module came from another process)"))
+    chain = site_spec.get("chain")
     host_callback = dataclasses.replace(
-        _specs.rebuild_effect(effect), chain=_decode_chain(site_spec.get("chain")),
+        _specs.rebuild_effect(effect),
+        chain=_effects.UNORDERED if chain is None else _effects.Effect(chain),
         cleanup=bool(site_spec.get("cleanup", False)))
   except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
     what = effect.get("what") or effect.get("local") or "a jax_effects effect"
@@ -417,15 +416,6 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
     failing = True
   side = dataclasses.replace(side, host_callback=host_callback)
   return Site(key, text, side, avals_in, avals_out), failing
-
-
-def _encode_chain(chain):
-  """A chain key as data: an ``Effect``'s name, or None."""
-  return chain.name if isinstance(chain, _effects.Effect) else None
-
-
-def _decode_chain(name):
-  return _effects.UNORDERED if name is None else _effects.Effect(name)
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -461,7 +451,7 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
   """``(spec, why_local)``: the site spec of ``side`` lowered with these
   avals; ``why_local``: why its host side is not data (None: it is)."""
   host_callback = side.host_callback
-  effect = host_callback.spec
+  effect, chain = host_callback.spec, host_callback.chain
   why = None
   if not isinstance(effect, dict):
     why = effect if isinstance(effect, str) else (
@@ -473,8 +463,9 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
           "threaded": side.threaded, "entry": side.entry,
           "operands": side.operands,
           # (the chain names what the host keeps for an execution: two
-          # sites of one effect on two chains are two sites)
-          "chain": _encode_chain(host_callback.chain),
+          # sites of one effect on two chains are two sites; an Effect's
+          # name, or None)
+          "chain": chain.name if isinstance(chain, _effects.Effect) else None,
           "cleanup": bool(host_callback.cleanup)}
   return {"v": _specs.VERSION, "effect": effect, "site": site}, why
 
