@@ -26,7 +26,6 @@ which the pass threads like any other.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any, Callable, Sequence
 
@@ -139,15 +138,6 @@ class _BatchedControl(threading.local):
 
 #: Read by the vmap rule of ``effect_p`` (one run when nothing is batched).
 control_dependence = _BatchedControl()
-
-
-@contextlib.contextmanager
-def control_dependent():
-  control_dependence.depth += 1
-  try:
-    yield
-  finally:
-    control_dependence.depth -= 1
 
 
 def elements_in_batched_loop_error(description: str) -> NotImplementedError:
@@ -330,7 +320,7 @@ def _while_batcher(axis_data, args, dims, **params):
   bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
   carry = batched[cond_nconsts + body_nconsts:]
   # (instantiate=False, unlike JAX's rule: JAX caches batched jaxprs by their
-  # in/out axes, and a probe traced outside ``_control_dependent`` must never
+  # in/out axes, and a probe traced outside ``control_dependence`` must never
   # be the entry JAX's final batching of the body (all outputs at axis 0)
   # finds. OR-ing with ``carry`` gives the same fixpoint.)
   for _ in range(1 + len(carry)):
@@ -342,8 +332,11 @@ def _while_batcher(axis_data, args, dims, **params):
   _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
   if not pred:
     return _jax_while_batcher(axis_data, args, dims, **params)
-  with control_dependent():
+  control_dependence.depth += 1
+  try:
     return _jax_while_batcher(axis_data, args, dims, **params)
+  finally:
+    control_dependence.depth -= 1
 
 
 batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
