@@ -471,9 +471,13 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
 
 
 class NotExportable(ValueError):
-  """An effect whose host side only its process has, lowered for export."""
+  """An effect whose host side only its process has, lowered for export:
+  the refusal to export ``host_callback``, whose fix suggests first the
+  call of jax_effects that exports in its place, where it has one (an
+  adopted ``jax.debug.print``: ``jax_effects.print``)."""
 
-  def __init__(self, what: str, why: str):
+  def __init__(self, host_callback, why: str):
+    what = host_callback.description
     fix = ("give it a stable name, jax_effects.callback("
            "jax_effects.register_callback('my_callback', fn), ...), and "
            "register the function under that name in the process that calls "
@@ -482,6 +486,8 @@ class NotExportable(ValueError):
            if what.startswith("jax_effects.callback") else
            "export the function without it, or run it around the exported "
            "call")
+    if host_callback.instead:
+      fix = f"use {host_callback.instead} instead, which exports; or {fix}"
     super().__init__(
         f"jax.export cannot export {what}: {why}, which another process "
         f"cannot rebuild. Fix: {fix}.")
@@ -565,19 +571,6 @@ def _cold(key: bytes, attrs: dict) -> Site:
   return site
 
 
-def _not_exportable(host_callback, why) -> NotExportable:
-  """The refusal to export ``host_callback``: its fix suggests first the
-  call of jax_effects that exports in its place, where it has one (an
-  adopted ``jax.debug.print``: ``jax_effects.print``)."""
-  err = NotExportable(host_callback.description, why)
-  if host_callback.instead:
-    text = str(err)
-    head, fix, rest = text.partition("Fix: ")
-    use = f"use {host_callback.instead} instead, which exports"
-    err.args = (f"{head}{fix}{use}; or {rest}" if fix else f"{text} Fix: {use}.",)
-  return err
-
-
 def _site_for(side, avals_in, avals_out,
               for_export: bool) -> Site:
   """The site of ``side`` (bound to its key, made if new)."""
@@ -587,7 +580,7 @@ def _site_for(side, avals_in, avals_out,
     spec, why = None, f"it has {err}"
   # (a spec of symbolic shapes is never lowered for execution)
   if spec is None or (for_export and why is not None):
-    raise _not_exportable(side.host_callback, why)
+    raise NotExportable(side.host_callback, why)
   text = _specs.dumps(spec)
   with _lock:
     held = _holders.setdefault(side.host_callback.origin, {})
