@@ -422,13 +422,11 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _encode_where(where: _placement.Where) -> dict:
-  def one(p):
-    shard = p.shard_index
-    return [p.device_id, list(shard) if isinstance(shard, tuple) else shard,
-            p.process_index]
+  """``where`` as data: each placement's fields (JSON writes a tuple as a
+  list)."""
   if where.table is not None:
-    return {"table": [one(p) for p in where.table]}
-  return {"fixed": None if where.fixed is None else one(where.fixed)}
+    return {"table": [dataclasses.astuple(p) for p in where.table]}
+  return {"fixed": None if where.fixed is None else dataclasses.astuple(where.fixed)}
 
 
 def _decode_where(data) -> _placement.Where:
