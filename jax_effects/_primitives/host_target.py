@@ -67,6 +67,7 @@ import dataclasses
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -521,11 +522,11 @@ _lock = threading.RLock()
 _sites: dict[bytes, weakref.ref] = {}
 #: HostCallback -> {site spec text: Site}: a site lives while its effect does.
 _holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: Sites rebuilt from a spec, most recently bound last.
-_rebuilt: "collections.OrderedDict[bytes, Site]" = (
-    collections.OrderedDict())
-#: Local sites given a key, per hash of their description.
-_local_counts: dict[str, int] = {}
+#: Sites rebuilt from a spec, most recently bound last (REBUILT_KEPT; a key
+#: is rebuilt only while no site is bound to it).
+_rebuilt: "collections.deque[Site]" = collections.deque(maxlen=REBUILT_KEPT)
+#: Local sites given a key, counted per hash of their description.
+_local_counts: dict = collections.defaultdict(itertools.count)
 #: The local sites lowered last under plain jax.jit (LOCAL_KEPT).
 _local_kept: "collections.deque[Site]" = collections.deque(maxlen=LOCAL_KEPT)
 
@@ -563,9 +564,7 @@ def _cold(key: bytes, attrs: dict) -> Site:
     # callback makes it run; only a data key is ever bound from a module)
     if not failing and is_data_key(key):
       _bind(key, site)
-      _rebuilt[key] = site
-      while len(_rebuilt) > REBUILT_KEPT:
-        _rebuilt.popitem(last=False)
+      _rebuilt.append(site)
   return site
 
 
@@ -589,10 +588,7 @@ def _site_for(side, avals_in, avals_out,
       key = key_of(text)
       site = _bound(key)
     else:
-      h = local_hash(text)
-      n = _local_counts.get(h, 0)
-      _local_counts[h] = n + 1
-      key = key_of(text, n)
+      key = key_of(text, next(_local_counts[local_hash(text)]))
       site = None
     if site is None:
       site = Site(key, text, side, *decoded(spec["site"]))
