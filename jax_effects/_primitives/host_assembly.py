@@ -39,14 +39,9 @@ WHOLE_ON_HOST = False
 
 
 def _bits(dtype) -> int:
+  """Bits per value of ``dtype`` (sub-byte ones: ``host_target.SUB_BYTE``)."""
   dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return 8
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.iinfo(dtype).bits
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return 8 * dtype.itemsize
-  return jnp.finfo(dtype).bits
+  return _host_target.SUB_BYTE.get(dtype) or 8 * dtype.itemsize
 
 
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
