@@ -91,9 +91,8 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   cost about 3% of a dispatch), by the first device (:func:`on_first_device`) or
   every device (``host_assembly``) where it runs once over several."""
   edges = _edges.of_operands(host_callback, len(args))
-  if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (
-      _host_target.once_across_devices(ctx)) and _host_assembly.applies(
-          ctx, host_callback, ctx.avals_in[2:], edges, ordered):
+  if _host_target.once_across_devices(ctx) and _host_assembly.applies(
+      ctx, host_callback, ctx.avals_in[2:], edges, ordered):
     return [token, *_host_assembly.lower(ctx, host_callback, entry, carrier,
                                          args, edges)]
   if any(edges):
