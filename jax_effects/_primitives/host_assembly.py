@@ -44,9 +44,6 @@ def _bits(dtype) -> int:
   return _host_target.SUB_BYTE.get(dtype) or 8 * dtype.itemsize
 
 
-_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
-
-
 def _wide(dtype):
   """The byte-wide type holding a sub-byte dtype's values exactly."""
   return (np.float32 if jnp.issubdtype(dtype, jnp.floating)
@@ -55,10 +52,9 @@ def _wide(dtype):
 
 
 def _words_per_value(dtype) -> int:
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return 2 * _words_per_value(np.finfo(dtype).dtype)
-  return 2 if _bits(dtype) == 64 else 1
+  """``uint32`` words per value (a complex one's parts: one word each or
+  two, as its real dtype's values)."""
+  return (_bits(dtype) + 31) // 32
 
 
 def _to_words(y):
@@ -73,7 +69,7 @@ def _to_words(y):
   bits = _bits(dtype)
   if bits < 8:
     return _to_words(y.astype(_wide(dtype)))
-  u = lax.bitcast_convert_type(y, _UINT[bits])
+  u = lax.bitcast_convert_type(y, np.dtype(f"uint{bits}"))
   if bits <= 32:
     return u.astype(jnp.uint32)[..., None]
   lo = (u & jnp.uint64(0xFFFFFFFF)).astype(jnp.uint32)
@@ -147,10 +143,6 @@ class Layout:
     ids = lax.bitcast_convert_type(ids, jnp.uint32)[..., None]
     return jnp.concatenate([ids, words], axis=-1)
 
-  @property
-  def packed_shape(self) -> tuple:
-    return self.rows + (1 + self.words,)
-
   def unpack(self, parts) -> np.ndarray:
     """The host value from the devices' parts (later ones win)."""
     n_rows = math.prod(self.rows)
@@ -223,7 +215,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
     layout = None
     if aval.shape:
       layout = Layout.of(aval.shape, aval.dtype, e, num_devices)
-      packed_aval = jax.core.ShapedArray(layout.packed_shape, np.uint32)
+      packed_aval = jax.core.ShapedArray(layout.rows + (1 + layout.words,), np.uint32)
       (x,) = lower_cached(
           dataclasses.replace(ctx, avals_in=[aval], avals_out=[packed_aval]),
           ("pack", layout), layout.pack, x)
