@@ -836,14 +836,6 @@ def gathered(ctx, args, avals) -> list:
 
 # --- program order across ordered-effect kinds, plain jax.jit ----------------
 
-def _distinct(values):
-  out = []
-  for value in values:
-    if not any(value == seen for seen in out):
-      out.append(value)
-  return out
-
-
 def join(ctx, own):
   """The token an ordered host call of effect ``own`` takes: its chain's
   token, joined with every other ordered chain's when ``ctx`` lowers for
@@ -851,7 +843,10 @@ def join(ctx, own):
   tokens = ctx.tokens_in
   if not _joins(ctx):
     return tokens.get(own)
-  distinct = _distinct(tokens.get(e) for e in tokens.effects())
+  distinct = []   # (IR values, compared by ==)
+  for token in (tokens.get(e) for e in tokens.effects()):
+    if not any(token == seen for seen in distinct):
+      distinct.append(token)
   return distinct[0] if len(distinct) == 1 else hlo.after_all(distinct)
 
 
