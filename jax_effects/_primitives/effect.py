@@ -232,16 +232,12 @@ def branch_vmapped_error(host_callback) -> NotImplementedError:
 
 def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
-                ordered: bool, result_avals: tuple = (),
-                eager: Callable[..., None] | None = None,
-                reads_placement: bool = False,
-                batch_once: bool = False, edges: tuple = (),
-                counts_elements: bool = False,
-                cleanup: bool = False,
-                spec: dict | str | None = None,
-                user_code: bool = False, batchable: bool = False) -> list:
+                ordered: bool, result_avals: tuple = (), edges: tuple = (),
+                batchable: bool = False, **fields) -> list:
   """Binds ``effect_p``; the keywords after ``ordered`` but ``batchable``
-  are the fields of the ``host_callback.HostCallback`` built here.
+  are the fields of the ``host_callback.HostCallback`` built here (its
+  ``eager``, ``reads_placement``, ``batch_once``, ``counts_elements``,
+  ``cleanup``, ``spec``, ``user_code``: a name it lacks is a TypeError).
   ``batchable``: a loop may stage it, inside ``jax_effects.batched``
   (``batching.offer``)."""
   staging = _compat.enclosing_staging()
@@ -250,12 +246,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   if _compat.has_4bit_integers(flat_args):
     _compat.require("4-bit integer operands", description)
   host_callback = _host_callback.HostCallback(
-      fn, description, tuple(result_avals),
-      traced_in_branch=staging in ("cond", "switch"),
-      eager=eager,
-      reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges), counts_elements=counts_elements,
-      cleanup=cleanup, spec=spec, user_code=user_code)
+      fn, description, tuple(result_avals), edges=tuple(edges),
+      traced_in_branch=staging in ("cond", "switch"), **fields)
   if batchable and _batching.requested.request is not None:
     _batching.offer(host_callback)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
