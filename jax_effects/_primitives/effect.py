@@ -111,9 +111,8 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
   # (in program order with JAX's own ordered callbacks: host_target.join)
   token = _host_target.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
-  avals_in = list(ctx.avals_in)
-  if any(edges):   # (summarized operands: only their edges cross)
-    avals_in, args = _edges.cut(ctx, args, edges, first=0)
+  # (summarized operands: only their edges cross)
+  avals_in, args = _edges.cut(ctx, args, edges, first=0)
   args = _host_target.gathered(ctx, args, avals_in)
   # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(ctx, list(args), avals_in)
