@@ -387,8 +387,7 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
                     bool(site_spec["entry"]), site_spec.get("operands"))
     results = _results(avals_out)[side.passthrough:]
   except Exception as err:  # noqa: BLE001 - a spec this version cannot read
-    raise SiteMismatch(
-        f"a call site spec jax_effects cannot read ({err})")
+    raise SiteMismatch(f"a call site spec jax_effects cannot read ({err})")
   effect = spec.get("effect") or {}
   failing = False
   try:
