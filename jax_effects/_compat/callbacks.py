@@ -104,7 +104,7 @@ def refused_by_jax_in_batched_cond(effect) -> bool:
 
 
 # Program order across ordered-effect kinds under plain ``jax.jit``
-# (``_primitives.host_call``): from JAX 0.10 an uncacheable lowering rule
+# (``_primitives.host_target``): from JAX 0.10 an uncacheable lowering rule
 # is given every ordered effect's compiler token of its region (0.8/0.9: its
 # own only). JAX's ordered callbacks' rules are read from the registries
 # behind ``mlir.register_lowering`` (no public getter; JAX 0.10-0.12) and

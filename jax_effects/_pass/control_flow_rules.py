@@ -66,7 +66,7 @@ Its part of the token calling convention: the region is bracketed by the
 exported convention's entry and exit (``_primitives.exported``, with
 ``order=PLAIN_JIT_ORDER``): every chain of the region starts from one
 carrier made, by a host call, from JAX's token of ``PLAIN_JIT_ORDER``
-(joined with every ordered chain, ``host_call.join``), and the region's
+(joined with every ordered chain, ``host_target.join``), and the region's
 final carriers, combined as ``thread_program`` combines them, make that
 token again by another host call. So the region is one step in JAX's order
 of the program and of the thread's calls. A region with unordered effects

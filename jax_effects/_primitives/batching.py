@@ -45,11 +45,6 @@ requested = _Requested()
 _offered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def current() -> Request | None:
-  """The request of the ``batched`` block the calling thread is in."""
-  return requested.request
-
-
 def set_current(request: Request | None) -> Request | None:
   """Makes ``request`` current; returns the one it replaces."""
   previous, requested.request = requested.request, request

@@ -26,7 +26,6 @@ which the pass threads like any other.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any, Callable, Sequence
 
@@ -47,7 +46,7 @@ from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import batching as _batching
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_callback as _host_callback
-from jax_effects._primitives import host_call as _host_call
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import fork as _fork
 from jax_effects._runtime import placement as _placement
@@ -109,22 +108,21 @@ def fallback_lowering(ctx, *args, host_callback, effect, ordered):
     raise branch_vmapped_error(host_callback)
   marker = _effects.PLAIN_JIT_ORDER
   ordered = marker in _effects.jax_effects_of(effect, ordered, host_callback.user_code)
-  # (in program order with JAX's own ordered callbacks: host_call.join)
-  token = _host_call.join(ctx, marker) if ordered else None
+  # (in program order with JAX's own ordered callbacks: host_target.join)
+  token = _host_target.join(ctx, marker) if ordered else None
   edges = _edges.of_operands(host_callback, len(args))
-  avals_in = list(ctx.avals_in)
-  if any(edges):   # (summarized operands: only their edges cross)
-    avals_in, args = _edges.cut(ctx, args, edges, first=0)
-  args = _host_call.gathered(ctx, args, avals_in)
+  # (summarized operands: only their edges cross)
+  avals_in, args = _edges.cut(ctx, args, edges, first=0)
+  args = _host_target.gathered(ctx, args, avals_in)
   # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(ctx, list(args), avals_in)
-  side = _host_call.HostSide(host_callback, where, passthrough=0, threaded=False)
-  results, token = _host_call.emit_ordered(
+  side = _host_target.HostSide(host_callback, where, passthrough=0, threaded=False)
+  results, token = _host_target.emit_ordered(
       ctx, side, token, operands, avals_in, ctx.avals_out,
       _compat.callback_op_sharding(
           ctx.module_context.axis_context, None, ctx.avals_out))
   if ordered:
-    _host_call.set_joined(ctx, marker, token)
+    _host_target.set_joined(ctx, marker, token)
   return results
 
 
@@ -139,15 +137,6 @@ class _BatchedControl(threading.local):
 
 #: Read by the vmap rule of ``effect_p`` (one run when nothing is batched).
 control_dependence = _BatchedControl()
-
-
-@contextlib.contextmanager
-def control_dependent():
-  control_dependence.depth += 1
-  try:
-    yield
-  finally:
-    control_dependence.depth -= 1
 
 
 def elements_in_batched_loop_error(description: str) -> NotImplementedError:
@@ -242,16 +231,12 @@ def branch_vmapped_error(host_callback) -> NotImplementedError:
 
 def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
                 flat_args: Sequence[Any], *, effect: _effects.Effect,
-                ordered: bool, result_avals: tuple = (),
-                eager: Callable[..., None] | None = None,
-                reads_placement: bool = False,
-                batch_once: bool = False, edges: tuple = (),
-                counts_elements: bool = False,
-                cleanup: bool = False,
-                spec: dict | str | None = None,
-                user_code: bool = False, batchable: bool = False) -> list:
+                ordered: bool, result_avals: tuple = (), edges: tuple = (),
+                batchable: bool = False, **fields) -> list:
   """Binds ``effect_p``; the keywords after ``ordered`` but ``batchable``
-  are the fields of the ``host_callback.HostCallback`` built here.
+  are the fields of the ``host_callback.HostCallback`` built here (its
+  ``eager``, ``reads_placement``, ``batch_once``, ``counts_elements``,
+  ``cleanup``, ``spec``, ``user_code``: a name it lacks is a TypeError).
   ``batchable``: a loop may stage it, inside ``jax_effects.batched``
   (``batching.offer``)."""
   staging = _compat.enclosing_staging()
@@ -260,12 +245,8 @@ def bind_effect(fn: Callable[..., Sequence[Any]], description: str,
   if _compat.has_4bit_integers(flat_args):
     _compat.require("4-bit integer operands", description)
   host_callback = _host_callback.HostCallback(
-      fn, description, tuple(result_avals),
-      traced_in_branch=staging in ("cond", "switch"),
-      eager=eager,
-      reads_placement=reads_placement, batch_once=batch_once,
-      edges=tuple(edges), counts_elements=counts_elements,
-      cleanup=cleanup, spec=spec, user_code=user_code)
+      fn, description, tuple(result_avals), edges=tuple(edges),
+      traced_in_branch=staging in ("cond", "switch"), **fields)
   if batchable and _batching.requested.request is not None:
     _batching.offer(host_callback)
   return effect_p.bind(*flat_args, host_callback=host_callback, effect=effect,
@@ -330,7 +311,7 @@ def _while_batcher(axis_data, args, dims, **params):
   bconst = batched[cond_nconsts:cond_nconsts + body_nconsts]
   carry = batched[cond_nconsts + body_nconsts:]
   # (instantiate=False, unlike JAX's rule: JAX caches batched jaxprs by their
-  # in/out axes, and a probe traced outside ``_control_dependent`` must never
+  # in/out axes, and a probe traced outside ``control_dependence`` must never
   # be the entry JAX's final batching of the body (all outputs at axis 0)
   # finds. OR-ing with ``carry`` gives the same fixpoint.)
   for _ in range(1 + len(carry)):
@@ -342,8 +323,11 @@ def _while_batcher(axis_data, args, dims, **params):
   _, (pred,) = _compat.batch_jaxpr(cond_jaxpr, axis_data, cconst + carry, False)
   if not pred:
     return _jax_while_batcher(axis_data, args, dims, **params)
-  with control_dependent():
+  control_dependence.depth += 1
+  try:
     return _jax_while_batcher(axis_data, args, dims, **params)
+  finally:
+    control_dependence.depth -= 1
 
 
 batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher

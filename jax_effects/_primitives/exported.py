@@ -12,7 +12,7 @@ every runtime-token argument of ``g`` replaced by one carrier, ``c``, tied
 to the module's ``!stablehlo.token`` by host calls (:func:`_join`). The
 same entry and exit, with ``order=PLAIN_JIT_ORDER``, bracket a region of
 ours lowered under plain ``jax.jit`` (``_pass.control_flow_rules``): there
-they join every ordered chain of the region, as ``host_call.join`` does.
+they join every ordered chain of the region, as ``host_target.join`` does.
 :data:`exported_call_p` is an ``exp.call`` inside ``jax_effects.jit``,
 joined to the chain's carrier (``_pass.control_flow_rules``). See
 ``design/host_target.md``, "Exported modules". CPU only.
@@ -30,7 +30,6 @@ import numpy as np
 
 from jax_effects import _compat
 from jax_effects._core import effects as _effects
-from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
 from jax_effects._primitives import host_target as _host_target
@@ -52,12 +51,12 @@ def _one(value):
 
 
 def _token_in(ctx, order):
-  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _host_call.join(ctx, order)
+  return ctx.tokens_in.get(order) if order is EXPORTED_ORDER else _host_target.join(ctx, order)
 
 
 def _set_token(ctx, token, order=EXPORTED_ORDER) -> None:
   if order is not EXPORTED_ORDER:
-    _host_call.set_joined(ctx, order, token)
+    _host_target.set_joined(ctx, order, token)
     return
   ctx.set_tokens_out(ctx.tokens_in.update_tokens(
       mlir.TokenSet({EXPORTED_ORDER: token})))
@@ -105,7 +104,7 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
   """A host call from a token (and a carrier) to a token (and a carrier):
   a dependency XLA keeps between the two."""
   where, _, _ = _placement.at_lowering(ctx, [], [])
-  side = _host_call.HostSide(_join_host({"kind": kind}), where,
+  side = _host_target.HostSide(_join_host({"kind": kind}), where,
                              passthrough=passthrough, threaded=False)
   operands = [_one(v) for v in operands]
   if order is not EXPORTED_ORDER:   # (a plain jax.jit region: ordered as
@@ -113,7 +112,7 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
     avals = [_CARRIER][:n_out - 1]
     sharding = _compat.callback_op_sharding(
         ctx.module_context.axis_context, None, avals)
-    results, token = _host_call.emit_ordered(
+    results, token = _host_target.emit_ordered(
         ctx, side, operands[0], operands[1:], [_CARRIER][:len(operands) - 1],
         avals, sharding)
     if results:
@@ -121,16 +120,16 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
     return [token, *results]
   sub = dataclasses.replace(ctx, avals_in=[_TOKEN, _CARRIER][:len(operands)],
                             avals_out=[_TOKEN, _CARRIER][:n_out])
-  if (_host_call.once_across_devices(ctx)
+  if (_host_target.once_across_devices(ctx)
       and _host_target.unavailable() is None):
     # Over several devices (automatic partitioning): XLA's partitioner
     # wants a side-effecting call placed, and Shardy keeps no placement on
-    # our target (``host_call._own_target``), where JAX's callback targets
+    # our target (``host_target._own_target``), where JAX's callback targets
     # cannot be exported. A join has no effect of its own (its results are
     # the dependency, which XLA keeps): a call without side effect, which
     # the partitioner replicates, every device joining its own copies.
-    return _host_target.emit(sub, side, operands, None, side_effect=False)
-  return _host_call.emit(sub, side, operands, None)
+    return _host_target.emit_own(sub, side, operands, None, side_effect=False)
+  return _host_target.emit(sub, side, operands, None)
 
 
 exported_entry_p = Primitive("jax_effects_exported_entry")

@@ -26,8 +26,8 @@ from jax.interpreters import mlir
 
 from jax_effects import _compat
 from jax_effects._primitives import edges as _edges
-from jax_effects._primitives import host_call as _host_call
 from jax_effects._primitives import host_functions as _host_functions
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import errors as _errors
 from jax_effects._runtime import host_jobs as _host_jobs
 from jax_effects._runtime import placement as _placement
@@ -39,17 +39,9 @@ WHOLE_ON_HOST = False
 
 
 def _bits(dtype) -> int:
+  """Bits per value of ``dtype`` (sub-byte ones: ``host_target.SUB_BYTE``)."""
   dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return 8
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.iinfo(dtype).bits
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return 8 * dtype.itemsize
-  return jnp.finfo(dtype).bits
-
-
-_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+  return _host_target.SUB_BYTE.get(dtype) or 8 * dtype.itemsize
 
 
 def _wide(dtype):
@@ -60,10 +52,9 @@ def _wide(dtype):
 
 
 def _words_per_value(dtype) -> int:
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return 2 * _words_per_value(np.finfo(dtype).dtype)
-  return 2 if _bits(dtype) == 64 else 1
+  """``uint32`` words per value (a complex one's parts: one word each or
+  two, as its real dtype's values)."""
+  return (_bits(dtype) + 31) // 32
 
 
 def _to_words(y):
@@ -78,7 +69,7 @@ def _to_words(y):
   bits = _bits(dtype)
   if bits < 8:
     return _to_words(y.astype(_wide(dtype)))
-  u = lax.bitcast_convert_type(y, _UINT[bits])
+  u = lax.bitcast_convert_type(y, np.dtype(f"uint{bits}"))
   if bits <= 32:
     return u.astype(jnp.uint32)[..., None]
   lo = (u & jnp.uint64(0xFFFFFFFF)).astype(jnp.uint32)
@@ -152,10 +143,6 @@ class Layout:
     ids = lax.bitcast_convert_type(ids, jnp.uint32)[..., None]
     return jnp.concatenate([ids, words], axis=-1)
 
-  @property
-  def packed_shape(self) -> tuple:
-    return self.rows + (1 + self.words,)
-
   def unpack(self, parts) -> np.ndarray:
     """The host value from the devices' parts (later ones win)."""
     n_rows = math.prod(self.rows)
@@ -228,7 +215,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
     layout = None
     if aval.shape:
       layout = Layout.of(aval.shape, aval.dtype, e, num_devices)
-      packed_aval = jax.core.ShapedArray(layout.packed_shape, np.uint32)
+      packed_aval = jax.core.ShapedArray(layout.rows + (1 + layout.words,), np.uint32)
       (x,) = lower_cached(
           dataclasses.replace(ctx, avals_in=[aval], avals_out=[packed_aval]),
           ("pack", layout), layout.pack, x)
@@ -254,7 +241,7 @@ def lower(ctx, host_callback, entry: bool, carrier, args,
 
   target = _TARGETS[ctx.module_context.platforms[0]]
   sub_ctx = dataclasses.replace(ctx, avals_in=operand_avals, avals_out=avals_out)
-  new_carrier, *results = _host_call.emit(
+  new_carrier, *results = _host_target.emit(
       sub_ctx, host, operands, _compat.replicated_results(avals_out), target)
   return [new_carrier, *(_compat.on_first_device(sub_ctx, r, a)
                          for r, a in zip(results, avals_out[1:]))]

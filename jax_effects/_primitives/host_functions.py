@@ -33,9 +33,7 @@ def host_function(host_callback: _host_callback.HostCallback, where: _placement.
   """The function XLA calls for one lowered effect (module docstring);
   ``threaded``: the carrier is the last passthrough operand."""
   if threaded and passthrough == 1 and avals_out[0].shape == ():
-    if where.table is None:
-      return _threaded_once(host_callback, where.fixed, avals_out, entry, operands)
-    return _threaded_per_device(host_callback, where.table, avals_out, entry)
+    return _threaded(host_callback, where, avals_out, entry, operands)
   return _general(host_callback, where, passthrough, threaded, avals_out, entry)
 
 
@@ -128,20 +126,53 @@ class FailedBit:
 # ``_runtime.placement.current()`` reads ``running`` in the innermost host
 # frame (a keyword-only default, never passed); ``index(carrier)`` is the
 # fastest read of a 0-d integer array.
-def _threaded_once(host_callback: _host_callback.HostCallback, placement,
-                   avals_out, entry: bool, n_operands: int | None):
-  """``host(carrier, *operands)`` of a threaded effect that runs once."""
-  running = _placement.running(placement, True)
+def _threaded(host_callback: _host_callback.HostCallback, where: _placement.Where,
+              avals_out, entry: bool, n_operands: int | None):
+  """``host(carrier, *operands)`` of a threaded effect that runs once, or
+  ``host(carrier, *operands, partition_id)`` of one run per device, placed
+  by the partition id through ``where.table``."""
   fn = bare = host_callback.fn
   reads_placement = host_callback.reads_placement
-  if reads_placement:
-    fn = _setting_site(fn, running)
   what = host_callback.description
   result_avals = host_callback.result_avals
   rule = FailedBit(entry, host_callback.cleanup)
   FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
   skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
   index = operator.index
+  chain = host_callback.chain
+  queues, interrupted = _host_jobs.queues, _interrupts.slots
+  if where.table is not None:
+    places = tuple(_placement.running(p, True) for p in where.table)
+    fns = (tuple(_setting_site(fn, r) for r in places)
+           if reads_placement else (fn,) * len(places))
+
+    def host(carrier, *args):
+      if queues or interrupted:
+        at = _waiting(index(carrier), chain)
+        if at is not None:
+          behind = _behind(lambda c, a: host(c, *a), places[index(args[-1])],
+                           result_avals, skipped_results, chain)
+          return behind(*at, carrier, args)
+      if index(carrier) & FAILED:
+        received, carrier = carrier, rule.on_failed(carrier)
+        if carrier is None:
+          return (received, *skipped_results)
+      pid = index(args[-1])
+      running = places[pid]   # (read by _runtime.placement.current())
+      try:
+        results = fns[pid](*args[:-1])
+        if result_avals:
+          return (carrier, *_host_callback.check_results(what, results, result_avals))
+      except BaseException as exc:  # noqa: BLE001 - reported by the thread
+        return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK), *skipped_results)
+      del running
+      return (carrier,)
+
+    return host
+
+  running = _placement.running(where.fixed, True)
+  if reads_placement:
+    fn = _setting_site(fn, running)
 
   def failed(carrier, exc):
     return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK), *skipped_results)
@@ -159,9 +190,7 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       return failed(carrier, exc)
     return (carrier,)
 
-  chain = host_callback.chain
   behind = _behind(run, running, result_avals, skipped_results, chain)
-  queues, interrupted = _host_jobs.queues, _interrupts.slots
 
   def slow(carrier, args):
     # Jobs wait somewhere, or some thread's call is interrupted.
@@ -211,48 +240,6 @@ def _threaded_once(host_callback: _host_callback.HostCallback, placement,
       if queues or interrupted:
         return slow(carrier, args)
       return run(carrier, args)
-  return host
-
-
-def _threaded_per_device(host_callback: _host_callback.HostCallback, table,
-                         avals_out, entry: bool):
-  """``host(carrier, *operands, partition_id)``: :func:`_threaded_once`
-  per device, placed by the partition id through ``table``."""
-  placed = tuple(_placement.running(p, True) for p in table)
-  fn = host_callback.fn
-  fns = ((tuple(_setting_site(fn, r) for r in placed)
-          if host_callback.reads_placement else (fn,) * len(placed)))
-  what = host_callback.description
-  result_avals = host_callback.result_avals
-  rule = FailedBit(entry, host_callback.cleanup)
-  FAILED, SLOT_MASK = rule.FAILED, rule.SLOT_MASK
-  skipped_results = tuple(np.zeros(a.shape, a.dtype) for a in avals_out[1:])
-  index = operator.index
-  chain = host_callback.chain
-
-  def host(carrier, *args):
-    if queues or interrupted:
-      at = _waiting(index(carrier), chain)
-      if at is not None:
-        behind = _behind(lambda c, a: host(c, *a), placed[index(args[-1])],
-                         result_avals, skipped_results, chain)
-        return behind(*at, carrier, args)
-    if index(carrier) & FAILED:
-      received, carrier = carrier, rule.on_failed(carrier)
-      if carrier is None:
-        return (received, *skipped_results)
-    pid = index(args[-1])
-    running = placed[pid]   # (read by _runtime.placement.current())
-    try:
-      results = fns[pid](*args[:-1])
-      if result_avals:
-        return (carrier, *_host_callback.check_results(what, results, result_avals))
-    except BaseException as exc:  # noqa: BLE001 - reported by the thread
-      return (rule.fail(carrier, exc, index(carrier) & SLOT_MASK), *skipped_results)
-    del running
-    return (carrier,)
-
-  queues, interrupted = _host_jobs.queues, _interrupts.slots
   return host
 
 
@@ -337,7 +324,7 @@ def _general(host_callback: _host_callback.HostCallback, where: _placement.Where
   return host
 
 
-for _factory in (_threaded_once, _threaded_per_device, _general):
+for _factory in (_threaded, _general):
   for _code in _factory.__code__.co_consts:
     if isinstance(_code, types.CodeType) and _code.co_name == "host":
       _placement.register_host_code(_code)

@@ -5,7 +5,7 @@ string attributes: ``jax_effects_key``, bound in this process to a
 :class:`Site` (:data:`_sites`, held weakly), and ``jax_effects_spec``,
 the site spec the key was made from. A key not bound here is rebuilt from
 its spec on its first call, or its effect fails with a deferred error.
-Registry, lifetime and handler: ``design/host_target.md``. Three parts:
+Registry, lifetime and handler: ``design/host_target.md``. Four parts:
 
 * A :class:`Site` is what a key is bound to: its host function and, in
   :attr:`Site.c`, everything ``_trampoline.c`` (:data:`ENTRY`, the one
@@ -26,12 +26,39 @@ Registry, lifetime and handler: ``design/host_target.md``. Three parts:
   ``jfx1.F<hash>`` (:func:`foreign_key`), which no site is ever bound to.
 * The registry (:data:`_sites`), the handler's cold path (:func:`_cold`),
   the screening of modules from elsewhere (:func:`screen_module`) and
-  :func:`emit`.
+  :func:`emit_own`.
+* Which custom call: :func:`emit` (and :func:`emit_ordered` under plain
+  ``jax.jit``, with JAX's compiler token) emits a :class:`HostSide`'s host
+  function as jax_effects' own FFI target on CPU (:func:`emit_own`; see
+  :func:`_own_target`), else as one of JAX's callback targets
+  (``design/host_target.md``, "Which custom call, by platform").
 
-Part in the token calling convention: none of its own; it carries the
-carrier operand and result like any other (``host_call``): the carrier is
-one of a site's passthrough operands (:func:`scalars`), arriving (with a
-partition id) as a Python int, its result written as an int32.
+Part in the token calling convention: the call takes the chain's carrier
+as an operand and returns it (the data dependency that orders the calls);
+on our target the carrier is one of a site's passthrough operands
+(:class:`Site`), arriving (with a partition id) as a Python int, its
+result written as an int32.
+
+Program order across ordered-effect kinds under plain ``jax.jit``. JAX
+gives each ordered effect kind its own compiler-token chain: ours
+(``PLAIN_JIT_ORDER``), ``jax.debug.*(ordered=True)``'s and
+``io_callback(ordered=True)``'s. The chains are mutually unordered, so XLA
+may run an effect of one kind before an earlier effect of another, in an
+order that changes from one process to the next. So where a function
+lowered by plain ``jax.jit`` holds ``PLAIN_JIT_ORDER``, every ordered host
+call in it is a *join*: it takes the ``after_all`` of every ordered
+chain's current token and hands its returned token to every chain
+(:func:`join`, :func:`set_joined`). Our lowering rules do it, and JAX's
+own ordered callbacks' rules are wrapped to do it
+(:func:`in_program_order`); a region without ``PLAIN_JIT_ORDER`` lowers
+exactly as JAX lowers it. A control-flow region carries each chain's
+token in and out, so joins at every level give program order through
+loops, branches and nested functions. From JAX 0.10 an uncacheable rule
+sees every ordered token of its region (``_compat.RULES_SEE_EVERY_TOKEN``);
+JAX 0.8/0.9 show a rule its own only, and there the chains stay as JAX
+orders them (``design/errors.md``). Inside ``jax_effects.jit`` none of
+this applies: JAX's callbacks are adopted into one chain by the token
+pass.
 """
 from __future__ import annotations
 
@@ -40,6 +67,7 @@ import dataclasses
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -48,10 +76,12 @@ import re
 import struct
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 import weakref
 
 import jax
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import mlir
 import numpy as np
 
 from jax_effects import _compat
@@ -154,16 +184,24 @@ class SiteMismatch(Exception):
 
 
 class Site:
-  """One call site's host side (module docstring); ``avals_in`` and
-  ``avals_out``: ``(dtype, shape)``, or None for a token; ``scalars``:
-  the operand positions passed as Python ints."""
+  """One call site's host side (module docstring): ``side``'s (a
+  :class:`HostSide`) lowered under the key ``key`` of the site spec text
+  ``spec``, whose avals ``avals_in`` and ``avals_out`` are decoded
+  (:func:`decoded`). Passed as Python ints: 0-d passthrough operands (the
+  carrier) and the partition id."""
   __slots__ = ("key", "spec", "what", "c", "__weakref__")
 
-  def __init__(self, key: bytes, spec: str, what: str, host: Callable,
-               avals_in: list, avals_out: list, scalars: frozenset):
+  def __init__(self, key: bytes, spec: str, side, avals_in: list,
+               avals_out: list):
     self.key = key
     self.spec = spec
-    self.what = what
+    self.what = side.host_callback.description
+    host = side.function(_results(avals_out))
+    tokens = avals_in.count(None)
+    scalars = {tokens + i for i in range(side.passthrough)
+               if avals_in[tokens + i][1] == ()}
+    if side.where.table is not None:
+      scalars.add(len(avals_in) - 1)
     words, empties, kinds = [len(avals_in), len(avals_out)], [], []
     for side, avals in ((0, avals_in), (1, avals_out)):
       for i, aval in enumerate(avals):
@@ -176,6 +214,17 @@ class Site:
     converts = any(k == BYTES or (s == 1 and k != INT) for s, k, _ in kinds)
     runner = _converting(host, kinds) if converts else host
     self.c = (struct.pack(f"<{len(words)}q", *words), runner, tuple(empties))
+
+
+def decoded(site: dict) -> tuple[list, list]:
+  """A site spec's ``"in"`` and ``"out"`` avals: ``(dtype, shape)``, or
+  None for a token."""
+  return tuple([_specs.decode_aval(a) for a in site[k]] for k in ("in", "out"))
+
+
+def _results(avals: list) -> list:
+  """The arrays of decoded ``avals`` (tokens left out)."""
+  return [jax.core.ShapedArray(shape, dtype) for dtype, shape in filter(None, avals)]
 
 
 def _buffer(aval, side: int, scalar: bool) -> tuple:
@@ -332,32 +381,29 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
       raise ValueError(f"spec version {spec.get('v')!r}, this jax_effects "
                        f"writes {_specs.VERSION}")
     site_spec = spec["site"]
-    avals_in = [_specs.decode_aval(a) for a in site_spec["in"]]
-    avals_out = [_specs.decode_aval(a) for a in site_spec["out"]]
-    where = _decode_where(site_spec["where"])
-    passthrough = int(site_spec["passthrough"])
-    results = [jax.core.ShapedArray(shape, dtype)
-               for dtype, shape in filter(None, avals_out)]
+    avals_in, avals_out = decoded(site_spec)
+    side = HostSide(None, _decode_where(site_spec["where"]),
+                    int(site_spec["passthrough"]), bool(site_spec["threaded"]),
+                    bool(site_spec["entry"]), site_spec.get("operands"))
+    results = _results(avals_out)[side.passthrough:]
   except Exception as err:  # noqa: BLE001 - a spec this version cannot read
-    raise SiteMismatch(
-        f"a call site spec jax_effects cannot read ({err})")
+    raise SiteMismatch(f"a call site spec jax_effects cannot read ({err})")
   effect = spec.get("effect") or {}
   failing = False
   try:
-    if "local" in effect and _FOREIGN_KEY.fullmatch(key):
-      raise UnboundHostFunction(
-          f"{effect['local']}: its host function is a Python object of the "
-          f"process that lowered it, which an exported module cannot "
-          f"bring: a module called in this process never runs a local "
-          f"host function, whatever key it carries")
     if "local" in effect:
       raise UnboundHostFunction(
           f"{effect['local']}: its host function is a Python object of the "
-          f"process that lowered it and is not bound in this one (its "
-          f"executable outlived it, or the module came from another "
-          f"process)")
+          f"process that lowered it" + (
+              ", which an exported module cannot bring: a module called in "
+              "this process never runs a local host function, whatever key "
+              "it carries" if _FOREIGN_KEY.fullmatch(key) else
+              " and is not bound in this one (its executable outlived it, "
+              "or the module came from another process)"))
+    chain = site_spec.get("chain")
     host_callback = dataclasses.replace(
-        _specs.rebuild_effect(effect), chain=_decode_chain(site_spec.get("chain")),
+        _specs.rebuild_effect(effect),
+        chain=_effects.UNORDERED if chain is None else _effects.Effect(chain),
         cleanup=bool(site_spec.get("cleanup", False)))
   except Exception as err:  # noqa: BLE001 - this effect fails, the rest runs
     what = effect.get("what") or effect.get("local") or "a jax_effects effect"
@@ -366,48 +412,21 @@ def rebuild(key: bytes, text: str) -> tuple[Site, bool]:
 
     def fail(*args):
       raise exc
-    host_callback = _host_callback.HostCallback(
-        fail, what, tuple(results[passthrough:]))
+    host_callback = _host_callback.HostCallback(fail, what, tuple(results))
     failing = True
-  host = _host_functions.host_function(
-      host_callback, where, passthrough=passthrough,
-      threaded=bool(site_spec["threaded"]), avals_out=results,
-      entry=bool(site_spec["entry"]), operands=site_spec.get("operands"))
-  return Site(key, text, host_callback.description, host, avals_in, avals_out,
-                          scalars(site_spec, avals_in, where)), failing
-
-
-def _encode_chain(chain):
-  """A chain key as data: an ``Effect``'s name, or None."""
-  return chain.name if isinstance(chain, _effects.Effect) else None
-
-
-def _decode_chain(name):
-  return _effects.UNORDERED if name is None else _effects.Effect(name)
-
-
-def scalars(site_spec, avals_in, where) -> frozenset:
-  """Operand positions passed as NumPy scalars: 0-d passthrough ones (the
-  carrier) and the partition id."""
-  tokens = sum(1 for a in avals_in if a is None)
-  out = {tokens + i for i in range(site_spec["passthrough"])
-         if avals_in[tokens + i][1] == ()}
-  if where.table is not None:
-    out.add(len(avals_in) - 1)
-  return frozenset(out)
+  side = dataclasses.replace(side, host_callback=host_callback)
+  return Site(key, text, side, avals_in, avals_out), failing
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _encode_where(where: _placement.Where) -> dict:
-  def one(p):
-    shard = p.shard_index
-    return [p.device_id, list(shard) if isinstance(shard, tuple) else shard,
-            p.process_index]
+  """``where`` as data: each placement's fields (JSON writes a tuple as a
+  list)."""
   if where.table is not None:
-    return {"table": [one(p) for p in where.table]}
-  return {"fixed": None if where.fixed is None else one(where.fixed)}
+    return {"table": [dataclasses.astuple(p) for p in where.table]}
+  return {"fixed": None if where.fixed is None else dataclasses.astuple(where.fixed)}
 
 
 def _decode_where(data) -> _placement.Where:
@@ -430,7 +449,7 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
   """``(spec, why_local)``: the site spec of ``side`` lowered with these
   avals; ``why_local``: why its host side is not data (None: it is)."""
   host_callback = side.host_callback
-  effect = host_callback.spec
+  effect, chain = host_callback.spec, host_callback.chain
   why = None
   if not isinstance(effect, dict):
     why = effect if isinstance(effect, str) else (
@@ -442,16 +461,21 @@ def site_spec(side, avals_in, avals_out) -> tuple[dict, str | None]:
           "threaded": side.threaded, "entry": side.entry,
           "operands": side.operands,
           # (the chain names what the host keeps for an execution: two
-          # sites of one effect on two chains are two sites)
-          "chain": _encode_chain(host_callback.chain),
+          # sites of one effect on two chains are two sites; an Effect's
+          # name, or None)
+          "chain": chain.name if isinstance(chain, _effects.Effect) else None,
           "cleanup": bool(host_callback.cleanup)}
   return {"v": _specs.VERSION, "effect": effect, "site": site}, why
 
 
 class NotExportable(ValueError):
-  """An effect whose host side only its process has, lowered for export."""
+  """An effect whose host side only its process has, lowered for export:
+  the refusal to export ``host_callback``, whose fix suggests first the
+  call of jax_effects that exports in its place, where it has one (an
+  adopted ``jax.debug.print``: ``jax_effects.print``)."""
 
-  def __init__(self, what: str, why: str):
+  def __init__(self, host_callback, why: str):
+    what = host_callback.description
     fix = ("give it a stable name, jax_effects.callback("
            "jax_effects.register_callback('my_callback', fn), ...), and "
            "register the function under that name in the process that calls "
@@ -460,6 +484,8 @@ class NotExportable(ValueError):
            if what.startswith("jax_effects.callback") else
            "export the function without it, or run it around the exported "
            "call")
+    if host_callback.instead:
+      fix = f"use {host_callback.instead} instead, which exports; or {fix}"
     super().__init__(
         f"jax.export cannot export {what}: {why}, which another process "
         f"cannot rebuild. Fix: {fix}.")
@@ -481,30 +507,13 @@ REBUILT_KEPT = 4096
 #: lifetime").
 LOCAL_KEPT = 4096
 
-_registered = False
 _unavailable: str | None = None
 
 
 def unavailable() -> str | None:
-  """Why :data:`TARGET` is not registered in this process (None: it is)."""
-  _register()
+  """Why :data:`TARGET` is not registered in this process (None: it is;
+  registered when this module is imported, at its end)."""
   return _unavailable
-
-
-def _register() -> None:
-  global _registered, _unavailable
-  if _registered:
-    return
-  with _lock:
-    if _registered:
-      return
-    try:
-      capsule = ENTRY.configure(
-          _sites, _cold, np.empty, SiteMismatch)
-      jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu", api_version=1)
-    except Exception as err:  # noqa: BLE001 - XLA refused the handler
-      _unavailable = f"XLA refused jax_effects' FFI host target: {err}"
-    _registered = True
 
 
 _lock = threading.RLock()
@@ -512,11 +521,11 @@ _lock = threading.RLock()
 _sites: dict[bytes, weakref.ref] = {}
 #: HostCallback -> {site spec text: Site}: a site lives while its effect does.
 _holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: Sites rebuilt from a spec, most recently bound last.
-_rebuilt: "collections.OrderedDict[bytes, Site]" = (
-    collections.OrderedDict())
-#: Local sites given a key, per hash of their description.
-_local_counts: dict[str, int] = {}
+#: Sites rebuilt from a spec, most recently bound last (REBUILT_KEPT; a key
+#: is rebuilt only while no site is bound to it).
+_rebuilt: "collections.deque[Site]" = collections.deque(maxlen=REBUILT_KEPT)
+#: Local sites given a key, counted per hash of their description.
+_local_counts: dict = collections.defaultdict(itertools.count)
 #: The local sites lowered last under plain jax.jit (LOCAL_KEPT).
 _local_kept: "collections.deque[Site]" = collections.deque(maxlen=LOCAL_KEPT)
 
@@ -554,23 +563,8 @@ def _cold(key: bytes, attrs: dict) -> Site:
     # callback makes it run; only a data key is ever bound from a module)
     if not failing and is_data_key(key):
       _bind(key, site)
-      _rebuilt[key] = site
-      while len(_rebuilt) > REBUILT_KEPT:
-        _rebuilt.popitem(last=False)
+      _rebuilt.append(site)
   return site
-
-
-def _not_exportable(host_callback, why) -> NotExportable:
-  """The refusal to export ``host_callback``: its fix suggests first the
-  call of jax_effects that exports in its place, where it has one (an
-  adopted ``jax.debug.print``: ``jax_effects.print``)."""
-  err = NotExportable(host_callback.description, why)
-  if host_callback.instead:
-    text = str(err)
-    head, fix, rest = text.partition("Fix: ")
-    use = f"use {host_callback.instead} instead, which exports"
-    err.args = (f"{head}{fix}{use}; or {rest}" if fix else f"{text} Fix: {use}.",)
-  return err
 
 
 def _site_for(side, avals_in, avals_out,
@@ -582,7 +576,7 @@ def _site_for(side, avals_in, avals_out,
     spec, why = None, f"it has {err}"
   # (a spec of symbolic shapes is never lowered for execution)
   if spec is None or (for_export and why is not None):
-    raise _not_exportable(side.host_callback, why)
+    raise NotExportable(side.host_callback, why)
   text = _specs.dumps(spec)
   with _lock:
     held = _holders.setdefault(side.host_callback.origin, {})
@@ -593,19 +587,10 @@ def _site_for(side, avals_in, avals_out,
       key = key_of(text)
       site = _bound(key)
     else:
-      h = local_hash(text)
-      n = _local_counts.get(h, 0)
-      _local_counts[h] = n + 1
-      key = key_of(text, n)
+      key = key_of(text, next(_local_counts[local_hash(text)]))
       site = None
     if site is None:
-      decoded_in = [_specs.decode_aval(a) for a in spec["site"]["in"]]
-      decoded_out = [_specs.decode_aval(a) for a in spec["site"]["out"]]
-      host = side.function([a for a in avals_out
-                            if getattr(a, "dtype", None) is not None])
-      site = Site(
-          key, text, side.host_callback.description, host, decoded_in, decoded_out,
-          scalars(spec["site"], decoded_in, side.where))
+      site = Site(key, text, side, *decoded(spec["site"]))
       _bind(key, site)
     held[text] = site
   return site
@@ -660,12 +645,11 @@ def _ffi_strings(ir, attrs) -> tuple[bytes, str, bool]:
 def screen_module(module) -> bool:
   """Gives every host call of ``module`` (an exported function called in
   this process: a module from elsewhere) the key it may carry
-  (``hostforeign_key``: its data key, else one no site is bound to)
+  (:func:`foreign_key`: its data key, else one no site is bound to)
   and exactly the two attributes this package writes; True if it changed
   anything. So a module reaches no host function it did not bring: not a
   local one of this process, whatever key (and attribute names) it
   copied."""
-  from jax.interpreters import mlir
   ir = mlir.ir
   changed = False
   for op in _operations(module.operation):
@@ -706,7 +690,7 @@ def keep_sites_in(owner) -> None:
   _owner.holder = weakref.ref(owner)
 
 
-def emit(ctx, side, operands, sharding, side_effect: bool = True) -> list:
+def emit_own(ctx, side, operands, sharding, side_effect: bool = True) -> list:
   """The results of the custom call of ``side`` to :data:`TARGET` (one
   XLA may not remove, unless not ``side_effect``)."""
   for_export = _compat.lowering_for_export(ctx)
@@ -738,6 +722,185 @@ def custom_call(ctx, target, operands, sharding, side_effect: bool = True,
   return op.results
 
 
+# --- which custom call a host call lowers to; program order --------------------
+
+# Custom-call targets of JAX's Python callbacks (jaxlib registers them).
+FFI_TARGETS = {"cpu": "xla_ffi_python_cpu_callback",
+                "cuda": "xla_ffi_python_gpu_callback",
+                "rocm": "xla_ffi_python_gpu_callback"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostSide:
+  """The host side of one lowered effect: the arguments of
+  ``host_functions.host_function`` (compared by identity)."""
+  host_callback: Any
+  where: _placement.Where
+  passthrough: int
+  threaded: bool
+  entry: bool = False
+  operands: int | None = None
+
+  def function(self, avals_out) -> Callable:
+    """The function XLA calls; ``avals_out``: passthrough ones first."""
+    return _host_functions.host_function(
+        self.host_callback, self.where, passthrough=self.passthrough,
+        threaded=self.threaded, avals_out=avals_out, entry=self.entry,
+        operands=self.operands)
+
+
+def once_across_devices(ctx) -> bool:
+  """Whether ``ctx`` is partitioned automatically over several devices."""
+  axis_context = ctx.module_context.axis_context
+  return (isinstance(axis_context, _compat.ShardingContext)
+          and axis_context.num_devices > 1)
+
+
+def _own_target(ctx, target) -> bool:
+  """Whether the call goes to our target: on CPU, unless the partitioner
+  places it (Shardy keeps ``MAXIMAL`` only on JAX's callback targets)."""
+  platforms = ctx.module_context.platforms
+  return (target is None and len(platforms) == 1 and platforms[0] == "cpu"
+          and not once_across_devices(ctx)
+          and unavailable() is None)
+
+
+def _refuse_export(ctx, side) -> None:
+  """Refuses, in our words, a host call of one of JAX's Python callback
+  targets over several devices in a module lowered for ``jax.export``
+  (whose ``host_callbacks`` JAX cannot serialize: it would raise its own
+  ``NotImplementedError`` after lowering)."""
+  if not (_compat.lowering_for_export(ctx) and once_across_devices(ctx)):
+    return
+  what = getattr(getattr(side, "host_callback", None), "description", None) or "an effect"
+  raise NotImplementedError(
+      f"jax.export cannot export {what} over several devices as it is "
+      f"lowered here (under plain jax.jit, automatic partitioning): its "
+      f"host call is one of JAX's Python callback targets, whose "
+      f"host_callbacks jax.export cannot serialize. Fix: export a "
+      f"jax_effects.jit function, jax.export.export(jax_effects.jit(f), "
+      f"disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("
+      f"jax_effects.HOST_TARGET)]), whose effects over several devices "
+      f"export")
+
+
+def emit(ctx, side, operands, sharding, target=None):
+  """The results of the custom call of ``side`` (a :class:`HostSide`, or a
+  host function for JAX's ``target``): off our target, what
+  ``emit_python_callback`` emits without its per-call wrapper (costlier
+  than the callback) and token (the carrier orders the call)."""
+  if isinstance(side, HostSide) and _own_target(ctx, target):
+    return emit_own(ctx, side, operands, sharding)
+  _refuse_export(ctx, side)
+  if isinstance(side, HostSide):
+    side = side.function(ctx.avals_out)
+  if target is None:
+    target = FFI_TARGETS[ctx.module_context.platforms[0]]
+  ctx.module_context.add_host_callback(side)
+  index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
+  return custom_call(ctx, target, operands, sharding, index=index)
+
+
+def emit_ordered(ctx, side: HostSide, token, operands, avals_in, avals_out,
+                 sharding):
+  """``(results, token')`` of an effect under plain ``jax.jit``, with JAX's
+  compiler ``token`` (None: unordered) first, as off CPU."""
+  sub_ctx = dataclasses.replace(ctx, avals_in=list(avals_in), avals_out=list(avals_out))
+  if not _own_target(ctx, None):
+    _refuse_export(ctx, side)
+    results, token, _ = mlir.emit_python_callback(
+        sub_ctx, side.function(avals_out), token, operands, avals_in,
+        avals_out, has_side_effect=True, returns_token=token is not None,
+        sharding=sharding)
+    return results, token
+  if token is None:
+    return emit_own(sub_ctx, side, operands, sharding), None
+  token_aval = _compat.abstract_token
+  sub_ctx = dataclasses.replace(ctx, avals_in=[token_aval, *avals_in],
+                                avals_out=[token_aval, *avals_out])
+  token, *results = emit_own(
+      sub_ctx, side, [token, *operands],
+      _compat.with_token_sharding(sharding, bool(avals_out)))
+  return results, token
+
+
+def gathered(ctx, args, avals) -> list:
+  """The operands of a callback that runs once, annotated replicated (no
+  "involuntary full rematerialization" warning) if partitioned."""
+  if not once_across_devices(ctx):
+    return list(args)
+  return [_compat.replicated(ctx, x, aval) if aval.shape else x
+          for x, aval in zip(args, avals)]
+
+
+# --- program order across ordered-effect kinds, plain jax.jit ----------------
+
+def join(ctx, own):
+  """The token an ordered host call of effect ``own`` takes: its chain's
+  token, joined with every other ordered chain's when ``ctx`` lowers for
+  plain ``jax.jit`` (``PLAIN_JIT_ORDER`` among its tokens)."""
+  tokens = ctx.tokens_in
+  if not _joins(ctx):
+    return tokens.get(own)
+  distinct = []   # (IR values, compared by ==)
+  for token in (tokens.get(e) for e in tokens.effects()):
+    if not any(token == seen for seen in distinct):
+      distinct.append(token)
+  return distinct[0] if len(distinct) == 1 else hlo.after_all(distinct)
+
+
+def _joins(ctx) -> bool:
+  return (_compat.RULES_SEE_EVERY_TOKEN
+          and _effects.PLAIN_JIT_ORDER in ctx.tokens_in.effects())
+
+
+def set_joined(ctx, own, token) -> None:
+  """Sets ``ctx``'s output tokens: ``token`` for ``own`` and, where
+  :func:`join` joined the chains, every other chain after ``token`` too
+  (each by its own ``after_all``: a computation's output tokens must be
+  distinct values)."""
+  tokens = ctx.tokens_in
+  if not _joins(ctx):
+    ctx.set_tokens_out(tokens.update_tokens(mlir.TokenSet({own: token})))
+    return
+  ctx.set_tokens_out(mlir.TokenSet({
+      e: token if e == own else hlo.after_all([token, tokens.get(e)])
+      for e in tokens.effects()}))
+
+
+def in_program_order(rule):
+  """JAX's lowering ``rule`` of an ordered callback primitive, made a join
+  (the module docstring) where the region holds ``PLAIN_JIT_ORDER``."""
+
+  def rule_in_program_order(ctx, *args, **params):
+    if not (_compat.jax_callback_is_ordered(params) and _joins(ctx)):
+      return rule(ctx, *args, **params)
+    tokens = ctx.tokens_in
+    joined = join(ctx, _effects.PLAIN_JIT_ORDER)
+    inner = ctx.replace(
+        tokens_in=mlir.TokenSet({e: joined for e in tokens.effects()}),
+        tokens_out=None)
+    results = rule(inner, *args, **params)
+    # (the one chain whose token the rule replaced is its own)
+    own, token = next(
+        ((e, t) for e in tokens.effects()
+         if (t := inner.tokens_out.get(e)) != joined),
+        (_effects.PLAIN_JIT_ORDER, joined))
+    set_joined(ctx, own, token)
+    return results
+
+  rule_in_program_order.jax_effects_wraps = rule
+  return rule_in_program_order
+
+
+if _compat.RULES_SEE_EVERY_TOKEN:
+  _compat.wrap_jax_callback_lowerings(in_program_order)
+
+
 # Registered when jax_effects is imported: a process that only runs modules
 # exported or cached by another one has lowered nothing of ours.
-_register()
+try:
+  _capsule = ENTRY.configure(_sites, _cold, np.empty, SiteMismatch)
+  jax.ffi.register_ffi_target(TARGET, _capsule, platform="cpu", api_version=1)
+except Exception as err:  # noqa: BLE001 - XLA refused the handler
+  _unavailable = f"XLA refused jax_effects' FFI host target: {err}"

@@ -36,7 +36,7 @@ from jax_effects import _compat
 from jax_effects import _jax_api
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_assembly as _host_assembly
-from jax_effects._primitives import host_call as _host_call
+from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import placement as _placement
 
 threaded_effect_p = Primitive("jax_effects_threaded_effect")
@@ -91,9 +91,8 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   cost about 3% of a dispatch), by the first device (:func:`on_first_device`) or
   every device (``host_assembly``) where it runs once over several."""
   edges = _edges.of_operands(host_callback, len(args))
-  if (any(edges) or _host_assembly.WHOLE_ON_HOST) and (
-      _host_call.once_across_devices(ctx)) and _host_assembly.applies(
-          ctx, host_callback, ctx.avals_in[2:], edges, ordered):
+  if _host_target.once_across_devices(ctx) and _host_assembly.applies(
+      ctx, host_callback, ctx.avals_in[2:], edges, ordered):
     return [token, *_host_assembly.lower(ctx, host_callback, entry, carrier,
                                          args, edges)]
   if any(edges):
@@ -102,17 +101,17 @@ def _threaded_lowering(ctx, token, carrier, *args, host_callback, entry,
   platforms = ctx.module_context.platforms
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, ctx.avals_out[1:])
-  args = _host_call.gathered(ctx, args, ctx.avals_in[2:])
+  args = _host_target.gathered(ctx, args, ctx.avals_in[2:])
   # (may add the partition id as an operand)
   where, operands, avals_in = _placement.at_lowering(
       ctx, [carrier, *args], list(ctx.avals_in[1:]))
-  side = _host_call.HostSide(host_callback, where, passthrough=1,
+  side = _host_target.HostSide(host_callback, where, passthrough=1,
                              threaded=True, entry=entry, operands=len(args))
   sub_ctx = dataclasses.replace(ctx, avals_in=avals_in, avals_out=ctx.avals_out[1:])
-  if len(platforms) == 1 and platforms[0] in _host_call.FFI_TARGETS:
-    if _host_call.once_across_devices(ctx):
+  if len(platforms) == 1 and platforms[0] in _host_target.FFI_TARGETS:
+    if _host_target.once_across_devices(ctx):
       return [token, *on_first_device(sub_ctx, side, operands)]
-    return [token, *_host_call.emit(sub_ctx, side, operands, sharding)]
+    return [token, *_host_target.emit(sub_ctx, side, operands, sharding)]
   # Other platforms (TPU): through emit_python_callback, which adds the token.
   results, token, _ = mlir.emit_python_callback(
       sub_ctx, side.function(sub_ctx.avals_out), token,
@@ -204,7 +203,7 @@ first_device_call_p.def_abstract_eval(
 def _first_device_call_lowering(ctx, *operands, side, avals_out):
   sharding = _compat.callback_op_sharding(
       ctx.module_context.axis_context, None, avals_out)
-  return _host_call.emit(ctx, side, operands, sharding)
+  return _host_target.emit(ctx, side, operands, sharding)
 
 
 mlir.register_lowering(first_device_call_p, _first_device_call_lowering,
@@ -219,7 +218,7 @@ from_first_device_p.def_impl(lambda x: x)
 
 
 def _from_first_device_lowering(ctx, x):
-  if _host_call.once_across_devices(ctx):
+  if _host_target.once_across_devices(ctx):
     return [_compat.on_first_device(ctx, x, ctx.avals_in[0])]
   return [x]
 

@@ -170,7 +170,7 @@ def floor_primitive():
   import numpy as np
 
   from jax_effects import _compat
-  from jax_effects._primitives import host_call as _host_call
+  from jax_effects._primitives import host_target as _host_target
 
   p = Primitive("jax_effects_bench_floor")
   p.def_abstract_eval(lambda token, *xs: token)
@@ -179,7 +179,7 @@ def floor_primitive():
     return (token,)
 
   def lowering(ctx, token, *xs):
-    target = _host_call.FFI_TARGETS[ctx.module_context.platforms[0]]
+    target = _host_target.FFI_TARGETS[ctx.module_context.platforms[0]]
     lower = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)
     ctx.module_context.add_host_callback(host)
     index = np.uint64(len(ctx.module_context.host_callbacks) - 1)

@@ -2,7 +2,7 @@
 
 JAX threads one compiler-token chain per kind of ordered effect; where a
 function also holds jax_effects' effects, every ordered call joins the
-chains (``_primitives/host_call.py``, ``design/errors.md``, "Plain
+chains (``_primitives/host_target.py``, ``design/errors.md``, "Plain
 ``jax.jit``"). The order XLA picks between independent chains follows a
 set's iteration order, which changes with ``PYTHONHASHSEED``: each program
 runs in fresh processes under several seeds.

@@ -1,5 +1,5 @@
 """Under plain ``jax.jit``, every ordered host call follows every earlier
-one, of whatever kind (``_primitives/host_call.py``; ``design/errors.md``,
+one, of whatever kind (``_primitives/host_target.py``; ``design/errors.md``,
 "Plain ``jax.jit``").
 
 Read from the lowered program, not from a run: XLA orders host calls only by
