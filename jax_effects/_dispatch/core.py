@@ -311,18 +311,13 @@ def _freeze(value):
   return value
 
 
-def options_key(jit_kwargs: dict):
-  """Equal for equal ``jit`` options; None where one cannot be hashed."""
-  try:
-    return frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
-  except TypeError:
-    return None
-
-
 def core_for(fun: Callable, jit_kwargs: dict) -> Core:
   """The core of ``(fun, jit_kwargs)``: the shared one, or a new one
   registered while ``fun`` lives (see the module docstring)."""
-  options = options_key(jit_kwargs)
+  try:   # (equal for equal options)
+    options = frozenset((k, _freeze(v)) for k, v in jit_kwargs.items())
+  except TypeError:   # an option that cannot be hashed: not shared
+    options = None
   key = (id(fun), options)
   entry = _cores.get(key) if options is not None else None
   if entry is not None and entry[0]() is fun:
