@@ -291,7 +291,7 @@ def plain(traces: TraceCache, on_effects: Callable[[], None], args, kwargs):
   _host_target.keep_sites_in(traces)   # (what jax.jit lowers next)
   mode = _effects.get_ordering()
   if _effects.chain_keys(closed.effects, mode):   # (effects, counters)
-    if _discovery.traces is traces:
+    if getattr(_discovery, "traces", None) is traces:
       raise FoundEffects(closed.effects)
     on_effects()
     outs = _jaxpr_eval.eval_jaxpr(closed.jaxpr, closed.consts, dyn,
@@ -311,18 +311,15 @@ class FoundEffects(Exception):
     self.effects = effects
 
 
-class _Discovery(threading.local):
-  traces: TraceCache | None = None
-
-
-_discovery = _Discovery()
+#: ``traces``: the TraceCache whose plain trace program_effects started.
+_discovery = threading.local()
 
 
 def program_effects(traces: TraceCache, plain_jit, args, kwargs):
   """The JAX effects of ``plain_jit``'s program for ``(args, kwargs)``,
   from a ``.trace()`` that stops once it finds effects (the threaded trace
   comes next, reusing the kept trace of the user function)."""
-  saved = _discovery.traces
+  saved = getattr(_discovery, "traces", None)
   _discovery.traces = traces
   try:
     return plain_jit.trace(*args, **kwargs).jaxpr.effects
