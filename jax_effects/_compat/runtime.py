@@ -48,7 +48,6 @@ def cpu_collectives_on_host(host: str) -> None:
   collectives bound to ``host``). Call after ``jax.distributed.initialize``
   and before the backend starts (``design/multihost.md``). JAX 0.8-0.12.
   """
-  import functools
   from jax._src import distributed
   from jax._src.lib import _jax
   if backends_are_initialized():
