@@ -60,6 +60,7 @@ def _screened(exported):
   if not _screens:
     return exported
   import dataclasses
+  import inspect
   from jax.interpreters import mlir
   data = bytes(exported.mlir_module_serialized)   # (a key: hashable)
   with _screen_lock:
@@ -69,7 +70,12 @@ def _screened(exported):
       _screened_bytes.move_to_end(data)
   if not found:
     with mlir.make_ir_context():
-      module = _module_of(exported)
+      # Exported.mlir_module(serialized=False) where it takes that parameter
+      # (JAX 0.10, 0.12), else its text parsed (JAX 0.8: the text only)
+      if "serialized" in inspect.signature(exported.mlir_module).parameters:
+        module = exported.mlir_module(serialized=False)
+      else:
+        module = mlir.ir.Module.parse(exported.mlir_module())
       changed = any([screen(module) for screen in _screens])   # (each runs)
       blob = export_module_bytes(module) if changed else None
     with _screen_lock:
@@ -79,17 +85,6 @@ def _screened(exported):
   if blob is None:
     return exported
   return dataclasses.replace(exported, mlir_module_serialized=blob)
-
-
-def _module_of(exported):
-  """The MLIR module of ``exported`` (in the current context):
-  ``Exported.mlir_module(serialized=False)`` where it takes that parameter
-  (JAX 0.10, 0.12), else its text parsed (JAX 0.8: the text only)."""
-  import inspect
-  from jax.interpreters import mlir
-  if "serialized" in inspect.signature(exported.mlir_module).parameters:
-    return exported.mlir_module(serialized=False)
-  return mlir.ir.Module.parse(exported.mlir_module())
 
 
 def call_exported_lowering(ctx, *args, exported):
