@@ -22,8 +22,9 @@ from jax_effects._runtime import output as _output
 from jax_effects._runtime import threads as _threads
 
 
-def _check_switch_allowed(call: str, switching: bool) -> None:
-  """A mode switch inside a trace or a host callback is refused."""
+def _before_switch(call: str, switching: bool, all_threads: bool) -> None:
+  """A mode switch inside a trace or a host callback is refused; one that
+  changes the mode first waits (quietly) for the dispatched effects."""
   if not _compat.at_top_level():
     raise RuntimeError(
         f"jax_effects: {call} was called while a function is being traced "
@@ -32,6 +33,7 @@ def _check_switch_allowed(call: str, switching: bool) -> None:
         "ignored. Enter it around the call of the jitted function instead.")
   if switching:   # (it waits for dispatched effects: not from a callback)
     _barrier.check_not_in_callback(call)
+    _barrier.quiet_barrier(all_threads=all_threads)
 
 
 def set_ordering(mode: str) -> None:
@@ -42,10 +44,8 @@ def set_ordering(mode: str) -> None:
   (``RuntimeError``) inside a traced function or a host callback.
   """
   _effects.check_mode(mode)
-  switching = mode != _effects.process_mode()
-  _check_switch_allowed(f"set_ordering({mode!r})", switching)
-  if switching:
-    _barrier.quiet_barrier(all_threads=True)
+  _before_switch(f"set_ordering({mode!r})", mode != _effects.process_mode(),
+                 all_threads=True)
   _effects.set_process_mode(mode)
   _threads.mode_changed(all_threads=True)
 
@@ -63,9 +63,7 @@ def ordering(mode: str) -> Iterator[None]:
   """
   _effects.check_mode(mode)
   outer = _effects.get_ordering()
-  _check_switch_allowed(f"ordering({mode!r})", mode != outer)
-  if mode != outer:
-    _barrier.quiet_barrier(all_threads=False)
+  _before_switch(f"ordering({mode!r})", mode != outer, all_threads=False)
   _effects.push_mode(mode)
   _threads.mode_changed(all_threads=False)
   try:
