@@ -117,23 +117,25 @@ class Core:
         self.refresh(mode)
     return keys, jitted
 
-  def refresh(self, mode: str) -> None:
-    """Builds or drops ``mode``'s fast hook after its chains, its ``jax.jit``
-    objects or the shape of its tokens changed."""
-    threaded = self.threaded(mode)
+  def refresh(self, *modes: str) -> None:
+    """Builds or drops the fast hook of each of ``modes`` (none: of every
+    mode) after its chains, its ``jax.jit`` objects or the shape of its
+    tokens changed."""
     with self.lock:
-      jitted = threaded.jitted.get(None)
-      keys = threaded.keys
-      if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
-          and jitted is not None
-          and self.state is not FALLBACK and not self.traces.may_fail):
-        # (none where computations may fail as a whole: tokens_for waits)
-        threaded.fast = _call_path.fast_dispatch(
-            mode, keys[0], jitted, site=threaded.launch,
-            general=self.call_threaded,
-            sharding=threaded.per_device_sharding)   # (None: scalar tokens)
-      else:
-        threaded.fast = None
+      for mode in modes or list(self.modes):
+        threaded = self.threaded(mode)
+        jitted = threaded.jitted.get(None)
+        keys = threaded.keys
+        if (len(keys) == 1 and keys[0] is not _effects.UNORDERED
+            and jitted is not None
+            and self.state is not FALLBACK and not self.traces.may_fail):
+          # (none where computations may fail as a whole: tokens_for waits)
+          threaded.fast = _call_path.fast_dispatch(
+              mode, keys[0], jitted, site=threaded.launch,
+              general=self.call_threaded,
+              sharding=threaded.per_device_sharding)   # (None: scalar tokens)
+        else:
+          threaded.fast = None
 
   def learn(self, mode: str, keys: tuple) -> None:
     """A trace in ``mode`` found the chains ``keys``."""
@@ -199,8 +201,7 @@ class Core:
       with self.lock:
         if self.state is FALLBACK:
           self.enter(THREADED)
-          for mode_ in list(self.modes):
-            self.refresh(mode_)
+          self.refresh()
     threaded = self.threaded(mode)
     if self.traces.user_code and threaded.launch.finish is None:
       _launch_lock.wait_for_user_code(threaded.launch)
@@ -223,8 +224,7 @@ class Core:
         # (learnt by this call's trace: it may fail as a whole, no hook)
         state.mark_at_risk(keys)
         with self.lock:
-          for mode_ in list(self.modes):
-            self.refresh(mode_)
+          self.refresh()
           if self.state is FAST:
             self.enter(THREADED)
       if (token.sharding is not threaded.per_device_sharding
