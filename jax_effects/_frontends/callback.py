@@ -174,18 +174,6 @@ def _flatten_results(what: str, out, out_tree, result_shape_dtypes):
         f"{out_tree} (from result_shape_dtypes)") from None
 
 
-def _named_spec(what: str, name: str, args, kwargs, n_operands: int,
-                result_shape_dtypes, avals) -> dict:
-  """The named callback's call site as data."""
-  args_tree = _host_specs.encode_tree((args, kwargs), set(range(n_operands)))
-  results = None
-  if result_shape_dtypes is not None:
-    results = {"tree": _host_specs.encode_tree(result_shape_dtypes, set(range(len(avals)))),
-               "avals": [_host_specs.encode_aval(a) for a in avals]}
-  return {"kind": "callback", "what": what, "name": name, "args": args_tree,
-          "results": results}
-
-
 def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
              ordered: bool | None = None,
              effect: Effect | None = None, **kwargs: Any) -> Any:
@@ -214,8 +202,15 @@ def callback(fn: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
 
   if named is not None:
     try:
-      spec = _named_spec(what, named, args, kwargs, len(operands),
-                         result_shape_dtypes, avals)
+      # (the named callback's call site as data)
+      args_tree = _host_specs.encode_tree((args, kwargs), set(range(len(operands))))
+      out_spec = None
+      if result_shape_dtypes is not None:
+        out_spec = {"tree": _host_specs.encode_tree(result_shape_dtypes,
+                                                    set(range(len(avals)))),
+                    "avals": [_host_specs.encode_aval(a) for a in avals]}
+      spec = {"kind": "callback", "what": what, "name": named,
+              "args": args_tree, "results": out_spec}
     except _host_specs.NotData as err:
       spec = f"its arguments have {err}"
   else:
