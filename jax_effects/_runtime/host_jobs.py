@@ -25,6 +25,7 @@ lane).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import weakref
 from typing import Callable
@@ -51,29 +52,24 @@ class _Local(threading.local):
 local = _Local()
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Job:
   """``run()`` (returns True if the effect failed) once ``ready()``;
   skipped once ``cancelled``."""
-  __slots__ = ("run", "ready", "cancelled")
-
-  def __init__(self, run: Callable[[], bool],
-               ready: Callable[[], bool] = lambda: True):
-    self.run = run
-    self.ready = ready
-    self.cancelled = False
+  run: Callable[[], bool]
+  ready: Callable[[], bool] = lambda: True
+  cancelled: bool = False
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Lane:
   """The effects of one execution (``seq``) of a (slot, chain) left here.
   ``failed``: a job of it failed, or it failed as a whole (:func:`cancel`):
   the rest of its effects, also later arrivals, are skipped."""
-  __slots__ = ("seq", "jobs", "failed", "kept")
-
-  def __init__(self, seq: int):
-    self.seq = seq
-    self.jobs: collections.deque = collections.deque()
-    self.failed = False
-    self.kept = False   # (failed, and its execution may still be running)
+  seq: int
+  jobs: collections.deque = dataclasses.field(default_factory=collections.deque)
+  failed: bool = False
+  kept: bool = False   # (failed, and its execution may still be running)
 
 
 def _lane(lanes: list, seq: int, create: bool):
