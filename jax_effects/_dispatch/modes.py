@@ -99,11 +99,9 @@ def deterministic() -> Iterator[None]:
   _barrier.check_not_in_traced("deterministic()")
   _output.start_holding()
   try:
-    yield
-  except BaseException:
+    yield   # (the block's own exception propagates unchanged)
+  finally:
     _leave_deterministic()   # (the errors stay for the next call or barrier)
-    raise   # the block's own exception, unchanged
-  _leave_deterministic()
   _barrier.effects_barrier()
 
 
