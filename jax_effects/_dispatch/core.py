@@ -19,6 +19,7 @@ Its part of the token calling convention: which tokens a call passes
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Any, Callable
 import weakref
@@ -64,7 +65,10 @@ class Core:
   def __init__(self, fun_ref: Callable, fun: Callable, jit_kwargs: dict):
     self.fun_ref = fun_ref
     self.jit_kwargs = jit_kwargs
-    self.signature = _tracing.signature(fun)
+    try:
+      self.signature: inspect.Signature | None = inspect.signature(fun)
+    except (TypeError, ValueError):   # (where it has none)
+      self.signature = None
     self.names = _tracing.names_of(fun)
     self.traces = _tracing.TraceCache(fun_ref)
     #: Guards state changes and each mode's ``keys``/``jitted``.

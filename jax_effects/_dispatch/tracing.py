@@ -70,14 +70,6 @@ def check_names(jit_kwargs: dict) -> None:
                      "jax_effects")
 
 
-def signature(fun) -> inspect.Signature | None:
-  """``fun``'s signature, or None where it has none."""
-  try:
-    return inspect.signature(fun)
-  except (TypeError, ValueError):
-    return None
-
-
 def n_dynamic(jit_kwargs: dict, args: tuple) -> int | None:
   """The number of non-static positional arguments of a call with ``args``
   where one ``in_shardings`` is given for every argument (it is expanded
