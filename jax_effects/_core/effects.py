@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -256,11 +256,14 @@ _compat.allow_effect_types(PlainJitOrder, ExportedOrder, ordered=True)
 
 # --- which chain a JAX effect is on: one registry (``design/tokens.md``) ---
 
-#: Effect type -> its chain's key(effect, mode); add to it (and to the sets
-#: below) only through register_chain_kind.
-_chain_kinds: dict[type, Callable] = {}
-#: Effect types that are the marker of a jax_effects side effect.
-_own_marker_types: set[type] = set()
+class ChainKind(NamedTuple):
+  """How an effect type joins a chain (see :func:`register_chain_kind`)."""
+  key: Callable   # key(effect, mode) -> its chain key
+  own_marker: bool
+
+
+#: Effect type -> its ChainKind; add to it only through register_chain_kind.
+_chain_kinds: dict[type, ChainKind] = {}
 #: Types of the chain keys whose chains stay in one computation.
 _local_key_types: set[type] = set()
 
@@ -278,9 +281,7 @@ def register_chain_kind(effect_type: type, key: Callable, *,
   keys ``key`` returns if their chains stay in one computation (no runtime
   token, not in the token it returns: :func:`crosses_dispatch`).
   """
-  _chain_kinds[effect_type] = key
-  if own_marker:
-    _own_marker_types.add(effect_type)
+  _chain_kinds[effect_type] = ChainKind(key, own_marker)
   if local_key_type is not None:
     _local_key_types.add(local_key_type)
 
@@ -288,7 +289,7 @@ def register_chain_kind(effect_type: type, key: Callable, *,
 def chain_key(effect, mode: str):
   """The chain key of a registered effect (a marker: :func:`marker`) under
   ordering ``mode``."""
-  return _chain_kinds[type(effect)](effect, mode)
+  return _chain_kinds[type(effect)].key(effect, mode)
 
 
 def _sort_key(key):
@@ -299,7 +300,7 @@ def chain_keys(effects, mode: str) -> tuple:
   """The chain keys of a set of JAX effects, in a stable order: the chains a
   (sub-)computation with these effects threads."""
   kinds = _chain_kinds
-  keys = {kinds[type(e)](e, mode) for e in effects if type(e) in kinds}
+  keys = {kinds[type(e)].key(e, mode) for e in effects if type(e) in kinds}
   return tuple(sorted(keys, key=_sort_key))
 
 
@@ -326,7 +327,8 @@ def has_chain(effects) -> bool:
 def has_own_marker(effects) -> bool:
   """Whether a set of JAX effects holds the marker of a ``jax_effects``
   side effect (a :class:`TraceEffect`)."""
-  return any(type(e) in _own_marker_types for e in effects)
+  kinds = _chain_kinds
+  return any(type(e) in kinds and kinds[type(e)].own_marker for e in effects)
 
 
 def _trace_effect_key(trace_effect: TraceEffect, mode: str):
