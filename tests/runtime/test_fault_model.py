@@ -8,8 +8,14 @@ bounded by the driver's watchdog, which prints every thread's stack, and
 by the subprocess's time limit), split in :data:`PARTS` parts so that
 ``pytest -n`` runs them side by side.
 
-Sizes: :data:`CASES` seeds (300; 3,000 with ``--run-slow``), fixed, so a
-run is reproducible. A failure lists each violating seed; replay one with
+Sizes: :data:`CASES` seeds (200; 3,000 with ``--run-slow``), fixed, so a
+run is reproducible. 200 (300 before issue 49 item 12) still catch each
+fault of the runtime that 300 caught, tried on JAX 0.12: a callback error
+kept for thread 0 instead of its own (``errors.defer``: seeds 76, 96, 112,
+118, 148, 159 of 200; 7 of 300), a failed write swallowed (26 of the first
+150), an all-threads barrier that does not wait for exited threads' work
+(a race: 2 and 4 of 200 in two runs, 5 of 300; 150 missed it in one run).
+A failure lists each violating seed; replay one with
 ``JAX_EFFECTS_FAULT_SEED=<seed> pytest tests/runtime/test_fault_model.py``
 (one part runs that seed, with its program printed), or by hand with
 ``python tests/runtime/fault_model.py --seeds <seed>:<seed+1> --verbose``.
@@ -21,7 +27,7 @@ import pytest
 
 import helpers
 
-CASES = helpers.scale(300, 3000)
+CASES = helpers.scale(200, 3000)
 PARTS = helpers.scale(2, 8)
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                      "fault_model.py")
@@ -76,9 +82,10 @@ def test_random_programs_under_random_faults_keep_the_contract(part,
 #: unbound by ``jax.clear_caches()``), drawn only when named, so that the
 #: cases above stay what they were. With the sites not kept across a clear
 #: (``TraceCache.clear`` without its retired store, as before issue 37),
-#: several of these seeds raise ``UnboundHostFunction`` (the race varies;
-#: 6 of 40 in a run on a loaded 2-core machine).
-CLEAR_CASES = helpers.scale(40, 200)
+#: several of these seeds raise ``UnboundHostFunction`` (the race varies:
+#: 3, 5 and 5 of the first 20 in three runs on a loaded 2-core machine,
+#: JAX 0.12; 20 seeds, 40 before issue 49 item 12).
+CLEAR_CASES = helpers.scale(20, 200)
 
 
 def test_random_programs_beside_clear_caches_keep_the_contract(tmp_path):
