@@ -428,9 +428,9 @@ DTYPES = [jnp.bool_, jnp.int8, jnp.uint16, jnp.int32, jnp.float16,
 FORMATS = ["{}", "v={:>12}|", "{!r}", "{} {}"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_text_as_unbatched(dtype, fmt):
+def test_text_as_unbatched(dtype):
+  # One program per dtype: a loop (in its own block) per format, in order.
   v = np.array([0, 1, -2, 3.25, 7, -0.5, 100], np.float32)
   if jnp.dtype(dtype).kind in "ub":
     v = np.abs(v)
@@ -438,15 +438,19 @@ def test_text_as_unbatched(dtype, fmt):
 
   def make(block):
     def f(xs):
-      def body(c, x):
-        je.print(fmt, *([x] * fmt.count("{")))
-        return c, None
-      with block():
-        jax.lax.scan(body, 0, xs)
+      for fmt in FORMATS:
+        def body(c, x, fmt=fmt):
+          je.print(fmt, *([x] * fmt.count("{")))
+          return c, None
+        with block():
+          jax.lax.scan(body, 0, xs)
       return xs
     return f
   plain, batched = _both(make, xs, k=3)
-  assert len(plain) == 7
+  assert len(plain) == 7 * len(FORMATS)
+  for i, fmt in enumerate(FORMATS):
+    lines = slice(7 * i, 7 * (i + 1))
+    assert batched[lines] == plain[lines], fmt
   assert batched == plain
 
 
