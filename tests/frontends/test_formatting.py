@@ -86,8 +86,11 @@ DTYPES = [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
 
 
 def _arr(dtype, shape):
+  # (converted by NumPy: the module is imported at collection, where a
+  # conversion by JAX would compile a program per array)
   n = int(np.prod(shape))
-  return jnp.asarray((np.arange(n) % 5 + 1).reshape(shape)).astype(dtype)
+  return jnp.asarray((np.arange(n) % 5 + 1).reshape(shape).astype(
+      jnp.dtype(dtype)))
 
 
 # (id, fmt, args, kwargs, np print options or None)
