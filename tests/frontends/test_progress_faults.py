@@ -9,7 +9,8 @@ screen position, so every later bar is drawn lower, and a notebook widget
 stays "running"). Each error is reported once, as usual.
 
 Bars closing on an interrupt (Ctrl-C): ``tests/runtime/test_interrupts.py``.
-Each scenario runs in a fresh process (``helpers.run_scenario``).
+The scenario (the three kinds of failure in turn, each reporting its
+own result) runs in a fresh process (``helpers.run_scenario``).
 """
 import io
 
