@@ -28,7 +28,7 @@ from jax_effects import _compat
 import helpers
 from helpers import Boom
 from test_formatting import CASES as FORMAT_CASES
-from test_formatting import _4BIT, _run
+from test_formatting import _by_case, _groups, _run
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 PREFIX = ("INTERNAL: CpuCallback error calling callback: "
@@ -248,14 +248,15 @@ def test_debug_callback_primitive_bound_by_other_code_is_called_as_is():
   assert len(runs[0]) == 1 and runs[1] == runs[0]
 
 
-def _run_print(printer, jit, barrier, mode, fmt, args, kwargs):
-  """``test_formatting._run`` for ``jax.debug.print``: a format without
+def _print(fmt, *args, **kwargs):
+  """``jax.debug.print`` for ``test_formatting._run``, ordered (one program
+  prints every case; JAX orders only its ordered prints): a format without
   fields prints its arguments after the text only if JAX's format check is
   skipped."""
   if not any(True for _, name, _, _ in string.Formatter().parse(fmt)
              if name is not None):
-    printer = functools.partial(printer, skip_format_check=True)
-  _run(printer, jit, barrier, mode, fmt, args, kwargs)
+    kwargs = dict(kwargs, skip_format_check=True)
+  jax.debug.print(fmt, *args, ordered=True, **kwargs)
 
 
 ADOPTED_ONLY_CASES = [
@@ -269,34 +270,29 @@ ADOPTED_ONLY_CASES = [
 ]
 
 
-def _print_param(case):
-  four_bit = any(getattr(x, "dtype", None) in _4BIT for x in case[2])
-  marks = [pytest.mark.jax_feature("4-bit integer operands")] if four_bit else []
-  return pytest.param(case, id=case[0], marks=marks)
-
-
 @pytest.mark.parametrize("mode", ["jit", "jit_const"])
-@pytest.mark.parametrize(
-    "case", [_print_param(c) for c in FORMAT_CASES + ADOPTED_ONLY_CASES])
-def test_jax_debug_print_prints_what_it_prints_under_jax_jit(case, mode,
+@pytest.mark.parametrize("cases",
+                         list(_groups(FORMAT_CASES + ADOPTED_ONLY_CASES)))
+def test_jax_debug_print_prints_what_it_prints_under_jax_jit(cases, mode,
                                                              capsys):
-  _, fmt, args, kwargs, options = case
+  options = cases[0][4]
   outputs = []
   for jit, barrier in ((jax.jit, jax.effects_barrier),
                        (je.jit, je.effects_barrier)):
     capsys.readouterr()
     with (np.printoptions(**options) if options else contextlib.nullcontext()):
       try:
-        _run_print(jax.debug.print, jit, barrier, mode, fmt, args, kwargs)
+        _run(_print, jit, barrier, mode, cases)
       except TypeError as err:
         if jit is jax.jit and "not hashable" in str(err):
           # JAX 0.8's jax.debug.print refuses np.printoptions(formatter=...)
           pytest.skip(f"the reference jax.debug.print fails: {err}")
         raise
-    outputs.append(capsys.readouterr().out.splitlines())
+    outputs.append(_by_case(capsys.readouterr().out.splitlines(), cases))
   theirs, ours = outputs
-  assert theirs, "the reference printed nothing"
-  assert ours == theirs
+  for name, *_ in cases:
+    assert theirs[name], f"{name}: the reference printed nothing"
+    assert ours[name] == theirs[name], name
 
 
 def test_adopted_callbacks_skip_jax_device_put_per_run(jax_events, capsys):

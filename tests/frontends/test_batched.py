@@ -428,9 +428,9 @@ DTYPES = [jnp.bool_, jnp.int8, jnp.uint16, jnp.int32, jnp.float16,
 FORMATS = ["{}", "v={:>12}|", "{!r}", "{} {}"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_text_as_unbatched(dtype, fmt):
+def test_text_as_unbatched(dtype):
+  # One program per dtype: a loop (in its own block) per format, in order.
   v = np.array([0, 1, -2, 3.25, 7, -0.5, 100], np.float32)
   if jnp.dtype(dtype).kind in "ub":
     v = np.abs(v)
@@ -438,15 +438,19 @@ def test_text_as_unbatched(dtype, fmt):
 
   def make(block):
     def f(xs):
-      def body(c, x):
-        je.print(fmt, *([x] * fmt.count("{")))
-        return c, None
-      with block():
-        jax.lax.scan(body, 0, xs)
+      for fmt in FORMATS:
+        def body(c, x, fmt=fmt):
+          je.print(fmt, *([x] * fmt.count("{")))
+          return c, None
+        with block():
+          jax.lax.scan(body, 0, xs)
       return xs
     return f
   plain, batched = _both(make, xs, k=3)
-  assert len(plain) == 7
+  assert len(plain) == 7 * len(FORMATS)
+  for i, fmt in enumerate(FORMATS):
+    lines = slice(7 * i, 7 * (i + 1))
+    assert batched[lines] == plain[lines], fmt
   assert batched == plain
 
 
@@ -502,34 +506,46 @@ def test_bad_arguments(kwargs, error, match):
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("n", [0, 1, K - 1, K, K + 1, 3 * K + 2])
-def test_scan_results_and_lines_as_unbatched(n, reverse):
-  """Strips of K steps and the rest: the same carry, outputs and lines."""
+def test_scan_results_and_lines_as_unbatched(reverse):
+  """Strips of K steps and the rest: the same carry, outputs and lines (one
+  program: a loop per length, each in its own block, in order)."""
+  ns = [0, 1, K - 1, K, K + 1, 3 * K + 2]
+
   def make(block):
-    def f(xs):
+    def f(*xss):
       def body(c, x):
         je.print("{} {}", x, c)
         return c + x, (x * 2, c)
-      with block():
-        return jax.lax.scan(body, 0.0, xs, reverse=reverse)
+      outs = []
+      for xs in xss:
+        with block():
+          outs.append(jax.lax.scan(body, 0.0, xs, reverse=reverse))
+      return outs
     return f
-  xs = jnp.arange(float(n))
+  xss = [jnp.arange(float(n)) for n in ns]
   results = []
   for block in (contextlib.nullcontext, lambda: je.batched(k=K)):
     out = io.StringIO()
     saved, sys.stdout = sys.stdout, out
     try:
-      r = jax.block_until_ready(je.jit(make(block))(xs))
+      r = jax.block_until_ready(je.jit(make(block))(*xss))
       je.effects_barrier()
     finally:
       sys.stdout = saved
-    results.append((jax.tree.map(np.asarray, r), out.getvalue()))
-  (plain, plain_text), (batched, batched_text) = results
-  assert batched_text == plain_text
-  assert len(plain_text.splitlines()) == n
-  assert jax.tree.structure(batched) == jax.tree.structure(plain)
-  for a, b in zip(jax.tree.leaves(batched), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(a, b)
+    results.append((jax.tree.map(np.asarray, r), out.getvalue().splitlines()))
+  (plain, plain_lines), (batched, batched_lines) = results
+  assert len(plain_lines) == sum(ns)
+  first = 0
+  for n, p, b in zip(ns, plain, batched):
+    lines = slice(first, first + n)
+    first += n
+    xs = [float(line.split()[0]) for line in plain_lines[lines]]
+    assert xs == sorted(range(n), reverse=reverse), n   # n lines, its own
+    assert batched_lines[lines] == plain_lines[lines], n
+    assert jax.tree.structure(b) == jax.tree.structure(p), n
+    for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(p)):
+      np.testing.assert_array_equal(x, y, err_msg=f"n={n}")
+  assert batched_lines == plain_lines
 
 
 def test_lines_reach_the_capture_fixture(effects_capture):

@@ -86,8 +86,11 @@ DTYPES = [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
 
 
 def _arr(dtype, shape):
+  # (converted by NumPy: the module is imported at collection, where a
+  # conversion by JAX would compile a program per array)
   n = int(np.prod(shape))
-  return jnp.asarray((np.arange(n) % 5 + 1).reshape(shape)).astype(dtype)
+  return jnp.asarray((np.arange(n) % 5 + 1).reshape(shape).astype(
+      jnp.dtype(dtype)))
 
 
 # (id, fmt, args, kwargs, np print options or None)
@@ -171,16 +174,21 @@ def _traced(leaf) -> bool:
           or isinstance(leaf, np.generic) and not isinstance(leaf, np.str_))
 
 
-def _run(printer, jit, barrier, mode, fmt, args, kwargs):
-  leaves, treedef = tree_util.tree_flatten((args, kwargs))
+def _run(printer, jit, barrier, mode, cases):
+  """Prints every case of ``cases`` (``(id, fmt, args, kwargs)``), each
+  after a line naming it (``_by_case``), eagerly or in one function under
+  ``jit``. ``printer`` must print in program order."""
+  leaves, treedef = tree_util.tree_flatten([c[2:4] for c in cases])
   dyn = [i for i, x in enumerate(leaves) if _traced(x)] if mode == "jit" else []
 
   def body(*vals):
     full = list(leaves)
     for i, v in zip(dyn, vals):
       full[i] = v
-    a, k = tree_util.tree_unflatten(treedef, full)
-    printer(fmt, *a, **k)
+    for (name, fmt, *_), (a, k) in zip(
+        cases, tree_util.tree_unflatten(treedef, full)):
+      printer("--- {} ---", name)
+      printer(fmt, *a, **k)
 
   if mode == "eager":
     body()
@@ -189,37 +197,66 @@ def _run(printer, jit, barrier, mode, fmt, args, kwargs):
   barrier()
 
 
-def _case_param(case):
-  four_bit = any(getattr(x, "dtype", None) in _4BIT for x in case[2])
-  marks = [pytest.mark.jax_feature("4-bit integer operands")] if four_bit else []
-  return pytest.param(case, id=case[0], marks=marks)
+def _by_case(lines, cases) -> dict:
+  """``lines`` printed by ``_run`` split by case id."""
+  heads = {f"--- {c[0]} ---": c[0] for c in cases}
+  out = {}
+  for line in lines:
+    if line in heads:
+      out[heads[line]] = []
+    else:
+      assert out, f"a line before the first case's: {line!r}"
+      out[list(out)[-1]].append(line)
+  assert list(out) == [c[0] for c in cases], list(out)
+  return out
+
+
+def _groups(cases):
+  """The cases as groups printed by one program each: those without print
+  options, those with 4-bit operands, and each with options alone (the
+  options are the program's)."""
+  four_bit = lambda c: any(getattr(x, "dtype", None) in _4BIT for x in c[2])
+  plain = [c for c in cases if c[4] is None and not four_bit(c)]
+  yield pytest.param(plain, id="no-options")
+  yield pytest.param([c for c in cases if c[4] is None and four_bit(c)],
+                     id="4-bit", marks=pytest.mark.jax_feature(
+                         "4-bit integer operands"))
+  for c in cases:
+    if c[4] is not None:
+      assert not four_bit(c)
+      yield pytest.param([c], id=c[0])
+
+
+def _ordered_jax_print(fmt, *args, **kwargs):
+  # (one program prints every case: JAX orders only its ordered prints)
+  jax.debug.print(fmt, *args, ordered=True, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit", "jit_const"])
-@pytest.mark.parametrize("case", [_case_param(c) for c in CASES])
-def test_print_lines_match_jax_debug_print(case, mode, capsys):
-  _, fmt, args, kwargs, options = case
+@pytest.mark.parametrize("cases", list(_groups(CASES)))
+def test_print_lines_match_jax_debug_print(cases, mode, capsys):
+  options = cases[0][4]
   outputs = []
   for printer, jit, barrier in (
-      (jax.debug.print, jax.jit, jax.effects_barrier),
+      (_ordered_jax_print, jax.jit, jax.effects_barrier),
       (je.print, je.jit, je.effects_barrier)):
     capsys.readouterr()
-    a, k = args, kwargs
-    if printer is jax.debug.print and mode != "jit":
-      a, k = _static_numbers(args, kwargs)
+    run = [c[:2] + (_static_numbers(*c[2:4]) if printer is _ordered_jax_print
+                    and mode != "jit" else c[2:4]) for c in cases]
     with (np.printoptions(**options) if options else contextlib.nullcontext()):
       try:
-        _run(printer, jit, barrier, mode, fmt, a, k)
+        _run(printer, jit, barrier, mode, run)
       except TypeError as err:
-        if printer is jax.debug.print and "not hashable" in str(err):
+        if printer is _ordered_jax_print and "not hashable" in str(err):
           # JAX 0.8's jax.debug.print refuses np.printoptions(formatter=...)
           # under jit (an unhashable parameter): no reference to compare with.
           pytest.skip(f"the reference jax.debug.print fails: {err}")
         raise
-    outputs.append(capsys.readouterr().out.splitlines())
+    outputs.append(_by_case(capsys.readouterr().out.splitlines(), cases))
   theirs, ours = outputs
-  assert theirs, "the reference printed nothing"
-  assert ours == theirs
+  for name, *_ in cases:
+    assert theirs[name], f"{name}: the reference printed nothing"
+    assert ours[name] == theirs[name], name
 
 
 def test_escaped_braces_before_the_first_field_format_as_str_format(

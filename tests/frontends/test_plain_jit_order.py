@@ -87,7 +87,13 @@ EXPECTED = (
     + "b1 0.0 b1 1.0 b2 0.0 b2 1.0 b3 0.0 b3 1.0").split(" ")
 
 
-@pytest.mark.parametrize("seed", ["0", "1", "2", "3", "4", "5"])
+#: Hash seeds, a fresh process each. Each of three one-line breaks of the
+#: joins (join's after_all, set_joined's, the wrapped JAX rules) failed
+#: under all of 0-5: two seeds by default, six under ``--run-slow``.
+SEEDS = helpers.scale(["0", "1"], ["0", "1", "2", "3", "4", "5"])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_ours_and_jax_ordered_callbacks_run_in_program_order(tmp_path,
                                                              seed):
   script = tmp_path / "program.py"

@@ -9,7 +9,8 @@ screen position, so every later bar is drawn lower, and a notebook widget
 stays "running"). Each error is reported once, as usual.
 
 Bars closing on an interrupt (Ctrl-C): ``tests/runtime/test_interrupts.py``.
-Each scenario runs in a fresh process (``helpers.run_scenario``).
+The scenario (the three kinds of failure in turn, each reporting its
+own result) runs in a fresh process (``helpers.run_scenario``).
 """
 import io
 
@@ -30,10 +31,15 @@ FAILING_STEP = 3
 FAILING_DEVICE = 3
 
 
-def scenario_bars_close_on_failure(kind: str, executions: int) -> dict:
-  """For ``every`` 1 and 4 (one host call per update, or counted on the
-  device): what ``executions`` failing executions reported and left."""
-  return {every: _failing_bars(kind, every, executions) for every in (1, 4)}
+KINDS = ["callback-error", "xla-failure", "xla-failure-in-shard_map"]
+
+
+def scenario_bars_close_on_failure(executions: int) -> dict:
+  """For each kind of failure, in turn, and ``every`` 1 and 4 (one host
+  call per update, or counted on the device): what ``executions`` failing
+  executions reported and left."""
+  return {kind: {every: _failing_bars(kind, every, executions)
+                 for every in (1, 4)} for kind in KINDS}
 
 
 def _failing_bars(kind: str, every: int, executions: int) -> dict:
@@ -97,20 +103,21 @@ def _failing_bars(kind: str, every: int, executions: int) -> dict:
       left=helpers.leftovers(helpers.runtime_inventory()))
 
 
-@pytest.mark.parametrize("kind", [
-    "callback-error", "xla-failure", "xla-failure-in-shard_map"])
-def test_bars_close_when_their_execution_fails(kind):
+def test_bars_close_when_their_execution_fails():
   # Before the fix: every failed execution left its bar open (30 executions:
   # open_bars 30, tqdm_bars 30, every=1 and 4 alike; in shard_map 30 each),
   # and in shard_map the barrier reported each XLA failure again (60).
-  got = run_scenario(__file__, "scenario_bars_close_on_failure", kind,
-                     EXECUTIONS)
-  for every, r in got.result.items():
-    assert r["left"] == {}, (
-        f"every={every}: {EXECUTIONS} failed executions left {r['left']}")
-    # each execution's failure reported (once: callback errors by
-    # identity, an XLA failure by its call alone)
-    assert r["executions_reported"] == list(range(EXECUTIONS)), r
-    assert r["callback_errors_once"], r
-    if kind != "callback-error":
-      assert r["errors"] == r["xla_errors"] == EXECUTIONS, (every, r)
+  # (One fresh process runs the kinds in turn; each reports its own.)
+  got = run_scenario(__file__, "scenario_bars_close_on_failure", EXECUTIONS)
+  assert sorted(got.result) == sorted(KINDS)
+  for kind in KINDS:
+    for every, r in got.result[kind].items():
+      assert r["left"] == {}, (
+          f"{kind}, every={every}: {EXECUTIONS} failed executions left "
+          f"{r['left']}")
+      # each execution's failure reported (once: callback errors by
+      # identity, an XLA failure by its call alone)
+      assert r["executions_reported"] == list(range(EXECUTIONS)), (kind, r)
+      assert r["callback_errors_once"], (kind, r)
+      if kind != "callback-error":
+        assert r["errors"] == r["xla_errors"] == EXECUTIONS, (kind, every, r)

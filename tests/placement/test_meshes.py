@@ -109,20 +109,20 @@ CONTEXTS = {
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
                          ids=["explicit", "auto"])
-@pytest.mark.parametrize("context", sorted(CONTEXTS))
 def test_calls_under_a_mesh_context_print_as_without_one(
-    context, axis_type, effects_capture):
+    axis_type, effects_capture):
   mesh = _mesh(axis_type)
   expected_outs, expected = _run_in(contextlib.nullcontext, mesh,
                                     effects_capture)
-  outs, printed = _run_in(lambda: CONTEXTS[context](mesh), mesh,
-                          effects_capture)
-  assert printed == expected
-  for a, b in zip(outs, expected_outs):
-    np.testing.assert_array_equal(a, b)
   # the oracle itself: 8 per-device lines per effect per shard_map call
   assert sum(line.endswith("body 0.0") for line in expected) == 2
   assert len(expected) == 3 * (8 + 8) + 4 + 8
+  for context in sorted(CONTEXTS):
+    outs, printed = _run_in(lambda: CONTEXTS[context](mesh), mesh,
+                            effects_capture)
+    assert printed == expected, context
+    for a, b in zip(outs, expected_outs):
+      np.testing.assert_array_equal(a, b, err_msg=context)
 
 
 def test_first_call_of_a_thread_inside_a_mesh_on_a_subset_of_devices(
