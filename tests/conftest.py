@@ -73,6 +73,16 @@ def pytest_addoption(parser):
            "sizes (also JAX_EFFECTS_RUN_SLOW=1)")
 
 
+def pytest_xdist_auto_num_workers(config):
+  """``-n auto`` (tox.ini): a worker per core and one more. A worker is often
+  waiting, not computing: on a child process it started, on a test's sleep
+  or on a callback another thread must run. With two workers on two idle
+  cores, the light set took 183-189 s (jax08, jax09) for at most 318 CPU-s:
+  an eighth of the machine or more was idle (issue 49, item 12)."""
+  return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") \
+      else (os.cpu_count() or 1) + 1
+
+
 def pytest_configure(config):
   # Read before the test modules are imported: sizes are chosen at collection.
   helpers.RUN_SLOW = bool(config.getoption("--run-slow")
