@@ -153,14 +153,16 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
         def strip(state):
           _, carriers, states, vals = lax.while_loop(
-              strip_cond, strip_body, (jnp.int32(0), *state))
+              *map(_compat.traced_as_region, (strip_cond, strip_body)),
+              (jnp.int32(0), *state))
           strip_chains = _token_pass.Chains(dict(zip(keys, carriers)))
           states = loop.flush(states, strip_chains)
           return strip_chains.take(keys), states, vals
         loop_body = strip
 
       carriers, states, outs = lax.while_loop(
-          loop_cond, loop_body, (chains.take(keys), loop.states(), list(init)))
+          *map(_compat.traced_as_region, (loop_cond, loop_body)),
+          (chains.take(keys), loop.states(), list(init)))
     else:
       # Effects in cond_fun: run the predicate once before the loop and
       # again at the end of every iteration, carrying it (as JAX does for
@@ -180,7 +182,8 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
         return carriers, states, pred, vals
 
       carriers, states, _, outs = lax.while_loop(
-          lambda s: s[2], loop_body, (carriers, states, pred, list(init)))
+          *map(_compat.traced_as_region, (lambda s: s[2], loop_body)),
+          (carriers, states, pred, list(init)))
     chains.put(keys, carriers)
     loop.exit(states, chains)
   finally:
@@ -211,8 +214,9 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
       carriers, pred = cond(carriers, vals)
     return carriers, jnp.logical_and(pred, live), vals
 
-  carriers, _, outs = lax.while_loop(lambda s: jnp.any(s[1]), loop_body,
-                                     (carriers, pred, list(init)))
+  carriers, _, outs = lax.while_loop(
+      *map(_compat.traced_as_region, (lambda s: jnp.any(s[1]), loop_body)),
+      (carriers, pred, list(init)))
   return carriers, outs
 
 
@@ -233,8 +237,8 @@ def _scan_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
       return (carriers, states, outs[:n_carry]), outs[n_carry:]
 
     def scan(carry, xs, length):
-      return lax.scan(body, carry, xs, length=length, reverse=p["reverse"],
-                      unroll=p["unroll"])
+      return lax.scan(_compat.traced_as_region(body), carry, xs, length=length,
+                      reverse=p["reverse"], unroll=p["unroll"])
 
     carry = (chains.take(keys), loop.states(), list(init))
     steps = loop.strip_steps(p["length"])
@@ -267,7 +271,8 @@ def _strip_mined(scan, loop, keys, carry, xs, length, steps, reverse):
 
     main = [x[rest:] if reverse else x[:cut] for x in xs]
     carry, ys = lax.scan(
-        strip, carry, [x.reshape(n, steps, *x.shape[1:]) for x in main],
+        _compat.traced_as_region(strip), carry,
+        [x.reshape(n, steps, *x.shape[1:]) for x in main],
         length=n, reverse=reverse)
     ys_parts.append([y.reshape(n * steps, *y.shape[2:]) for y in ys])
   if rest:

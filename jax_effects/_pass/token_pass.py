@@ -322,7 +322,7 @@ def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
     with in_region(kind), stages:
       outs = thread_jaxpr(jaxpr, jaxpr_consts, [*consts, *args], chains, mode)
     return chains.take(keys), outs
-  return fn
+  return _compat.traced_as_region(fn)
 
 
 def _counter_rule(eqn, invals, chains: Chains, mode: str):

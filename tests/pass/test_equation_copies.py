@@ -21,6 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 import jax_effects as je
+from jax_effects import _compat
 
 
 class _CountingPrimitive(Primitive):
@@ -150,3 +151,34 @@ def test_closures_over_an_enclosing_trace_are_bound_as_before(capsys):
   want = (np.sin(np.float32(0.5)) + np.float32(1.5)) * np.float32(0.5)
   np.testing.assert_allclose(float(out), want, rtol=1e-6)
   assert capsys.readouterr().out.startswith("z = ")
+
+
+def _sub_jaxprs(jaxpr):
+  for eqn in jaxpr.eqns:
+    for sub in _compat.jaxprs_in_params(eqn.params):
+      yield eqn.primitive.name, sub
+      yield from _sub_jaxprs(sub)
+
+
+def test_the_regions_the_pass_retraces_carry_its_debug_info(capsys):
+  # JAX's control-flow APIs take a function's ``__fun_debug_info__`` rather
+  # than inspecting its signature and source (``_compat.traced_as_region``):
+  # every region the pass re-traces has the pass's, none a function's.
+  def f(x):
+    def body(c, _):
+      je.print("c = {}", c)
+      return c + 1, c
+    c, ys = lax.scan(body, x, None, length=2)
+    c = lax.cond(c > 0, lambda c: (je.print("pos"), c)[1], lambda c: c, c)
+    c = lax.while_loop(lambda c: c < 4, lambda c: (je.print("w"), c + 1)[1], c)
+    return c, ys
+
+  g = je.jit(f)
+  regions = list(_sub_jaxprs(g.trace(jnp.float32(0)).jaxpr.jaxpr))
+  assert sorted({name for name, _ in regions}) == ["cond", "scan", "while"]
+  assert {(s.debug_info.traced_for, s.debug_info.func_src_info)
+          for _, s in regions} == {("jax_effects pass", "jax_effects region")}
+  c, ys = g(jnp.float32(0))
+  je.effects_barrier()
+  assert (float(c), ys.tolist()) == (4.0, [0.0, 1.0])
+  assert capsys.readouterr().out == "c = 0.0\nc = 1.0\npos\nw\nw\n"
