@@ -207,12 +207,7 @@ run("barrier", je.effects_barrier)
 """
 
 
-def _round_trip(tmp_path, register: bool):
-  pytest.importorskip("flatbuffers")   # (jax.export's serialization)
-  blob = tmp_path / "step.jax_exported"
-  proc = helpers.run_script(_EXPORTER, str(blob))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout == ""   # (exporting runs nothing)
+def _round_trip(tmp_path, blob, register: bool):
   importer = tmp_path / "importer.py"   # imports nothing of the exporter
   importer.write_text(textwrap.dedent(_IMPORTER))
   proc = helpers.run_python(importer, str(blob),
@@ -221,8 +216,8 @@ def _round_trip(tmp_path, register: bool):
   return proc.stdout.splitlines()
 
 
-def test_export_round_trip_in_a_fresh_process(tmp_path):
-  lines = _round_trip(tmp_path, register=True)
+def test_export_round_trip_in_a_fresh_process(tmp_path, exported):
+  lines = _round_trip(tmp_path, exported["step"], register=True)
   call = ["before [0.5  0.25]",
           "step 1 of 3: x = [0.5  0.25]",
           "LOG roundtrip WARNING mean 0.38",
@@ -236,7 +231,7 @@ def test_export_round_trip_in_a_fresh_process(tmp_path):
 
 
 def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
-    tmp_path):
+    tmp_path, exported):
   # The callback's effect fails like a callback that raises: its result is
   # zeros, the module's later effects of that execution are skipped, the
   # rest runs, and the error (a LookupError naming the callback and the fix)
@@ -250,7 +245,7 @@ def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
           "step 1 of 3: x = [0.5  0.25]",
           "LOG roundtrip WARNING mean 0.38",
           "after [1. 1.]"]
-  assert _round_trip(tmp_path, register=False) == [
+  assert _round_trip(tmp_path, exported["step"], register=False) == [
       "step 2 of 3: x = [1. 2.]",
       "LOG roundtrip WARNING mean 1.50",
       "eager [2. 2.]",
@@ -415,12 +410,8 @@ je.effects_barrier()
 """
 
 
-def test_export_over_several_devices_round_trip_in_a_fresh_process(tmp_path):
-  pytest.importorskip("flatbuffers")
-  blob = tmp_path / "several.jax_exported"
-  proc = helpers.run_script(_SEVERAL_EXPORTER, str(blob))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  proc = helpers.run_script(_SEVERAL_IMPORTER, str(blob))
+def test_export_over_several_devices_round_trip_in_a_fresh_process(exported):
+  proc = helpers.run_script(_SEVERAL_IMPORTER, str(exported["several"]))
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.splitlines()
   devices = sorted(f"[device {d} shard {d} process 0] dev {float(d)}"
@@ -432,6 +423,33 @@ def test_export_over_several_devices_round_trip_in_a_fresh_process(tmp_path):
   assert lines[11:13] == ["before", "once 28.0"], lines
   assert sorted(lines[13:21]) == devices, lines
   assert lines[21:] == [big, "after 36.0"], lines
+
+
+#: One fresh process exports both modules (8 CPU devices, set first; ``step``
+#: takes unsharded operands, so its module is a one-device one all the
+#: same); each round trip imports its module in a fresh process of its own.
+_EXPORTERS = f"""
+import sys
+blobs = {{"several": sys.argv[2], "step": sys.argv[1]}}
+for name, source in [("several", {_SEVERAL_EXPORTER!r}),
+                     ("step", {_EXPORTER!r})]:
+  sys.argv[1:] = [blobs[name]]
+  exec(source, {{"__name__": "__main__"}})
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """The serialized modules of ``_EXPORTER`` and ``_SEVERAL_EXPORTER``."""
+  pytest.importorskip("flatbuffers")   # (jax.export's serialization)
+  folder = tmp_path_factory.mktemp("exported")
+  blobs = {"step": folder / "step.jax_exported",
+           "several": folder / "several.jax_exported"}
+  proc = helpers.run_script(_EXPORTERS, str(blobs["step"]),
+                            str(blobs["several"]))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout == ""   # (exporting runs nothing)
+  return blobs
 
 
 def test_export_of_plain_jax_jit_over_several_devices_is_refused_naming_why(

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -187,14 +188,58 @@ _HIDE = {
 }
 
 
+#: The imports against a changed JAX (the tests below) in one fresh process:
+#: it imports JAX once, then forks a child per scenario that changes JAX as
+#: the scenario says and imports jax_effects, a first import (the parent
+#: never imports it); each child's stdout, stderr and exit status are its
+#: scenario's.
+_FORKED_SCENARIOS = """
+    import json, os, sys, tempfile, textwrap, traceback
+    import jax, jax._src.shard_map, jax._src.debugging, jax._src.callback
+    from jax._src.interpreters import mlir
+    report = {}
+    for name, source in json.loads(sys.argv[1]).items():
+      out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+      pid = os.fork()
+      if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+          exec(textwrap.dedent(source), {})
+          code = 0
+        except BaseException:   # (as an uncaught exception: its traceback)
+          traceback.print_exc()
+          code = 1
+        sys.exit(code)   # (its exit handlers run, as in a fresh process)
+      _, status = os.waitpid(pid, 0)
+      out.seek(0)
+      err.seek(0)
+      report[name] = {"returncode": os.waitstatus_to_exitcode(status),
+                      "stdout": out.read(), "stderr": err.read()}
+    print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def changed_jax():
+  """Scenario name -> what its child of ``_FORKED_SCENARIOS`` did
+  (``stdout``, ``stderr``, ``returncode``)."""
+  scenarios = {
+      **{f"hide {how}": f"import sys, jax\n{line}\nimport jax_effects\n"
+         for how, line in _HIDE.items()},
+      **{f"reshape {how}": _RESHAPED_IMPORT.format(source=source)
+         for how, source in _RESHAPE.items()},
+      "feature missing": _FEATURE_MISSING}
+  proc = run_script(_FORKED_SCENARIOS, json.dumps(scenarios))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (report,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
+  return json.loads(report[len("REPORT "):])
+
+
 @pytest.mark.parametrize("how", sorted(_HIDE))
-def test_import_without_an_internal_it_needs_names_jax_and_the_fix(how):
-  proc = run_script(f"""
-      import sys
-      import jax, jax._src.shard_map, jax._src.debugging, jax._src.callback
-      {_HIDE[how]}
-      import jax_effects
-  """)
+def test_import_without_an_internal_it_needs_names_jax_and_the_fix(
+    how, changed_jax):
+  proc = types.SimpleNamespace(**changed_jax[f"hide {how}"])
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("ImportError: jax_effects "), proc.stderr[-2000:]
@@ -224,19 +269,23 @@ _RESHAPE = {
 }
 
 
+_RESHAPED_IMPORT = """
+import textwrap
+import jax
+from jax._src.interpreters import mlir
+exec(textwrap.dedent({source!r}))
+try:
+  import jax_effects
+  print("imported")
+except ImportError as err:
+  print("ImportError", err)
+"""
+
+
 @pytest.mark.parametrize("how", sorted(_RESHAPE))
-def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(how):
-  proc = run_script(f"""
-      import textwrap
-      import jax
-      from jax._src.interpreters import mlir
-      exec(textwrap.dedent({_RESHAPE[how]!r}))
-      try:
-        import jax_effects
-        print("imported")
-      except ImportError as err:
-        print("ImportError", err)
-  """)
+def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(
+    how, changed_jax):
+  proc = types.SimpleNamespace(**changed_jax[f"reshape {how}"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [l for l in proc.stdout.splitlines()
              if l.startswith("ImportError")]
@@ -257,8 +306,7 @@ def test_tested_lines_are_tox_s_lines():
     assert jax.__version__ in _compat.TESTED
 
 
-def test_a_feature_whose_internals_are_missing_alone_is_refused():
-  proc = run_script("""
+_FEATURE_MISSING = """
       import importlib
       import jax, jax.numpy as jnp
       import jax._src.export._export   # (JAX's own code has it)
@@ -287,7 +335,11 @@ def test_a_feature_whose_internals_are_missing_alone_is_refused():
         je.jit(lambda x: exp.call(x) * 2)(jnp.ones(2))
       except _compat.UnsupportedFeature as err:
         print("refused", err)
-  """)
+"""
+
+
+def test_a_feature_whose_internals_are_missing_alone_is_refused(changed_jax):
+  proc = types.SimpleNamespace(**changed_jax["feature missing"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout.splitlines()
   assert out[:2] == ["p 2.0", "plain 4.0"], proc.stdout

@@ -242,13 +242,15 @@ def test_one_function_over_devices_in_two_orders_keeps_order(devices):
 
 #: Start of a script run by _run: XLA's collective timeout lowered (XLA
 #: aborts the process when a collective's participants wait longer than
-#: this: 40 s by default, a callback in a debugger), 8 devices, ``x`` sharded.
+#: this: 40 s by default, a callback in a debugger; it waits the warning's
+#: timeout, then the terminating one: 0 + 1 s here, which the scripts' slow
+#: callbacks, 2 s, outlast), 8 devices, ``x`` sharded.
 SHORT_COLLECTIVE_TIMEOUT = textwrap.dedent("""
     import os, sys, time
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
-        + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
-        + " --xla_cpu_collective_call_terminate_timeout_seconds=2")
+        + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=0"
+        + " --xla_cpu_collective_call_terminate_timeout_seconds=1")
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
@@ -262,12 +264,12 @@ SHORT_COLLECTIVE_TIMEOUT = textwrap.dedent("""
 
 SLOW_CALLBACK = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
     def top(x):
-      je.callback(lambda: time.sleep(4), None)
+      je.callback(lambda: time.sleep(2), None)
       return x * 2
 
     def loop(x):
       def step(i, c):
-        je.callback(lambda: time.sleep(3), None)
+        je.callback(lambda: time.sleep(2), None)
         return c + 1
       return jax.lax.fori_loop(0, 2, step, x)
 
@@ -348,7 +350,7 @@ TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
           lambda v: (je.callback(lambda v: seen.append(("a", int(v[0]))),
                                  None, v, effect=a), v + 1)[1],
           mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
-      je.callback(lambda: (time.sleep(4), seen.append("b2")), None, effect=b)
+      je.callback(lambda: (time.sleep(2), seen.append("b2")), None, effect=b)
       return y
 
     jf = je.jit(f)
@@ -384,7 +386,7 @@ TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
 
     jg = je.jit(g)
     jg(x)
-    delay[0] = 4.0
+    delay[0] = 2.0
     print(jg(x).sum())
     je.effects_barrier()
     assert seen == [("b", 0), ("b", 1)] * 2, seen

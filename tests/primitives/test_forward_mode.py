@@ -10,6 +10,8 @@ run once per element, in batch order. Inside a ``while_loop`` whose predicate
 vmap batched, an effect depends on the batch index through the predicate and
 runs per live element even without batched operands.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,14 +71,24 @@ TRANSFORMS = {
 }
 
 
-@pytest.mark.parametrize("run", RUNNERS)
-@pytest.mark.parametrize("how", sorted(TRANSFORMS))
-def test_forward_mode_runs_effects_once_like_jax_debug(run, how):
-  ours, theirs, take = _recorder()
+@functools.cache
+def _jax_runs(how: str):
+  """JAX's value of transform ``how`` of the loss (plain jax.jit, no
+  effects), its value with ``jax.debug.callback`` (eager) and the calls JAX
+  ran there: the same for every runner, so computed once per transform."""
+  _, theirs, take = _recorder()
   x = jnp.arange(1.0, 5.0)
   expected_value = jax.jit(TRANSFORMS[how](_loss(lambda *a: None)))(x)
   reference = TRANSFORMS[how](_loss(theirs))(x)
-  want = take()
+  return expected_value, reference, take()
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+@pytest.mark.parametrize("how", sorted(TRANSFORMS))
+def test_forward_mode_runs_effects_once_like_jax_debug(run, how):
+  ours, _, take = _recorder()
+  x = jnp.arange(1.0, 5.0)
+  expected_value, reference, want = _jax_runs(how)
   assert want == [("loss", 10.0), ("it", 0, 100.0), ("it", 1, 200.0)]
   out = run(TRANSFORMS[how](_loss(ours)))(x)
   assert take() == want
@@ -173,31 +185,39 @@ def test_vmap_of_while_effect_without_batched_operands_runs_per_live_element():
   assert seen == ["tick"] * 2
 
 
+def _while_loss(rec):
+  def loss(x):
+    def body(c):
+      i, y = c
+      rec("body", i)
+      return i + 1, y * x
+    n = jnp.int32(jnp.sum(x) > 0) + 1     # 2 iterations
+    return lax.while_loop(lambda c: (rec("cond", c[0]), c[0] < n)[1], body,
+                          (0, x))[1].sum()
+  return loss
+
+
+@functools.cache
+def _jax_while_runs(how: str):
+  """Transform ``how`` of the while loss with ``jax.debug.callback``
+  (eager): its value and the calls JAX ran, once per transform."""
+  _, theirs, take = _recorder()
+  want_out = TRANSFORMS[how](_while_loss(theirs))(jnp.arange(1.0, 4.0))
+  return want_out, take()
+
+
 @pytest.mark.parametrize("run", RUNNERS)
 @pytest.mark.parametrize("how", ["jacfwd", "jacfwd_jacfwd", "vmap_jvp"])
 def test_forward_mode_of_a_while_loop_runs_each_iteration_once(run, how):
   # The loop's predicate depends on primal values only: vmap over tangents
   # leaves it unbatched, so its effects run once per iteration. (Forward
   # mode only: JAX has no reverse mode of a while_loop.)
-  ours, theirs, take = _recorder()
-
-  def make(rec):
-    def loss(x):
-      def body(c):
-        i, y = c
-        rec("body", i)
-        return i + 1, y * x
-      n = jnp.int32(jnp.sum(x) > 0) + 1     # 2 iterations
-      return lax.while_loop(lambda c: (rec("cond", c[0]), c[0] < n)[1], body,
-                            (0, x))[1].sum()
-    return loss
-
+  ours, _, take = _recorder()
   x = jnp.arange(1.0, 4.0)
-  want_out = TRANSFORMS[how](make(theirs))(x)
-  want = take()
+  want_out, want = _jax_while_runs(how)
   assert want == [("cond", 0), ("body", 0), ("cond", 1), ("body", 1),
                   ("cond", 2)]
-  out = run(TRANSFORMS[how](make(ours)))(x)
+  out = run(TRANSFORMS[how](_while_loss(ours)))(x)
   assert take() == want
   np.testing.assert_allclose(out, want_out, rtol=1e-6)
 
