@@ -103,25 +103,6 @@ def _run(body: str, *args, timeout: float = 240):
   return proc.stdout.splitlines()
 
 
-def _scenario(proc, name: str) -> list[str]:
-  """The lines scenario ``name`` printed in a child that runs several,
-  each after a line ``== name`` (the last followed by ``== end``): the
-  scenario the child died in, and those it never reached, fail their own
-  tests (with its stderr); the ones it finished are judged by their lines;
-  a child that exits with an error after all of them fails every one."""
-  lines = proc.stdout.splitlines()
-  died = (f"the child exited with status {proc.returncode}\n"
-          f"{proc.stderr[-4000:]}")
-  assert f"== {name}" in lines, f"scenario {name!r} never ran: {died}"
-  start = lines.index(f"== {name}") + 1
-  end = next((i for i in range(start, len(lines))
-              if lines[i].startswith("== ")), None)
-  assert end is not None, (
-      f"scenario {name!r} did not finish: {lines[start:]}; {died}")
-  assert proc.returncode == 0 or "== end" not in lines, died
-  return lines[start:end]
-
-
 # --- 1. batched and masked forms are keys of their own -------------------------------
 
 def test_a_vmapped_print_and_a_plain_one_never_share_a_key():
@@ -404,7 +385,7 @@ print("== end", flush=True)
 
 @pytest.fixture(scope="module")
 def screened():
-  """The finished child of the scenarios of 3 (:func:`_scenario`)."""
+  """The finished child of the scenarios of 3 (``helpers.scenario_lines``)."""
   pytest.importorskip("flatbuffers")
   return helpers.run_script(_PRELUDE + _SCREENED, json.dumps(_FORMATS),
                             timeout=240)
@@ -412,7 +393,7 @@ def screened():
 
 @pytest.mark.parametrize("fmt", _FORMATS)
 def test_a_modules_format_string_is_checked_as_a_traced_one(screened, fmt):
-  lines = _scenario(screened, f"format {fmt}")
+  lines = helpers.scenario_lines(screened, f"format {fmt}")
   assert len(lines) == 2, lines   # (nothing formatted, nothing printed)
   for line in lines:
     assert " raised UnboundHostFunction " in line, line
@@ -420,7 +401,7 @@ def test_a_modules_format_string_is_checked_as_a_traced_one(screened, fmt):
 
 
 def test_a_modules_callback_arguments_must_be_data(screened):
-  lines = _scenario(screened, "callback arguments")
+  lines = helpers.scenario_lines(screened, "callback arguments")
   assert len(lines) == 1 and " raised UnboundHostFunction " in lines[0], lines
   assert "static leaf of type dict" in lines[0], lines
 
