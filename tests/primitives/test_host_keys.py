@@ -345,11 +345,12 @@ run("victim after", lambda: v(jnp.float32(2.0)))
 
 # --- 3. a module's format string is checked as a traced one ---------------------------
 
-# (one child for the scenarios below, each after a line "== name": each
-# forges its own module, whose key is made from its own bad spec, so no two
-# share a key, and a key one of them wrongly bound could only pass that
-# one; each module is called and refused twice, so a refusal that left the
-# runtime broken fails its own scenario's second call)
+# (one child for the scenarios below and 4's, each after a line "== name":
+# each forges its own module, whose key is made from its own bad spec, so no
+# two share a key (nor 4's print's), and a key one of them wrongly bound
+# could only pass that one; each module is called and refused twice, and
+# 4's site runs after its refusals, so a refusal that left the runtime
+# broken fails its own scenario)
 _FORMATS = ["{0.__class__}", "{0.__init__.__globals__}", "{0[0]}", "{0:{1}}"]
 
 _SCREENED = """
@@ -385,14 +386,17 @@ print("== end", flush=True)
 
 @pytest.fixture(scope="module")
 def screened():
-  """The finished child of the scenarios of 3 (``helpers.scenario_lines``)."""
-  pytest.importorskip("flatbuffers")
-  return helpers.run_script(_PRELUDE + _SCREENED, json.dumps(_FORMATS),
-                            timeout=240)
+  """The finished child of the scenarios of 3 and 4, 4's first (its own
+  print's site, with frames of other buffers sent under its key; it needs
+  no serialization): ``helpers.scenario_lines``."""
+  return helpers.run_script(
+      _PRELUDE + '\nprint("== other buffers", flush=True)\n'
+      + _OTHER_BUFFERS + _SCREENED, json.dumps(_FORMATS), timeout=240)
 
 
 @pytest.mark.parametrize("fmt", _FORMATS)
 def test_a_modules_format_string_is_checked_as_a_traced_one(screened, fmt):
+  pytest.importorskip("flatbuffers")
   lines = helpers.scenario_lines(screened, f"format {fmt}")
   assert len(lines) == 2, lines   # (nothing formatted, nothing printed)
   for line in lines:
@@ -401,6 +405,7 @@ def test_a_modules_format_string_is_checked_as_a_traced_one(screened, fmt):
 
 
 def test_a_modules_callback_arguments_must_be_data(screened):
+  pytest.importorskip("flatbuffers")
   lines = helpers.scenario_lines(screened, "callback arguments")
   assert len(lines) == 1 and " raised UnboundHostFunction " in lines[0], lines
   assert "static leaf of type dict" in lines[0], lines
@@ -434,11 +439,12 @@ f(jnp.arange(4.0) + 2); je.effects_barrier()
 """
 
 
-def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call():
+def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call(
+    screened):
   # The site has run twice; frames of other buffers with its key are
   # refused before a byte of them is read (the entry's one frame check,
   # naming the site and what differs), then the site still runs.
-  lines = _run(_OTHER_BUFFERS)
+  lines = helpers.scenario_lines(screened, "other buffers")
   assert lines[:2] == ["mine [0. 1. 2. 3.]", "mine [1. 2. 3. 4.]"], lines
   for line, what in zip(lines[2:7], ["one element", "a million", "int32",
                                      "2x2", "two results"]):
