@@ -334,6 +334,26 @@ def run_script(source: str, *args: str, timeout: float = 300,
                     env=env)
 
 
+def scenario_lines(proc: subprocess.CompletedProcess, name: str
+                   ) -> list[str]:
+  """The lines scenario ``name`` printed in a child that runs several,
+  each after a line ``== name`` (the last followed by ``== end``): the
+  scenario the child died in, and those it never reached, fail their own
+  tests (with its stderr); the ones it finished are judged by their lines;
+  a child that exits with an error after all of them fails every one."""
+  lines = proc.stdout.splitlines()
+  died = (f"the child exited with status {proc.returncode}\n"
+          f"{proc.stderr[-4000:]}")
+  assert f"== {name}" in lines, f"scenario {name!r} never ran: {died}"
+  start = lines.index(f"== {name}") + 1
+  end = next((i for i in range(start, len(lines))
+              if lines[i].startswith("== ")), None)
+  assert end is not None, (
+      f"scenario {name!r} did not finish: {lines[start:]}; {died}")
+  assert proc.returncode == 0 or "== end" not in lines, died
+  return lines[start:end]
+
+
 # --- faults injected through public APIs, and what the runtime holds ----------
 # (issue 31: tests/runtime/test_failed_executions.py and the files it names,
 # and the model-based test tests/runtime/fault_model.py)

@@ -17,6 +17,7 @@ Modules from elsewhere are made here as another program would: a real
 export whose attributes are rewritten (``_forged``), or a plain ``jax.jit``
 function calling the target with ``jax.ffi.ffi_call``.
 """
+import json
 import textwrap
 
 import pytest
@@ -151,11 +152,23 @@ load("w").call(jnp.array([0.0, 2.0, 1.0])); je.effects_barrier()
 """
 
 
-def test_an_exported_vmapped_print_and_callback_run_batched_in_the_importer(
-    tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """A folder of the modules another process exported (one child for
+  the tests of 1 and 2: their modules' keys are data, the same in every
+  process): ``el``, ``c``, ``w`` (_EXPORT_BATCHED) and ``forged``
+  (_KEY_NOT_ITS_SPECS)."""
   pytest.importorskip("flatbuffers")   # (jax.export's serialization)
-  assert _run(_EXPORT_BATCHED, str(tmp_path)) == []
-  lines = _run(_IMPORT_BATCHED, str(tmp_path))
+  folder = tmp_path_factory.mktemp("exported")
+  assert _run(_EXPORT_BATCHED + _KEY_NOT_ITS_SPECS + """
+open(os.path.join(sys.argv[1], "forged"), "wb").write(blob)
+""", str(folder)) == []
+  return folder
+
+
+def test_an_exported_vmapped_print_and_callback_run_batched_in_the_importer(
+    exported):
+  lines = _run(_IMPORT_BATCHED, str(exported))
   assert lines == ["el=0.0", "el=1.0", "el=2.0", "note 0.0", "note 1.0",
                    "note 2.0", "out [0.0, 2.0, 4.0]",
                    "c=1.0", "c=2.0",
@@ -180,15 +193,11 @@ blob = forged(exp, theirs_key, mine_key, theirs_spec).serialize()
 """
 
 
-def test_a_key_that_is_not_its_specs_is_refused_and_never_bound(tmp_path):
+def test_a_key_that_is_not_its_specs_is_refused_and_never_bound(exported):
   # The module is made by another process: in this fresh one, its own
   # print's key is bound by nobody before the module arrives claiming it
   # with another spec.
-  pytest.importorskip("flatbuffers")
-  blob = tmp_path / "forged"
-  assert _run(_KEY_NOT_ITS_SPECS + """
-open(sys.argv[1], "wb").write(blob)
-""", str(blob)) == []
+  blob = exported / "forged"
   lines = _run("""
 module = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
 run("module", lambda: module.call(jnp.float32(1.0)))
@@ -254,8 +263,19 @@ open(os.path.join(d, "renamed"), "wb").write(
 """
 
 
+@pytest.fixture(scope="module")
+def forged_local(tmp_path_factory):
+  """A folder of the attacker's modules (_FORGE_LOCAL, alone in its child:
+  the victim's site must be the first local one there, as in the
+  victim's process), read by both tests of 2b."""
+  pytest.importorskip("flatbuffers")
+  folder = tmp_path_factory.mktemp("forged_local")
+  assert _run(_FORGE_LOCAL, str(folder)) == []
+  return folder
+
+
 def test_a_module_never_runs_a_local_host_function_whose_key_it_copies(
-    tmp_path):
+    forged_local):
   # Issue 49: a local key is the hash of a spec anyone with the same source
   # can compute; the module copies it (with the local spec, with its own
   # spec, or under other attribute names) into its host call. In the
@@ -263,8 +283,6 @@ def test_a_module_never_runs_a_local_host_function_whose_key_it_copies(
   # runs nothing of it: the effect fails (UnboundHostFunction naming the
   # local effect, or the key refused as not its spec's), and the process's
   # own local callback still runs.
-  pytest.importorskip("flatbuffers")
-  assert _run(_FORGE_LOCAL, str(tmp_path)) == []
   lines = _run(_VICTIM + """
 v = je.jit(victim)
 run("victim", lambda: v(jnp.float32(1.0)))
@@ -278,7 +296,7 @@ copied = jax.export.deserialize(bytearray(open(
 run("in jax_effects.jit", lambda: je.jit(copied.call)(jnp.float32(42.0)))
 run("in jax.jit", lambda: jax.jit(copied.call)(jnp.float32(42.0)))
 run("victim after", lambda: v(jnp.float32(2.0)))
-""", str(tmp_path))
+""", str(forged_local))
   assert not any("42" in line or "43" in line for line in lines
                  if line.startswith("LOCAL RAN")), lines
   assert lines[:2] == ["LOCAL RAN 1.0", "victim ok"], lines
@@ -294,14 +312,13 @@ run("victim after", lambda: v(jnp.float32(2.0)))
     assert "is not the key of the spec" in line, line
 
 
-def test_where_modules_cannot_be_screened_local_keys_are_a_secret(tmp_path):
+def test_where_modules_cannot_be_screened_local_keys_are_a_secret(
+    forged_local):
   # On a JAX whose lowering of an exported call jax_effects cannot wrap
   # (its internals missing: simulated by removing them before the import),
   # a module's keys cannot be screened; local keys then mix in a secret of
   # the process, so a key computed elsewhere from the same source is not
   # the victim's, and the copied call runs nothing of it.
-  pytest.importorskip("flatbuffers")
-  assert _run(_FORGE_LOCAL, str(tmp_path)) == []
   proc = helpers.run_script("""
 import importlib
 export = importlib.import_module("jax._src.export._export")
@@ -315,7 +332,7 @@ for name in ("copied", "own spec", "renamed"):
       os.path.join(sys.argv[1], name), "rb").read()))
   run(name, lambda: module.call(jnp.float32(42.0)))
 run("victim after", lambda: v(jnp.float32(2.0)))
-""", str(tmp_path))
+""", str(forged_local))
   assert proc.returncode == 0, proc.stderr[-4000:]
   lines = proc.stdout.splitlines()
   assert lines[:2] == ["LOCAL RAN 1.0", "victim ok"], lines
@@ -328,30 +345,28 @@ run("victim after", lambda: v(jnp.float32(2.0)))
 
 # --- 3. a module's format string is checked as a traced one ---------------------------
 
-@pytest.mark.parametrize("fmt", ["{0.__class__}", "{0.__init__.__globals__}",
-                                 "{0[0]}", "{0:{1}}"])
-def test_a_modules_format_string_is_checked_as_a_traced_one(fmt):
-  pytest.importorskip("flatbuffers")
-  lines = _run("""
+# (one child for the scenarios below and 4's, each after a line "== name":
+# each forges its own module, whose key is made from its own bad spec, so no
+# two share a key (nor 4's print's), and a key one of them wrongly bound
+# could only pass that one; each module is called and refused twice, and
+# 4's site runs after its refusals, so a refusal that left the runtime
+# broken fails its own scenario)
+_FORMATS = ["{0.__class__}", "{0.__init__.__globals__}", "{0[0]}", "{0:{1}}"]
+
+_SCREENED = """
 def theirs(x):
   je.print("module says {}", x)
   return x
 exp = export(theirs, jax.ShapeDtypeStruct((2,), jnp.float32))
 key, spec = effect_site(exp)
-bad = text_spec(spec, fmt=sys.argv[1])
-module = forged(exp, key, key_of(bad), bad)
-run("module", lambda: module.call(jnp.array([1.0, 2.0])))
-run("module again", lambda: module.call(jnp.array([1.0, 2.0])))
-""", fmt)
-  assert len(lines) == 2, lines   # (nothing formatted, nothing printed)
-  for line in lines:
-    assert " raised UnboundHostFunction " in line, line
-    assert repr(fmt) in line, line
+for fmt in json.loads(sys.argv[1]):
+  print("== format", fmt, flush=True)
+  bad = text_spec(spec, fmt=fmt)
+  module = forged(exp, key, key_of(bad), bad)
+  run("module", lambda: module.call(jnp.array([1.0, 2.0])))
+  run("module again", lambda: module.call(jnp.array([1.0, 2.0])))
 
-
-def test_a_modules_callback_arguments_must_be_data():
-  pytest.importorskip("flatbuffers")
-  lines = _run("""
+print("== callback arguments", flush=True)
 note = je.register_callback("keys.args",
                             lambda *a, **k: print("called", a, k))
 def theirs(x):
@@ -365,7 +380,33 @@ d["effect"]["args"] = {"t": [{"t": [{"op": 0}, {"v": {"x": 1}}]},
 bad = json.dumps(d, sort_keys=True, separators=(",", ":"))
 module = forged(exp, key, key_of(bad), bad)
 run("module", lambda: module.call(jnp.float32(1.0)))
-""")
+print("== end", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def screened():
+  """The finished child of the scenarios of 3 and 4, 4's first (its own
+  print's site, with frames of other buffers sent under its key; it needs
+  no serialization): ``helpers.scenario_lines``."""
+  return helpers.run_script(
+      _PRELUDE + '\nprint("== other buffers", flush=True)\n'
+      + _OTHER_BUFFERS + _SCREENED, json.dumps(_FORMATS), timeout=240)
+
+
+@pytest.mark.parametrize("fmt", _FORMATS)
+def test_a_modules_format_string_is_checked_as_a_traced_one(screened, fmt):
+  pytest.importorskip("flatbuffers")
+  lines = helpers.scenario_lines(screened, f"format {fmt}")
+  assert len(lines) == 2, lines   # (nothing formatted, nothing printed)
+  for line in lines:
+    assert " raised UnboundHostFunction " in line, line
+    assert repr(fmt) in line, line
+
+
+def test_a_modules_callback_arguments_must_be_data(screened):
+  pytest.importorskip("flatbuffers")
+  lines = helpers.scenario_lines(screened, "callback arguments")
   assert len(lines) == 1 and " raised UnboundHostFunction " in lines[0], lines
   assert "static leaf of type dict" in lines[0], lines
 
@@ -398,11 +439,12 @@ f(jnp.arange(4.0) + 2); je.effects_barrier()
 """
 
 
-def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call():
+def test_a_frame_whose_buffers_are_not_its_sites_is_refused_on_every_call(
+    screened):
   # The site has run twice; frames of other buffers with its key are
   # refused before a byte of them is read (the entry's one frame check,
   # naming the site and what differs), then the site still runs.
-  lines = _run(_OTHER_BUFFERS)
+  lines = helpers.scenario_lines(screened, "other buffers")
   assert lines[:2] == ["mine [0. 1. 2. 3.]", "mine [1. 2. 3. 4.]"], lines
   for line, what in zip(lines[2:7], ["one element", "a million", "int32",
                                      "2x2", "two results"]):

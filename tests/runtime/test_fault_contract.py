@@ -454,14 +454,21 @@ def test_exited_threads_release_their_token_state_and_arrays():
 
 # --- 2. barriers and mode switches inside a callback ------------------------------
 
-@pytest.mark.parametrize("call", [
-    "je.effects_barrier(all_threads=True)",
-    "je.effects_barrier()",
-    "je.set_ordering('global')",
-])
-def test_barrier_or_mode_switch_inside_a_callback_is_an_error_not_a_deadlock(
-    call):
-  proc = run_script(PRELUDE + f"""
+# (one child for the three, each after a line "== call", bounded each by
+# faulthandler: a call that deadlocks ends the child with every thread's
+# stack, failing its own test, and the ones after it as never run. Each
+# barrier must report exactly its own 8 errors, so errors one left behind
+# fail the next; the mode switch runs last, so one wrongly made cannot change
+# how the others run)
+_IN_CALLBACK = ["je.effects_barrier(all_threads=True)", "je.effects_barrier()",
+                "je.set_ordering('global')"]
+
+
+@pytest.fixture(scope="module")
+def in_callback():
+  blocks = [f"""
+print({"== " + call!r}, flush=True)
+faulthandler.dump_traceback_later(90, exit=True)
 def host(v):
   {call}
 def body(v):
@@ -475,10 +482,17 @@ try:
 except ExceptionGroup as group:
   print(len(group.exceptions), {{type(e).__name__ for e in group.exceptions}})
   print(str(group.exceptions[0]))
-""", timeout=100)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = proc.stdout.splitlines()
-  assert lines[0] == "8 {'RuntimeError'}", proc.stdout
+""" for call in _IN_CALLBACK]
+  return run_script(PRELUDE + "import faulthandler\n" + "".join(blocks)
+                    + "faulthandler.cancel_dump_traceback_later()\n"
+                    + "print('== end')\n", timeout=300)
+
+
+@pytest.mark.parametrize("call", _IN_CALLBACK)
+def test_barrier_or_mode_switch_inside_a_callback_is_an_error_not_a_deadlock(
+    in_callback, call):
+  lines = helpers.scenario_lines(in_callback, call)
+  assert lines[0] == "8 {'RuntimeError'}", lines
   assert "from a host callback" in lines[1] and call.split("(")[0][3:] in lines[1]
 
 
