@@ -152,17 +152,15 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
           return (state[0] + 1, *step(state[1:]))
 
         def strip(state):
-          _, carriers, states, vals = lax.while_loop(
-              *map(_compat.traced_as_region, (strip_cond, strip_body)),
-              (jnp.int32(0), *state))
+          _, carriers, states, vals = _while_loop(
+              strip_cond, strip_body, (jnp.int32(0), *state))
           strip_chains = _token_pass.Chains(dict(zip(keys, carriers)))
           states = loop.flush(states, strip_chains)
           return strip_chains.take(keys), states, vals
         loop_body = strip
 
-      carriers, states, outs = lax.while_loop(
-          *map(_compat.traced_as_region, (loop_cond, loop_body)),
-          (chains.take(keys), loop.states(), list(init)))
+      carriers, states, outs = _while_loop(
+          loop_cond, loop_body, (chains.take(keys), loop.states(), list(init)))
     else:
       # Effects in cond_fun: run the predicate once before the loop and
       # again at the end of every iteration, carrying it (as JAX does for
@@ -181,9 +179,8 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
         (carriers, pred, vals), states = loop.run(states, step, carriers, *vals)
         return carriers, states, pred, vals
 
-      carriers, states, _, outs = lax.while_loop(
-          *map(_compat.traced_as_region, (lambda s: s[2], loop_body)),
-          (carriers, states, pred, list(init)))
+      carriers, states, _, outs = _while_loop(
+          lambda s: s[2], loop_body, (carriers, states, pred, list(init)))
     chains.put(keys, carriers)
     loop.exit(states, chains)
   finally:
@@ -192,6 +189,13 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
 
 
 _token_pass.register_rule(jex_prims.while_p, _while_rule, keeps_stages=True)
+
+
+def _while_loop(cond_fun, body_fun, init):
+  """``lax.while_loop`` of a condition and body the pass made, each with its
+  DebugInfo and signature set (``_compat.traced_as_region``)."""
+  return lax.while_loop(_compat.traced_as_region(cond_fun),
+                        _compat.traced_as_region(body_fun), init)
 
 
 def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
@@ -214,9 +218,8 @@ def _batched_while(cond_fn, body_fn, cond_effectful, carriers, init):
       carriers, pred = cond(carriers, vals)
     return carriers, jnp.logical_and(pred, live), vals
 
-  carriers, _, outs = lax.while_loop(
-      *map(_compat.traced_as_region, (lambda s: jnp.any(s[1]), loop_body)),
-      (carriers, pred, list(init)))
+  carriers, _, outs = _while_loop(lambda s: jnp.any(s[1]), loop_body,
+                                 (carriers, pred, list(init)))
   return carriers, outs
 
 
