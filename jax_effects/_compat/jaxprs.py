@@ -69,7 +69,8 @@ def equation_copier(jaxpr):
         return None
       else:
         x = trace.to_jaxpr_tracer(x, src)
-      if x.aval != v.aval or getattr(v.aval, "has_qdd", False):
+      if (x.aval is not v.aval and x.aval != v.aval) or getattr(
+          v.aval, "has_qdd", False):
         return None   # (quasi-dynamic data: avals with it, JAX 0.8-0.10)
       tracers.append(x)
     if not staged:
