@@ -57,12 +57,10 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   copy = _compat.equation_copier(jaxpr) if unchanged is not None else None
+  literal = jex_core.Literal
 
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  for eqn in jaxpr.eqns:   # (a DropVar binder is written, never read)
+    invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
     outs = None
     if copy is not None and unchanged(eqn):   # type: ignore[misc]
       outs = copy(eqn, invals)
@@ -71,9 +69,8 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
           eqn.source_info.traceback,
           name_stack=eqn.source_info.name_stack), eqn.ctx.manager:
         outs = handle(eqn, invals)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, _compat.DropVar):
-        env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+    if eqn.primitive.multiple_results:
+      env.update(zip(eqn.outvars, outs))
+    else:
+      env[eqn.outvars[0]] = outs
+  return [v.val if type(v) is literal else env[v] for v in jaxpr.outvars]
