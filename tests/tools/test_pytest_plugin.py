@@ -98,6 +98,8 @@ def test_devices_invalid_value_is_usage_error(pytester):
 
 
 _FAILING_THEN_CLEAN = """
+    import threading
+
     import jax
     import jax.numpy as jnp
     import jax_effects as jfx
@@ -105,11 +107,18 @@ _FAILING_THEN_CLEAN = """
     class Boom(Exception):
       pass
 
+    release = threading.Event()
+
     def explode(x):
-      raise Boom("boom from callback")
+      if x > 0:
+        release.wait(60)   # (until its call has returned)
+        raise Boom("boom from callback")
+      return x
 
     @jfx.jit
     def bad(x):
+      # (enough work that XLA runs it asynchronously, not inline in the call)
+      x = x + jnp.ones((256, 256)).dot(jnp.ones((256, 256)))[0, 0] * 0
       return jfx.callback(explode, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
     @jfx.jit
@@ -118,7 +127,12 @@ _FAILING_THEN_CLEAN = """
       return x + 1
 
     def test_a_failing_callback():
-      bad(jnp.float32(1.0))  # result never read: only the barrier sees it
+      # The first call waits for its callback (user code, ``launch_lock``);
+      # the second returns before its callback raises, its result never
+      # read: only the plugin's barrier after this test sees its error.
+      bad(jnp.float32(0.0))
+      bad(jnp.float32(1.0))
+      release.set()
 
     def test_b_clean_capture(effects_capture):
       good(jnp.int32(7))
@@ -173,23 +187,33 @@ def test_capture_printed_and_logged(pytester):
 
 
 def test_callback_error_in_failing_test_does_not_leak(pytester):
-  # The callback error surfaces either from the call itself or from the
-  # plugin's barrier (then as a note on the test's own failure); either way
-  # only this test fails.
+  # The callback's error comes after its call returned: the plugin's
+  # barrier after the failed phase drains it, as a note on the test's own
+  # failure, and only this test fails.
   pytester.makepyfile("""
+      import threading
+
       import jax
       import jax.numpy as jnp
       import jax_effects as jfx
 
+      release = threading.Event()
+
       def explode(x):
-        raise KeyError("late callback")
+        if x > 0:
+          release.wait(60)   # (until its call has returned)
+          raise KeyError("late callback")
+        return x
 
       @jfx.jit
-      def bad(x):
+      def bad(x):   # (asynchronous: see _FAILING_THEN_CLEAN)
+        x = x + jnp.ones((256, 256)).dot(jnp.ones((256, 256)))[0, 0] * 0
         return jfx.callback(explode, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
       def test_fails_twice():
-        bad(jnp.float32(1.0))
+        bad(jnp.float32(0.0))   # (waits for its callback: a first call)
+        bad(jnp.float32(1.0))   # (returns before its callback raises)
+        release.set()
         assert False, "test's own failure"
 
       def test_next_is_clean():
