@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 import jax_effects as je
+from jax_effects import _compat
 from jax_effects._runtime import output as _output
 
 D = 3                 # length of x
@@ -572,15 +573,6 @@ def loop_depths(program) -> dict:
   return out
 
 
-def _sub_jaxprs(params):
-  for v in params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jax.extend.core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jax.extend.core.Jaxpr):
-        yield x
-
-
 def hoisted_effects(program, k0: int = 7) -> dict:
   """Effect tag -> loops JAX hoisted it out of (only tags with > 0).
 
@@ -602,7 +594,7 @@ def hoisted_effects(program, k0: int = 7) -> dict:
         tag = int(m.group(1))
         seen[tag] = min(seen.get(tag, depth), depth)
       inner = depth + (eqn.primitive.name in ("scan", "while"))
-      for sub in _sub_jaxprs(eqn.params):
+      for sub in _compat.jaxprs_in_params(eqn.params):
         visit(sub, inner)
   visit(closed.jaxpr, 0)
   program_depth = loop_depths(program)
