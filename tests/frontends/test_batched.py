@@ -138,11 +138,27 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
-def test_lines_as_unbatched(name):
-  make, arg = PROGRAMS[name]
-  plain, batched = _both(make, arg())
-  assert plain  # (the program prints)
+def test_lines_as_unbatched():
+  # One program runs them all, each after a line naming it (unbatched).
+  def make_all(block):
+    fs = [make(block) for make, _ in PROGRAMS.values()]
+
+    def f(*args):
+      outs = []
+      for name, f, arg in zip(PROGRAMS, fs, args):
+        je.print("== {}", name)
+        outs.append(f(arg))
+      return outs
+    return f
+  plain, batched = _both(make_all, *(arg() for _, arg in PROGRAMS.values()))
+  assert [l for l in plain if l.startswith("== ")] == [
+      f"== {name}" for name in PROGRAMS]
+  for name in PROGRAMS:
+    start = plain.index(f"== {name}") + 1
+    end = next((i for i in range(start, len(plain))
+                if plain[i].startswith("== ")), len(plain))
+    assert end > start, name   # (the program prints)
+    assert batched[start:end] == plain[start:end], name
   assert batched == plain
 
 
