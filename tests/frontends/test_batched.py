@@ -274,20 +274,32 @@ def _order_program(block, events, every=3):
   return f
 
 
-@pytest.mark.parametrize("every", [0, 1, 3])
-def test_order_against_an_unbatched_callback(every):
+def test_order_against_an_unbatched_callback():
   """A callback in the loop (with a result, or in a cond) comes after the
-  lines staged before it and before the later ones."""
-  runs = _events(lambda block, events: _order_program(block, events, every),
-                 jnp.arange(10), K, [])
-  expected = []
-  for i in range(10):
-    expected.append(("line", f"p {i}"))
-    if not every or i % every == 0:
-      expected.append(("callback", i))
-    expected.append(("line", f"q {i}"))
-  assert runs[0] == expected
-  assert runs[1] == expected
+  lines staged before it and before the later ones (one program: a loop
+  per kind of callback, in turn)."""
+  everies = [0, 1, 3]
+
+  def make(block, events):
+    fs = [_order_program(block, events, every) for every in everies]
+    return lambda xs: [f(xs) for f in fs]
+  runs = _events(make, jnp.arange(10), K, [])
+  expected = {}
+  for every in everies:
+    expected[every] = []
+    for i in range(10):
+      expected[every].append(("line", f"p {i}"))
+      if not every or i % every == 0:
+        expected[every].append(("callback", i))
+      expected[every].append(("line", f"q {i}"))
+  for run in runs:
+    first = 0
+    for every in everies:
+      n = len(expected[every])
+      assert run[first:first + n] == expected[every], every
+      first += n
+    assert len(run) == first
+  assert runs[0] == runs[1]
 
 
 def test_order_of_prints_and_logs_on_one_chain():
