@@ -334,14 +334,16 @@ def run_script(source: str, *args: str, timeout: float = 300,
                     env=env)
 
 
-def scenario_lines(proc: subprocess.CompletedProcess, name: str
-                   ) -> list[str]:
+def scenario_lines(proc: subprocess.CompletedProcess, name: str,
+                   stream: str = "stdout") -> list[str]:
   """The lines scenario ``name`` printed in a child that runs several,
   each after a line ``== name`` (the last followed by ``== end``): the
   scenario the child died in, and those it never reached, fail their own
   tests (with its stderr); the ones it finished are judged by their lines;
-  a child that exits with an error after all of them fails every one."""
-  lines = proc.stdout.splitlines()
+  a child that exits with an error after all of them fails every one.
+  (``stream="stderr"``: what it wrote to stderr, after the same lines
+  written there.)"""
+  lines = getattr(proc, stream).splitlines()
   died = (f"the child exited with status {proc.returncode}\n"
           f"{proc.stderr[-4000:]}")
   assert f"== {name}" in lines, f"scenario {name!r} never ran: {died}"

@@ -207,17 +207,36 @@ run("barrier", je.effects_barrier)
 """
 
 
-def _round_trip(tmp_path, blob, register: bool):
-  importer = tmp_path / "importer.py"   # imports nothing of the exporter
-  importer.write_text(textwrap.dedent(_IMPORTER))
-  proc = helpers.run_python(importer, str(blob),
-                            "register" if register else "no")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout.splitlines()
+#: The importer's two runs in one fresh process, each after a line naming
+#: it: without the callback registered, then with it (the module read anew).
+_IMPORTERS = """
+import sys
+blob = sys.argv[1]
+for how in ("no", "register"):
+  print("== " + how, flush=True)
+  sys.argv[1:] = [blob, how]
+  exec(IMPORTER, {"__name__": "__main__"})
+print("== end", flush=True)
+"""
 
 
-def test_export_round_trip_in_a_fresh_process(tmp_path, exported):
-  lines = _round_trip(tmp_path, exported["step"], register=True)
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory, exported):
+  """The finished child of both importer runs (``helpers.scenario_lines``);
+  its script imports nothing of the exporter."""
+  importer = tmp_path_factory.mktemp("importer") / "importer.py"
+  importer.write_text(_IMPORTERS.replace(
+      "IMPORTER", repr(textwrap.dedent(_IMPORTER)), 1))
+  return helpers.run_python(importer, str(exported["step"]))
+
+
+def _round_trip(round_trips, register: bool):
+  return helpers.scenario_lines(round_trips,
+                                "register" if register else "no")
+
+
+def test_export_round_trip_in_a_fresh_process(round_trips):
+  lines = _round_trip(round_trips, register=True)
   call = ["before [0.5  0.25]",
           "step 1 of 3: x = [0.5  0.25]",
           "LOG roundtrip WARNING mean 0.38",
@@ -231,7 +250,7 @@ def test_export_round_trip_in_a_fresh_process(tmp_path, exported):
 
 
 def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
-    tmp_path, exported):
+    round_trips):
   # The callback's effect fails like a callback that raises: its result is
   # zeros, the module's later effects of that execution are skipped, the
   # rest runs, and the error (a LookupError naming the callback and the fix)
@@ -245,7 +264,7 @@ def test_exported_named_callback_not_registered_is_a_lookup_error_naming_it(
           "step 1 of 3: x = [0.5  0.25]",
           "LOG roundtrip WARNING mean 0.38",
           "after [1. 1.]"]
-  assert _round_trip(tmp_path, exported["step"], register=False) == [
+  assert _round_trip(round_trips, register=False) == [
       "step 2 of 3: x = [1. 2.]",
       "LOG roundtrip WARNING mean 1.50",
       "eager [2. 2.]",
@@ -427,7 +446,8 @@ def test_export_over_several_devices_round_trip_in_a_fresh_process(exported):
 
 #: One fresh process exports both modules (8 CPU devices, set first; ``step``
 #: takes unsharded operands, so its module is a one-device one all the
-#: same); each round trip imports its module in a fresh process of its own.
+#: same); the round trips import their modules in fresh processes (``step``'s
+#: two runs in one: ``round_trips``).
 _EXPORTERS = f"""
 import sys
 blobs = {{"several": sys.argv[2], "step": sys.argv[1]}}

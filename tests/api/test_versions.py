@@ -4,7 +4,8 @@
 Version differences live in ``jax_effects._compat``; a feature that a line
 cannot support raises ``_compat.UnsupportedFeature`` with the reason that the
 tests' ``jax_feature`` marker (tests/conftest.py) also skips with. Settings
-read when JAX starts (pmap staging, jaxpr constants) are tried in a subprocess.
+read when JAX starts (pmap staging, jaxpr constants) are tried in a fresh
+process (pmap staging: a child forked before JAX starts its backend).
 """
 import configparser
 import json
@@ -27,8 +28,7 @@ from helpers import run_script
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, **env_updates) -> dict:
-  proc = run_script(script, env=env_updates)
+def _report(proc) -> dict:
   assert proc.returncode == 0, proc.stderr
   (report,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
   return json.loads(report[len("REPORT "):])
@@ -89,8 +89,8 @@ _LEGACY_PMAP = """
 """
 
 
-def test_effects_in_legacy_staged_pmap_are_a_clear_error():
-  report = _run(_LEGACY_PMAP)
+def test_effects_in_legacy_staged_pmap_are_a_clear_error(forked):
+  report = _report(types.SimpleNamespace(**forked["legacy pmap"]))
   if not report["option"]:
     pytest.skip("jax_pmap_shmap_merge is an option of JAX 0.8 and 0.9 only; "
                 f"JAX {jax.__version__} always stages pmap as shard_map")
@@ -147,7 +147,9 @@ def test_simplified_constants_limit_is_exactly_jaxs():
   # The limit _compat states for this line is JAX's own (plain jax.jit fails
   # exactly where the reason says so), and the fix it names (close over
   # jax.Arrays) works through jax_effects.jit on every line.
-  report = _run(_SIMPLIFIED_CONSTANTS, JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS="1")
+  # (JAX 0.8 and 0.9 read the setting when JAX is imported: a fresh process)
+  report = _report(run_script(_SIMPLIFIED_CONSTANTS, env={
+      "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS": "1"}))
   assert report["simplified"] is True
   assert report["plain_numpy_ok"] == (report["reason"] is None)
   assert report["out"] == [4.0] * 4
@@ -188,11 +190,12 @@ _HIDE = {
 }
 
 
-#: The imports against a changed JAX (the tests below) in one fresh process:
-#: it imports JAX once, then forks a child per scenario that changes JAX as
-#: the scenario says and imports jax_effects, a first import (the parent
-#: never imports it); each child's stdout, stderr and exit status are its
-#: scenario's.
+#: The imports against a changed JAX (the tests below), and the legacy pmap
+#: staging (above: set before JAX starts its backend), in one fresh process:
+#: it imports JAX once (no backend), then forks a child per scenario that
+#: changes JAX or its settings as the scenario says and imports jax_effects,
+#: a first import (the parent never imports it); each child's stdout, stderr
+#: and exit status are its scenario's.
 _FORKED_SCENARIOS = """
     import json, os, sys, tempfile, textwrap, traceback
     import jax, jax._src.shard_map, jax._src.debugging, jax._src.callback
@@ -207,6 +210,8 @@ _FORKED_SCENARIOS = """
         try:
           exec(textwrap.dedent(source), {})
           code = 0
+        except SystemExit as exit:   # (as in a fresh process)
+          code = exit.code or 0
         except BaseException:   # (as an uncaught exception: its traceback)
           traceback.print_exc()
           code = 1
@@ -221,10 +226,11 @@ _FORKED_SCENARIOS = """
 
 
 @pytest.fixture(scope="module")
-def changed_jax():
+def forked():
   """Scenario name -> what its child of ``_FORKED_SCENARIOS`` did
   (``stdout``, ``stderr``, ``returncode``)."""
   scenarios = {
+      "legacy pmap": _LEGACY_PMAP,
       **{f"hide {how}": f"import sys, jax\n{line}\nimport jax_effects\n"
          for how, line in _HIDE.items()},
       **{f"reshape {how}": _RESHAPED_IMPORT.format(source=source)
@@ -238,8 +244,8 @@ def changed_jax():
 
 @pytest.mark.parametrize("how", sorted(_HIDE))
 def test_import_without_an_internal_it_needs_names_jax_and_the_fix(
-    how, changed_jax):
-  proc = types.SimpleNamespace(**changed_jax[f"hide {how}"])
+    how, forked):
+  proc = types.SimpleNamespace(**forked[f"hide {how}"])
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("ImportError: jax_effects "), proc.stderr[-2000:]
@@ -284,8 +290,8 @@ except ImportError as err:
 
 @pytest.mark.parametrize("how", sorted(_RESHAPE))
 def test_import_with_an_internal_of_another_shape_names_jax_and_the_fix(
-    how, changed_jax):
-  proc = types.SimpleNamespace(**changed_jax[f"reshape {how}"])
+    how, forked):
+  proc = types.SimpleNamespace(**forked[f"reshape {how}"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [l for l in proc.stdout.splitlines()
              if l.startswith("ImportError")]
@@ -338,8 +344,8 @@ _FEATURE_MISSING = """
 """
 
 
-def test_a_feature_whose_internals_are_missing_alone_is_refused(changed_jax):
-  proc = types.SimpleNamespace(**changed_jax["feature missing"])
+def test_a_feature_whose_internals_are_missing_alone_is_refused(forked):
+  proc = types.SimpleNamespace(**forked["feature missing"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout.splitlines()
   assert out[:2] == ["p 2.0", "plain 4.0"], proc.stdout

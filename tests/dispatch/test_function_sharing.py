@@ -154,12 +154,14 @@ def test_shared_state_goes_with_the_function(effects_capture):
   gc.collect()
   assert gone() is None   # the learnt state does not keep it alive
   # many functions made and dropped: the registry does not grow with them
-  for i in range(30):
+  # (10: a registry that kept dropped functions' entries has grown by 2 or
+  # more, where new functions do not reuse every id of the dropped ones)
+  for i in range(10):
     je.jit(make())(jnp.int32(i))
   gc.collect()
   assert describe(je.jit(make())).registered <= before
   je.effects_barrier()
-  assert len(effects_capture.printed) == 31
+  assert len(effects_capture.printed) == 11
 
 
 def test_a_new_function_object_starts_where_the_last_one_left_off():

@@ -183,21 +183,27 @@ def test_callback_error_traceback_shows_no_frame_of_ours():
 
 
 def test_unfiltered_traceback_keeps_our_frames():
+  # (one fresh process, each mode in turn: JAX reads the setting when it
+  # filters a traceback)
   import subprocess, sys
   code = textwrap.dedent("""
-      import os, traceback, jax.numpy as jnp, jax_effects as je
+      import os, traceback, jax, jax.numpy as jnp, jax_effects as je
       def f(x):
         raise ValueError("boom")
-      try:
-        je.jit(f)(jnp.ones(3))
-      except ValueError as e:
-        pkg = os.path.dirname(je.__file__)
-        print(sum(s.filename.startswith(pkg)
-                  for s in traceback.extract_tb(e.__traceback__)))
+      for mode in ("off", "auto"):
+        jax.config.update("jax_traceback_filtering", mode)
+        try:
+          je.jit(f)(jnp.ones(3))
+        except ValueError as e:
+          pkg = os.path.dirname(je.__file__)
+          print(mode, sum(s.filename.startswith(pkg)
+                          for s in traceback.extract_tb(e.__traceback__)))
       """)
+  proc = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True,
+      timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  counts = dict(line.split() for line in proc.stdout.splitlines())
+  assert sorted(counts) == ["auto", "off"], proc.stdout
   for mode, some in (("off", True), ("auto", False)):
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "JAX_TRACEBACK_FILTERING": mode})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (int(proc.stdout.split()[-1]) > 0) is some, (mode, proc.stdout)
+    assert (int(counts[mode]) > 0) is some, (mode, proc.stdout)

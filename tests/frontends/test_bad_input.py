@@ -202,7 +202,7 @@ def test_printf_style_format_names_the_braces_and_the_rewrite(run, call):
 
 @pytest.mark.parametrize("call", ["print", "log"])
 def test_traced_value_text_in_the_format_warns_once_per_site(
-    call, effects_capture):
+    call, effects_capture, once_per_site):
   fn = getattr(je, call)
 
   def step(loss):
@@ -216,7 +216,7 @@ def test_traced_value_text_in_the_format_warns_once_per_site(
   msg = str(mine[0].message)
   assert "Tracer(" in msg and f'jax_effects.{call}("loss={{}}", loss)' in msg
   assert mine[0].filename == __file__   # the call site, not ours
-  _warns_once_per_site(f"je.{call}")
+  _warns_once_per_site(once_per_site, f"je.{call}")
   # A value as an argument, or a concrete value's text, is no warning.
   import warnings
   with warnings.catch_warnings():
@@ -226,25 +226,44 @@ def test_traced_value_text_in_the_format_warns_once_per_site(
     fn("TracerSpark(x) is a word")
 
 
-def _warns_once_per_site(fn: str) -> None:
+#: The calls whose warning is shown once per site, each a scenario of one
+#: fresh process (``once_per_site``).
+_ONCE_PER_SITE = ["je.print", "je.log", "jax.debug.print", "jax.debug.log"]
+
+
+@pytest.fixture(scope="module")
+def once_per_site():
+  """The finished child of a scenario per call of ``_ONCE_PER_SITE`` (its
+  own ``step``, called three times, after a line ``== call`` on stderr;
+  one this JAX does not have writes nothing): ``helpers.scenario_lines``."""
+  from helpers import run_script
+  script = ["import sys, jax, jax.numpy as jnp, jax_effects as je\n"]
+  for fn in _ONCE_PER_SITE:
+    module, name = fn.rsplit(".", 1)
+    script.append(f"""
+print("== {fn}", file=sys.stderr, flush=True)
+if hasattr({module}, "{name}"):
+  def step(loss):
+    {fn}(f"loss={{loss}}")
+    return loss
+  for x in (1.0, 2.0, 3.0):
+    je.jit(step)(jnp.float32(x))
+  je.effects_barrier()
+""")
+  script.append('print("== end", file=sys.stderr, flush=True)\n')
+  return run_script("".join(script), timeout=120)
+
+
+def _warns_once_per_site(proc, fn: str) -> None:
   """Python's default filter shows the warning of ``fn(f"...{tracer}")``
   once per site (a fresh process, three calls)."""
-  from helpers import run_script
-  proc = run_script(f"""
-      import jax, jax.numpy as jnp, jax_effects as je
-      def step(loss):
-        {fn}(f"loss={{loss}}")
-        return loss
-      for x in (1.0, 2.0, 3.0):
-        je.jit(step)(jnp.float32(x))
-      je.effects_barrier()
-      """, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stderr.count("TracedTextWarning") == 1, proc.stderr[-2000:]
+  from helpers import scenario_lines
+  err = "\n".join(scenario_lines(proc, fn, "stderr"))
+  assert err.count("TracedTextWarning") == 1, err[-2000:]
 
 
 @pytest.mark.parametrize("call", ["print", "log"])
-def test_adopted_jax_debug_traced_value_text_warns_as_ours(call):
+def test_adopted_jax_debug_traced_value_text_warns_as_ours(call, once_per_site):
   # jax.debug.print/log inside jax_effects.jit is adopted (README, "Existing
   # jax.debug / io_callback code"): its f-string of a tracer warns as
   # jax_effects.print's does, at the user's line.
@@ -267,7 +286,7 @@ def test_adopted_jax_debug_traced_value_text_warns_as_ours(call):
   assert type(mine[0].message).__name__ == "TracedTextWarning"
   assert mine[0].filename == __file__   # the call site, not ours
   assert mine[0].lineno == step.__code__.co_firstlineno + 1
-  _warns_once_per_site(f"jax.debug.{call}")
+  _warns_once_per_site(once_per_site, f"jax.debug.{call}")
   # A value as an argument is no warning.
   import warnings
   with warnings.catch_warnings():

@@ -138,11 +138,27 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
-def test_lines_as_unbatched(name):
-  make, arg = PROGRAMS[name]
-  plain, batched = _both(make, arg())
-  assert plain  # (the program prints)
+def test_lines_as_unbatched():
+  # One program runs them all, each after a line naming it (unbatched).
+  def make_all(block):
+    fs = [make(block) for make, _ in PROGRAMS.values()]
+
+    def f(*args):
+      outs = []
+      for name, f, arg in zip(PROGRAMS, fs, args):
+        je.print("== {}", name)
+        outs.append(f(arg))
+      return outs
+    return f
+  plain, batched = _both(make_all, *(arg() for _, arg in PROGRAMS.values()))
+  assert [l for l in plain if l.startswith("== ")] == [
+      f"== {name}" for name in PROGRAMS]
+  for name in PROGRAMS:
+    start = plain.index(f"== {name}") + 1
+    end = next((i for i in range(start, len(plain))
+                if plain[i].startswith("== ")), len(plain))
+    assert end > start, name   # (the program prints)
+    assert batched[start:end] == plain[start:end], name
   assert batched == plain
 
 
@@ -160,9 +176,12 @@ def test_loop_stages_its_rows(name):
 
 
 def test_while_loop_count_known_at_run_time_only():
-  f = _while
+  # One compiled function per mode, called with each count.
+  plain_f, batched_f = _while(contextlib.nullcontext), _while(
+      lambda: je.batched(k=K))
   for n in (0, 1, K - 1, K, K + 1, 3 * K + 2):
-    plain, batched = _both(f, jnp.int32(n))
+    plain = _lines(plain_f, jnp.int32(n))
+    batched = _lines(batched_f, jnp.int32(n))
     assert batched == plain == [f"w {i}" for i in range(n)]
 
 
@@ -255,20 +274,32 @@ def _order_program(block, events, every=3):
   return f
 
 
-@pytest.mark.parametrize("every", [0, 1, 3])
-def test_order_against_an_unbatched_callback(every):
+def test_order_against_an_unbatched_callback():
   """A callback in the loop (with a result, or in a cond) comes after the
-  lines staged before it and before the later ones."""
-  runs = _events(lambda block, events: _order_program(block, events, every),
-                 jnp.arange(10), K, [])
-  expected = []
-  for i in range(10):
-    expected.append(("line", f"p {i}"))
-    if not every or i % every == 0:
-      expected.append(("callback", i))
-    expected.append(("line", f"q {i}"))
-  assert runs[0] == expected
-  assert runs[1] == expected
+  lines staged before it and before the later ones (one program: a loop
+  per kind of callback, in turn)."""
+  everies = [0, 1, 3]
+
+  def make(block, events):
+    fs = [_order_program(block, events, every) for every in everies]
+    return lambda xs: [f(xs) for f in fs]
+  runs = _events(make, jnp.arange(10), K, [])
+  expected = {}
+  for every in everies:
+    expected[every] = []
+    for i in range(10):
+      expected[every].append(("line", f"p {i}"))
+      if not every or i % every == 0:
+        expected[every].append(("callback", i))
+      expected[every].append(("line", f"q {i}"))
+  for run in runs:
+    first = 0
+    for every in everies:
+      n = len(expected[every])
+      assert run[first:first + n] == expected[every], every
+      first += n
+    assert len(run) == first
+  assert runs[0] == runs[1]
 
 
 def test_order_of_prints_and_logs_on_one_chain():
@@ -428,29 +459,30 @@ DTYPES = [jnp.bool_, jnp.int8, jnp.uint16, jnp.int32, jnp.float16,
 FORMATS = ["{}", "v={:>12}|", "{!r}", "{} {}"]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_text_as_unbatched(dtype):
-  # One program per dtype: a loop (in its own block) per format, in order.
+def test_text_as_unbatched():
+  # One program for every dtype: a loop (in its own block) per dtype and
+  # format, in order.
   v = np.array([0, 1, -2, 3.25, 7, -0.5, 100], np.float32)
-  if jnp.dtype(dtype).kind in "ub":
-    v = np.abs(v)
-  xs = jnp.asarray(v).astype(dtype)
+  xss = [jnp.asarray(np.abs(v) if jnp.dtype(d).kind in "ub" else v).astype(d)
+         for d in DTYPES]
 
   def make(block):
-    def f(xs):
-      for fmt in FORMATS:
-        def body(c, x, fmt=fmt):
-          je.print(fmt, *([x] * fmt.count("{")))
-          return c, None
-        with block():
-          jax.lax.scan(body, 0, xs)
-      return xs
+    def f(*xss):
+      for xs in xss:
+        for fmt in FORMATS:
+          def body(c, x, fmt=fmt):
+            je.print(fmt, *([x] * fmt.count("{")))
+            return c, None
+          with block():
+            jax.lax.scan(body, 0, xs)
+      return xss
     return f
-  plain, batched = _both(make, xs, k=3)
-  assert len(plain) == 7 * len(FORMATS)
-  for i, fmt in enumerate(FORMATS):
+  plain, batched = _both(make, *xss, k=3)
+  assert len(plain) == 7 * len(FORMATS) * len(DTYPES)
+  for i, (dtype, fmt) in enumerate(
+      (d, fmt) for d in DTYPES for fmt in FORMATS):
     lines = slice(7 * i, 7 * (i + 1))
-    assert batched[lines] == plain[lines], fmt
+    assert batched[lines] == plain[lines], (jnp.dtype(dtype).name, fmt)
   assert batched == plain
 
 
@@ -505,11 +537,12 @@ def test_bad_arguments(kwargs, error, match):
       pass
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_scan_results_and_lines_as_unbatched(reverse):
-  """Strips of K steps and the rest: the same carry, outputs and lines (one
-  program: a loop per length, each in its own block, in order)."""
+def test_scan_results_and_lines_as_unbatched():
+  """Strips of K steps and the rest, forwards and in reverse: the same
+  carry, outputs and lines (one program: a loop per length and direction,
+  each in its own block, in order)."""
   ns = [0, 1, K - 1, K, K + 1, 3 * K + 2]
+  cases = [(n, reverse) for reverse in (False, True) for n in ns]
 
   def make(block):
     def f(*xss):
@@ -517,12 +550,12 @@ def test_scan_results_and_lines_as_unbatched(reverse):
         je.print("{} {}", x, c)
         return c + x, (x * 2, c)
       outs = []
-      for xs in xss:
+      for xs, (_, reverse) in zip(xss, cases):
         with block():
           outs.append(jax.lax.scan(body, 0.0, xs, reverse=reverse))
       return outs
     return f
-  xss = [jnp.arange(float(n)) for n in ns]
+  xss = [jnp.arange(float(n)) for n, _ in cases]
   results = []
   for block in (contextlib.nullcontext, lambda: je.batched(k=K)):
     out = io.StringIO()
@@ -534,17 +567,17 @@ def test_scan_results_and_lines_as_unbatched(reverse):
       sys.stdout = saved
     results.append((jax.tree.map(np.asarray, r), out.getvalue().splitlines()))
   (plain, plain_lines), (batched, batched_lines) = results
-  assert len(plain_lines) == sum(ns)
+  assert len(plain_lines) == 2 * sum(ns)
   first = 0
-  for n, p, b in zip(ns, plain, batched):
+  for (n, reverse), p, b in zip(cases, plain, batched):
     lines = slice(first, first + n)
     first += n
     xs = [float(line.split()[0]) for line in plain_lines[lines]]
-    assert xs == sorted(range(n), reverse=reverse), n   # n lines, its own
-    assert batched_lines[lines] == plain_lines[lines], n
-    assert jax.tree.structure(b) == jax.tree.structure(p), n
+    assert xs == sorted(range(n), reverse=reverse), (n, reverse)   # its own
+    assert batched_lines[lines] == plain_lines[lines], (n, reverse)
+    assert jax.tree.structure(b) == jax.tree.structure(p), (n, reverse)
     for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(p)):
-      np.testing.assert_array_equal(x, y, err_msg=f"n={n}")
+      np.testing.assert_array_equal(x, y, err_msg=f"n={n} reverse={reverse}")
   assert batched_lines == plain_lines
 
 

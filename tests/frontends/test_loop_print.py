@@ -28,10 +28,13 @@ from jax_effects._primitives import edges
 
 DTYPES = [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
           jnp.uint32, jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64,
-          # (JAX 0.8/0.9 refuse 4-bit operands: skipped there, naming why)
-          pytest.param(jnp.int4, marks=pytest.mark.jax_feature(
-              "4-bit integer operands")),
           ml_dtypes.float8_e4m3fn]
+# Each group of dtypes is one compiled program per printer.
+DTYPE_GROUPS = [
+    pytest.param(DTYPES, id="every"),
+    # (JAX 0.8/0.9 refuse 4-bit operands: skipped there, naming why)
+    pytest.param([jnp.int4], id="int4", marks=pytest.mark.jax_feature(
+        "4-bit integer operands"))]
 
 FORMATS = ["{}", "v={:>12}|", "{0}", "x {0} y {0}", "{!r}", "{{}} {}",
            "{x}"]
@@ -44,9 +47,10 @@ def _values(dtype):
   return jnp.asarray(v).astype(dtype)
 
 
-def _lines(printer, jit, fmts, xs):
-  """The lines of one compiled program: a scan printing ``xs`` per format,
-  the formats' scans in order; a list of lines per format."""
+def _lines(printer, jit, fmts, *xss):
+  """The lines of one compiled program: a scan printing each of ``xss`` per
+  format, the scans in order; a list of lines per array (its index) and
+  format."""
   def scan(fmt):
     def body(c, x):
       if "{x}" in fmt:
@@ -56,39 +60,43 @@ def _lines(printer, jit, fmts, xs):
       return c, None
     return body
 
-  def f(v):
-    return [jax.lax.scan(scan(fmt), 0, v)[0] for fmt in fmts]
+  def f(*vs):
+    return [jax.lax.scan(scan(fmt), 0, v)[0] for v in vs for fmt in fmts]
 
   out = io.StringIO()
   saved, sys.stdout = sys.stdout, out
   try:
-    jax.block_until_ready(jit(f)(xs))
+    jax.block_until_ready(jit(f)(*xss))
     je.effects_barrier()
     jax.effects_barrier()
   finally:
     sys.stdout = saved
   lines = out.getvalue().splitlines()
-  assert len(lines) == len(fmts) * len(xs), lines
-  return {fmt: lines[i * len(xs):(i + 1) * len(xs)]
-          for i, fmt in enumerate(fmts)}
+  n = len(xss[0])
+  assert all(len(xs) == n for xs in xss)
+  assert len(lines) == len(fmts) * len(xss) * n, lines
+  keys = [(i, fmt) for i in range(len(xss)) for fmt in fmts]
+  return {key: lines[j * n:(j + 1) * n] for j, key in enumerate(keys)}
 
 
 def _jax_print(fmt, *args, **kwargs):
   jax.debug.print(fmt, *args, ordered=True, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_scan_lines_match_jax_debug_print(dtype):
-  # One program per printer covers every format (a scan each, in order).
-  xs = _values(dtype)
-  ours = _lines(je.print, je.jit, FORMATS, xs)
+@pytest.mark.parametrize("dtypes", DTYPE_GROUPS)
+def test_scan_lines_match_jax_debug_print(dtypes):
+  # One program per printer covers every dtype and format (a scan each, in
+  # order).
+  xss = [_values(d) for d in dtypes]
+  ours = _lines(je.print, je.jit, FORMATS, *xss)
   # (JAX 0.10 looks at the first literal only: "{{}} {}" is "{}"'s lines)
   theirs = _lines(_jax_print, jax.jit, [f for f in FORMATS if f != "{{}} {}"],
-                  xs)
-  theirs["{{}} {}"] = ["{{}} {}".format(v) for v in ours["{}"]]
-  for fmt in FORMATS:
-    assert len(ours[fmt]) == len(xs), fmt
-    assert ours[fmt] == theirs[fmt], fmt
+                  *xss)
+  for i, d in enumerate(dtypes):
+    theirs[i, "{{}} {}"] = ["{{}} {}".format(v) for v in ours[i, "{}"]]
+    for fmt in FORMATS:
+      assert len(ours[i, fmt]) == len(xss[i]), (jnp.dtype(d).name, fmt)
+      assert ours[i, fmt] == theirs[i, fmt], (jnp.dtype(d).name, fmt)
 
 
 def test_print_options_of_the_trace_under_changing_options(effects_capture):

@@ -89,8 +89,8 @@ EXPECTED = (
 
 #: Hash seeds, a fresh process each. Each of three one-line breaks of the
 #: joins (join's after_all, set_joined's, the wrapped JAX rules) failed
-#: under all of 0-5: two seeds by default, six under ``--run-slow``.
-SEEDS = helpers.scale(["0", "1"], ["0", "1", "2", "3", "4", "5"])
+#: under all of 0-5: one seed by default, six under ``--run-slow``.
+SEEDS = helpers.scale(["0"], ["0", "1", "2", "3", "4", "5"])
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -341,6 +341,9 @@ def test_multi_to_single_to_multi_device(mesh, devices, effects_capture):
 
 
 TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
+    # (a slow callback outlasts XLA's 1-s abort clock: a collective that
+    # waited for it would abort the process)
+    SLOW = 1.5
     a, b = je.Effect("chain_a"), je.Effect("chain_b")
     seen = []
 
@@ -350,7 +353,7 @@ TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
           lambda v: (je.callback(lambda v: seen.append(("a", int(v[0]))),
                                  None, v, effect=a), v + 1)[1],
           mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
-      je.callback(lambda: (time.sleep(2), seen.append("b2")), None, effect=b)
+      je.callback(lambda: (time.sleep(SLOW), seen.append("b2")), None, effect=b)
       return y
 
     jf = je.jit(f)
@@ -386,7 +389,7 @@ TWO_CHAINS = SHORT_COLLECTIVE_TIMEOUT + textwrap.dedent("""
 
     jg = je.jit(g)
     jg(x)
-    delay[0] = 2.0
+    delay[0] = SLOW
     print(jg(x).sum())
     je.effects_barrier()
     assert seen == [("b", 0), ("b", 1)] * 2, seen

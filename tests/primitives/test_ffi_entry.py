@@ -32,14 +32,14 @@ def record(v):
 operands = _operands()
 
 @je.jit
-def f(x):
-  je.callback(record, None, x)
-  return x
+def f(*xs):   # (a site per operand, in order)
+  for x in xs:
+    je.callback(record, None, x)
+  return xs
 
 jax.config.update("jax_enable_x64", True)
-for x in operands:
-  for _ in range(3):
-    f(x)
+for _ in range(3):
+  f(*operands)
 je.effects_barrier()
 
 mesh = Mesh(np.array(jax.devices()), ("i",))
@@ -111,11 +111,12 @@ SCRIPT = SCRIPT.replace("{OPERANDS}", inspect.getsource(_operands))
 
 
 def _expected_records():
-  """What ``record`` receives, each operand three times, computed here: a
-  0-d operand as a NumPy scalar (no writable flag), an array writable."""
+  """What ``record`` receives, every operand in turn, three times, computed
+  here: a 0-d operand as a NumPy scalar (no writable flag), an array
+  writable."""
   return [[str(x.dtype), list(x.shape), x.tobytes().hex(),
            True if x.ndim else None]
-          for x in _operands() for _ in range(3)]
+          for _ in range(3) for x in _operands()]
 
 
 def test_the_entry_hands_host_calls_their_operands(tmp_path):

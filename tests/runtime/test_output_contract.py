@@ -19,7 +19,7 @@ import pytest
 
 import jax_effects as je
 from jax_effects._runtime import launch_lock
-from helpers import run_script
+from helpers import run_script, scenario_lines
 
 X = jnp.ones((128, 128)) / 128   # x @ x: not "cheap", dispatched async
 RELEASE_S = 0.3
@@ -93,12 +93,6 @@ import jax.numpy as jnp
 import jax_effects as je
 from jax_effects._runtime import launch_lock
 launch_lock.FINISH_WAIT_S = 0.02
-try:   # (the module of the cell hook)
-  from jax_effects._runtime import notebook
-  notebook.CELL_WAIT_S = float(CELLWAIT)
-except ImportError:
-  pass
-release = threading.Event()
 
 @je.jit
 def f(x):
@@ -111,6 +105,18 @@ cell1 = '''
 out = f(jnp.ones((128, 128)) / 128)
 threading.Timer(0.3, release.set).start()
 '''
+"""
+
+#: One run of ``cell1`` with the cell hook's wait at ``CELLWAIT`` seconds,
+#: after a line naming it.
+CELL = """
+print("== CELLWAIT", flush=True)
+try:   # (the module of the cell hook)
+  from jax_effects._runtime import notebook
+  notebook.CELL_WAIT_S = float(CELLWAIT)
+except ImportError:
+  pass
+release = threading.Event()
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
   shell.run_cell(cell1)
@@ -162,28 +168,38 @@ import builtins
 """
 
 
-def _cells(shell_source: str, wait: float) -> list:
-  source = shell_source + CELLS.replace("CELLWAIT", repr(wait))
+def _cells(shell_source: str, *waits: float):
+  """The finished child that runs ``cell1`` under the shell once per wait,
+  in turn (``helpers.scenario_lines``)."""
+  source = shell_source + CELLS + "".join(
+      CELL.replace("CELLWAIT", repr(w)) for w in waits) + (
+          'print("== end", flush=True)\n')
   if "InteractiveShell" in shell_source:   # (the cell runs in the shell's ns)
     source = source.replace("shell.run_cell(cell1)",
                             "shell.user_ns.update(globals()); "
                             "shell.run_cell(cell1)")
-  proc = run_script(source, timeout=120)
-  assert proc.returncode == 0, proc.stderr
-  return proc.stdout.splitlines()
+  return run_script(source, timeout=120)
 
 
-def test_a_cells_effects_appear_under_that_cell():
-  assert _cells(FAKE_SHELL, 20.0) == ["from cell 1: 0.0078125",
-                                      "--- cell 2 []"]
+@pytest.fixture(scope="module")
+def fake_shell_cells():
+  """The cell under a stand-in shell, in one child: the hook waits 20 s,
+  then 0.01 s (``f``'s second call runs as a warm call does)."""
+  return _cells(FAKE_SHELL, 20.0, 0.01)
 
 
-def test_a_cell_that_outlasts_the_wait_warns_and_its_line_comes_later():
-  lines = _cells(FAKE_SHELL, 0.01)
+def test_a_cells_effects_appear_under_that_cell(fake_shell_cells):
+  assert scenario_lines(fake_shell_cells, "20.0") == [
+      "from cell 1: 0.0078125", "--- cell 2 []"]
+
+
+def test_a_cell_that_outlasts_the_wait_warns_and_its_line_comes_later(
+    fake_shell_cells):
+  lines = scenario_lines(fake_shell_cells, "0.01")
   assert lines == ["--- cell 2 [True]", "from cell 1: 0.0078125"]
 
 
 def test_a_cells_effects_appear_under_that_cell_in_ipython():
   pytest.importorskip("IPython")
-  assert _cells(REAL_SHELL, 20.0) == ["from cell 1: 0.0078125",
-                                      "--- cell 2 []"]
+  assert scenario_lines(_cells(REAL_SHELL, 20.0), "20.0") == [
+      "from cell 1: 0.0078125", "--- cell 2 []"]
