@@ -965,8 +965,8 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     **bench_loop_print.TARGETS,
 }
 
-def _warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
-  samples, report = bench_cache.bench_warm_cache(rounds, steps)
+def _warm_cache(rounds: int, steps: int, prints: int) -> tuple[dict, dict]:
+  samples, report = bench_cache.bench_warm_cache(rounds, steps, prints)
   results = {f"o_first_call_{v}": _summary_ms(times)
              for v, times in samples.items()}
   results.update(report)
@@ -1072,7 +1072,8 @@ def main(argv=None) -> int:
   sizes = {"loop": loop_n, "effects": n_effects, "memory_total": mem_total,
            "memory_base": max(1, mem_total // 100),
            "progress_steps": progress_steps,
-           "loop_print_steps": loop_print_steps}
+           "loop_print_steps": loop_print_steps,
+           "o_prints": 20 if quick else bench_cache.PRINTS_200}
 
   results: dict[str, Any] = {}
   ratios: dict[str, float] = {}
@@ -1096,7 +1097,7 @@ def main(argv=None) -> int:
       # (o): 7 variants x (a cold + a warm process per round); --quick's
       # one round still checks every child's lines and its cache hit
       ("o", lambda: _warm_cache(max(1 if quick else 3, rounds // 6),
-                                200 if quick else 700)),
+                                200 if quick else 700, sizes["o_prints"])),
       ("p", lambda: bench_plain.bench_plain(
           interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
           max(10, calls // 4), 2 if quick else 8)),

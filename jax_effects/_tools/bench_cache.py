@@ -32,10 +32,11 @@ no warm process wrote a cache entry (a miss compiles and writes one).
 
 ``o_200``: a user's program from the start of a fresh process to its
 first result, the cache warm: import, then the first call of a function
-with 200 ordered prints of a small array (one multiply between each),
+with 200 ordered prints (20 with ``--quick``: a cold process of 200
+compiles for ~10 s) of a small array (one multiply between each),
 ``jax_effects.print`` under ``jax_effects.jit`` (``prints200``) against
 ``jax.debug.print(ordered=True)`` under ``jax.jit`` (``jaxprint200``, which
-imports no jax_effects); the same cold/warm rounds, each child's 200 lines
+imports no jax_effects); the same cold/warm rounds, each child's lines
 checked. Target ``o_200/jaxprint`` <= 1.1 where JAX caches its prints
 (issue 48 point 3); before JAX 0.12 JAX's side compiles in every process,
 and the ratio is reported only.
@@ -74,15 +75,15 @@ if _compat.jax_caches_host_callbacks():
 TARGETS["o_200/jaxprint"] = (
     "<=" if _compat.jax_caches_host_callbacks() else "=",
     1.1 if _compat.jax_caches_host_callbacks() else None,
-    "process start to first result from a warm persistent cache, 200 "
-    "prints: ours / jax.debug.print(ordered=True) under jax.jit" + (
+    "process start to first result from a warm persistent cache, "
+    "{o_prints} prints: ours / jax.debug.print(ordered=True) under jax.jit" + (
         "" if _compat.jax_caches_host_callbacks()
         else " (JAX compiles its side: JAX < 0.12)"))
 
 VARIANTS = ("jax", "plain", "prints", "slices") + (
     ("jaxprint",) if _compat.jax_caches_host_callbacks() else ()) + (
         "prints200", "jaxprint200")
-#: The prints of ``o_200``'s function.
+#: The prints of ``o_200``'s function (``--quick``: 20).
 PRINTS_200 = 200
 
 _CHILD = textwrap.dedent("""
@@ -192,14 +193,16 @@ def _entries(cache_dir: str) -> set[str]:
   return {name for name in os.listdir(cache_dir) if name.endswith("-cache")}
 
 
-def bench_warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
+def bench_warm_cache(rounds: int, steps: int,
+                     prints: int = PRINTS_200) -> tuple[dict, dict]:
   """``(samples, report)``: per variant, the first call's seconds in each
-  warm round; the report has the cold first calls too."""
+  warm round; the report has the cold first calls too. ``prints``: those
+  of ``o_200``'s function."""
   samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
   with tempfile.TemporaryDirectory() as tmp:
     # (one cache each: the print-free variants lower to the same module)
     dirs = {v: os.path.join(tmp, v) for v in VARIANTS}
-    sizes = {v: PRINTS_200 if v.endswith("200") else steps
+    sizes = {v: prints if v.endswith("200") else steps
              for v in VARIANTS}
     cold = {v: _run_child(v, sizes[v], dirs[v])["first_call_s"]
             for v in VARIANTS}
@@ -218,6 +221,7 @@ def bench_warm_cache(rounds: int, steps: int) -> tuple[dict, dict]:
   report = {
       "o_cold_first_call_ms": {v: t * 1e3 for v, t in cold.items()},
       "o_equations": 3 * steps,
+      "o_200_prints": prints,
   }
   return samples, report
 

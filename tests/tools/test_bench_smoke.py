@@ -5,11 +5,11 @@ command runs in a fresh process, with ``--quick``, for the rows that need no
 simulated devices of their own (dispatch (a)-(d), the progress bar's loop
 (k), which checks that XLA kept its floor's host calls, the warm-cache
 first call (o), whose children check their own output and their cache hits
-(also the 200 prints' program, from its process's start), and a print per
-step of a loop against Python's (q), batched or not, which checks that the
-text is Python's own), and
-that its JSON report has a finite value for each of their targets and says
-which FFI entry it measured.
+(also the program of 200 prints, 20 with ``--quick``, from its process's
+start), and a print per step of a loop against Python's (q), batched or
+not, which checks that the text is Python's own), and that its JSON report
+has a finite value for each of their targets and says which FFI entry it
+measured.
 """
 import json
 import math
@@ -30,5 +30,6 @@ def test_bench_quick_reports_its_targets(tmp_path):
                "q_batched128/python", "q_batched1024/python"):
     assert math.isfinite(targets[name]["value"]), (name, targets[name])
   assert report["results"]["o_equations"] == 600
+  assert report["results"]["o_200_prints"] == 20
   assert targets["q_same_text"]["value"] == 1.0
   assert report["results"]["q_setup"] == {"steps": 2000}
