@@ -8,7 +8,9 @@ a program three ways and compare the events of each effect stream:
 
 * ``run_python``: the plain-Python interpretation (the specification),
 * ``run_eager``: the JAX function under ``jax.disable_jit()``,
-* ``run_jitted``: the JAX function under ``jax_effects.jit``.
+* ``run_jitted``: the JAX function under ``jax_effects.jit``
+  (``run_jitted_together``: several programs' functions, one after another,
+  in one ``jax_effects.jit`` function compiled once).
 
 Extending: node kinds live in :data:`KINDS` (name -> :class:`Kind`); a new
 kind is a :class:`Node` subclass with ``generate``/``build``/``python``/
