@@ -8,7 +8,9 @@ a program three ways and compare the events of each effect stream:
 
 * ``run_python``: the plain-Python interpretation (the specification),
 * ``run_eager``: the JAX function under ``jax.disable_jit()``,
-* ``run_jitted``: the JAX function under ``jax_effects.jit``.
+* ``run_jitted``: the JAX function under ``jax_effects.jit``
+  (``run_jitted_together``: several programs' functions, one after another,
+  in one ``jax_effects.jit`` function compiled once).
 
 Extending: node kinds live in :data:`KINDS` (name -> :class:`Kind`); a new
 kind is a :class:`Node` subclass with ``generate``/``build``/``python``/
@@ -48,10 +50,13 @@ UNORDERED_MARK = "~"
 
 @dataclasses.dataclass
 class Context:
-  """What ``Node.build`` needs: where to record events, and whether the
-  function is built for ``jax.disable_jit()`` (see :class:`Call`)."""
+  """What ``Node.build`` needs: where to record events, whether the
+  function is built for ``jax.disable_jit()`` (see :class:`Call`), and the
+  label its :class:`Print` nodes write before the effect's name (which of
+  the programs :func:`run_jitted_together` runs printed the line)."""
   events: list
   eager: bool = False
+  label: str = ""
 
   def record(self, effect_name: str, tag: str):
     """Host function appending ``(effect_name, tag, value)``."""
@@ -238,8 +243,8 @@ class Print(Node):
     effect = _effect_object(self.effect)
 
     def run(x):
-      je.print("{}|{}|{}", self.effect, self.tag, x, effect=effect,
-               ordered=self.ordered)
+      je.print("{}|{}|{}", ctx.label + self.effect, self.tag, x,
+               effect=effect, ordered=self.ordered)
       return x
     return run
 
@@ -832,3 +837,39 @@ def run_jitted(program: Block, x: int, *, calls: int = 1):
     return [int(o) for o in outs]
   outs = _with_printed(ctx, go)
   return (outs[0] if calls == 1 else outs), ctx.events
+
+
+def run_jitted_together(programs: Sequence[Block], xs: Sequence[int], *,
+                        calls: int = 1) -> list:
+  """:func:`run_jitted` of several programs (the default kinds) at once,
+  one compilation for all: one ``jax_effects.jit`` function runs them one
+  after another, each at its top level on its own input (``xs[i] + c`` in
+  call ``c`` of ``calls``, before one barrier), as it would run alone, its
+  effects after the previous program's on each stream. Returns, per
+  program, what :func:`run_jitted` returns for it: its prints are told apart
+  by their label (``Context.label``), its callbacks by their context."""
+  from jax_effects._runtime import output as _output
+  ctxs = [Context([], label=f"{i}/") for i in range(len(programs))]
+  fns = [p.build(c) for p, c in zip(programs, ctxs)]
+  fn = je.jit(lambda *ys: tuple(f(y) for f, y in zip(fns, ys)))
+  stray: list = []
+
+  def on_line(line):
+    event = parse_printed(line)
+    if event is None:
+      return
+    label, _, effect = event[0].rpartition("/")
+    if label.isdigit() and int(label) < len(ctxs):
+      ctxs[int(label)].events.append((effect, *event[1:]))
+    else:
+      stray.append(line)
+
+  _output.add_line_listener(on_line)
+  try:
+    outs = [fn(*[jnp.int32(x + c) for x in xs]) for c in range(calls)]
+    je.effects_barrier()
+  finally:
+    _output.remove_line_listener(on_line)
+  assert not stray, f"lines of no program: {stray}"
+  return [([int(o[i]) for o in outs] if calls > 1 else int(outs[0][i]),
+           ctx.events) for i, ctx in enumerate(ctxs)]

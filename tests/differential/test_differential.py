@@ -14,47 +14,73 @@ import program_generator as pg
 N_DEFAULT = 30
 N_SLOW = 200
 
-
-def _check(seed, **gen_kwargs):
-  program = pg.Generator(seed, **gen_kwargs).program()
-  x = seed % 17
-  want_out, want = pg.run_python(program, x)
-  eager_out, eager = pg.run_eager(program, x)
-  jit_out, jitted = pg.run_jitted(program, x)
-  text = f"seed {seed}, x={x}:\n{program.describe()}"
-  assert eager_out == want_out, text
-  assert jit_out == want_out, text
-  assert pg.per_effect(eager) == pg.per_effect(want), text
-  assert pg.per_effect(jitted) == pg.per_effect(want), text
-  return want
+#: Programs per compiled function: a test runs its seeds' programs one
+#: after another in one ``jax_effects.jit`` function
+#: (``pg.run_jitted_together``: each at its top level, as alone), compiled
+#: once, and checks each seed on its own.
+GROUP = 10
 
 
-@pytest.mark.parametrize("seed", range(N_DEFAULT))
-def test_random_program(seed):
-  _check(seed)
+def _groups(seeds) -> list:
+  seeds = list(seeds)
+  return [pytest.param(seeds[i:i + GROUP],
+                       id=f"seeds{seeds[i]}-{seeds[i:i + GROUP][-1]}")
+          for i in range(0, len(seeds), GROUP)]
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_random_program_single_effect_total_order(seed):
+def _check(seeds, **gen_kwargs):
+  programs = [pg.Generator(seed, **gen_kwargs).program() for seed in seeds]
+  xs = [seed % 17 for seed in seeds]
+  failed = []
+  for seed, program, x, (jit_out, jitted) in zip(
+      seeds, programs, xs, pg.run_jitted_together(programs, xs)):
+    want_out, want = pg.run_python(program, x)
+    eager_out, eager = pg.run_eager(program, x)
+    failed += [f"seed {seed}, x={x}: {what}:\n{program.describe()}"
+               for what, ok in [
+                   ("eager output", eager_out == want_out),
+                   ("jitted output", jit_out == want_out),
+                   ("eager streams", pg.per_effect(eager) == pg.per_effect(want)),
+                   ("jitted streams",
+                    pg.per_effect(jitted) == pg.per_effect(want))]
+               if not ok]
+  assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("seeds", _groups(range(N_DEFAULT)))
+def test_random_program(seeds):
+  _check(seeds)
+
+
+@pytest.mark.parametrize("seeds", _groups(range(10)))
+def test_random_program_single_effect_total_order(seeds):
   # one effect: the whole sequence (prints and callbacks) is one stream
-  program = pg.Generator(1000 + seed, effects=("default",)).program()
-  x = seed
-  _, want = pg.run_python(program, x)
-  _, jitted = pg.run_jitted(program, x)
-  assert jitted == want, program.describe()
+  programs = [pg.Generator(1000 + seed, effects=("default",)).program()
+              for seed in seeds]
+  failed = [f"seed {seed}:\n{program.describe()}"
+            for seed, program, (_, jitted) in zip(
+                seeds, programs, pg.run_jitted_together(programs, seeds))
+            if jitted != pg.run_python(program, seed)[1]]
+  assert not failed, "\n".join(failed)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_random_program_across_dispatches(seed):
+@pytest.mark.parametrize("seeds", _groups(range(5)))
+def test_random_program_across_dispatches(seeds):
   # several calls before a barrier: each stream is the calls' streams in order
-  program = pg.Generator(2000 + seed).program()
-  outs, jitted = pg.run_jitted(program, seed, calls=3)
-  want = []
-  for i in range(3):
-    out, events = pg.run_python(program, seed + i)
-    assert outs[i] == out
-    want += events
-  assert pg.per_effect(jitted) == pg.per_effect(want), program.describe()
+  programs = [pg.Generator(2000 + seed).program() for seed in seeds]
+  failed = []
+  for seed, program, (outs, jitted) in zip(
+      seeds, programs, pg.run_jitted_together(programs, seeds, calls=3)):
+    want_outs, want = [], []
+    for i in range(3):
+      out, events = pg.run_python(program, seed + i)
+      want_outs.append(out)
+      want += events
+    if outs != want_outs:
+      failed.append(f"seed {seed}: outputs {outs}, want {want_outs}")
+    if pg.per_effect(jitted) != pg.per_effect(want):
+      failed.append(f"seed {seed}: streams:\n{program.describe()}")
+  assert not failed, "\n".join(failed)
 
 
 def test_generator_is_deterministic_and_covers_every_kind():
@@ -80,6 +106,6 @@ def test_generator_is_deterministic_and_covers_every_kind():
 
 
 @pytest.mark.parametrize(
-    "seed", range(N_DEFAULT, N_DEFAULT + helpers.scale(2, N_SLOW)))
-def test_random_program_deeper(seed):
-  _check(seed, max_depth=4, max_block=5)
+    "seeds", _groups(range(N_DEFAULT, N_DEFAULT + helpers.scale(2, N_SLOW))))
+def test_random_program_deeper(seeds):
+  _check(seeds, max_depth=4, max_block=5)

@@ -392,27 +392,28 @@ def _no_collective_added(layout, devices, capsys, effects_capture):
     ours = _collectives(je.jit(program(printer)).lower(x).compile().as_text())
     assert ours == plain, f"{name}: {ours} collectives, plain program {plain}"
 
-  # ... and they run, showing the text of the whole values.
+  # ... and they run, showing the text of the whole values: one program
+  # printing at the top level with each printer in turn.
   whole = jax.device_put(np.asarray(x), devices[0])
-  for printer, expected in {
+  expected = {
       "print": [f"x = {whole}", f"x = {whole * 2}"],
       "print_repr_tree": ["{}".format({"n": shape, "x": v}) for v in (whole, whole * 2)],
       "log": [f"x = {whole!r}", f"x = {whole * 2!r}"],
       "jax.debug.print": [f"x = {whole}", f"x = {whole * 2}"],
-  }.items():
-    capsys.readouterr()
-    logged, printed = (len(effects_capture.logged),
-                       len(effects_capture.printed))
-    je.jit(_programs(_PRINTERS[printer])["top"])(x)
-    je.effects_barrier()
-    if printer == "log":
-      got = [r.getMessage() for r in effects_capture.logged[logged:]]
-    elif printer == "jax.debug.print":
-      got = capsys.readouterr().out.split("x = ")[1:]
-      got = ["x = " + g.rstrip("\n") for g in got]
-    else:
-      got = effects_capture.printed[printed:]
-    assert got == expected, printer
+  }
+  capsys.readouterr()
+  logged, printed = (len(effects_capture.logged),
+                     len(effects_capture.printed))
+  je.jit(lambda v: [_programs(_PRINTERS[name])["top"](v)
+                    for name in expected])(x)
+  je.effects_barrier()
+  # (jax.debug.print is adopted: its lines are printed as je.print's)
+  lines = [line for name in ("print", "print_repr_tree", "jax.debug.print")
+           for line in expected[name]]
+  assert effects_capture.printed[printed:] == lines
+  assert capsys.readouterr().out == "".join(line + "\n" for line in lines)
+  assert [r.getMessage() for r in effects_capture.logged[logged:]] == (
+      expected["log"])
 
 
 # --- order, with the program's own collectives --------------------------------
