@@ -393,8 +393,9 @@ def runtime_inventory() -> dict[str, int]:
     memos = sum(1 for chain_lanes in list(host_jobs.queues.values())
                 if host_jobs.memo(chain_lanes))
     sites = list(host_jobs._sites)
-    pieces = sum(len(e.by_device) for site in sites
-                 for e in list(site.parts.values()))
+    pieces = sum(len(q) for site in sites
+                 for e in list(site.parts.values())
+                 for q in list(e.by_device.values()))
     # (a live thread's site keeps the sequence number of its last
     # execution there, to know a late piece stale; an ended thread's goes)
     ended_entries = sum(1 for site in sites for slot in list(site.parts)

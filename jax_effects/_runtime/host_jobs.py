@@ -284,14 +284,18 @@ def sites_lowered() -> bool:
 
 
 #: The pieces one execution (``seq``) of a slot left at a site so far
-#: (``by_device``: device -> its piece).
+#: (``by_device``: device -> its pieces not yet taken, oldest first: a site
+#: in a loop runs once an iteration, and a device may run iterations ahead
+#: of the first device's jobs).
 _Pieces = collections.namedtuple("_Pieces", ("seq", "by_device"))
 
 
 class Pieces:
   """Where one lowered call site's devices leave their pieces for the first
-  device's call, per slot, matched by sequence number; guarded by
-  :data:`lock`. ``chain``: the chain key of the site's effect."""
+  device's call, per slot, matched by sequence number and, within one
+  execution, by order (the first device's k-th call takes each device's
+  k-th piece); guarded by :data:`lock`. ``chain``: the chain key of the
+  site's effect."""
 
   def __init__(self, num_devices: int, chain):
     self.num_devices = num_devices
@@ -306,7 +310,7 @@ class Pieces:
       entry = self.arrive(slot, seq)
       if entry.seq != seq:
         return   # a piece of an execution the first device has left: stale
-      entry.by_device[device] = parts
+      entry.by_device.setdefault(device, collections.deque()).append(parts)
     drain(slot, self.chain)   # its job may wait for this piece
 
   def arrive(self, slot: int, seq: int) -> _Pieces:
@@ -321,14 +325,13 @@ class Pieces:
     """Whether every other device left its piece of ``seq`` (locked)."""
     entry = self.parts.get(slot)
     return (entry is not None and entry.seq == seq
-            and len(entry.by_device) == self.num_devices - 1)
+            and len(entry.by_device) == self.num_devices - 1
+            and all(entry.by_device.values()))
 
   def take(self, slot: int, seq: int) -> list:
-    """One piece from each other device, in device order (locked)."""
+    """Each other device's oldest piece, in device order (locked)."""
     entry = self.parts[slot]
-    pieces = [entry.by_device[d] for d in range(1, self.num_devices)]
-    entry.by_device.clear()
-    return pieces
+    return [entry.by_device[d].popleft() for d in range(1, self.num_devices)]
 
   def drop(self, slot: int, seq: int) -> None:
     """Drops the pieces of failed execution ``seq`` (locked), keeping its
@@ -343,9 +346,9 @@ def held(slot: int | None = None) -> int:
   with lock:
     jobs = sum(len(lane.jobs) for k, lanes in queues.items()
                if slot is None or k[0] == slot for lane in lanes)
-    pieces = sum(len(e.by_device) for site in list(_sites)
+    pieces = sum(len(q) for site in list(_sites)
                  for s, e in site.parts.items()
-                 if slot is None or s == slot)
+                 if slot is None or s == slot for q in e.by_device.values())
   return jobs + pieces
 
 

@@ -388,32 +388,39 @@ def _no_collective_added(layout, devices, capsys, effects_capture):
 
   plain = _collectives(jax.jit(program(lambda v: None))
                        .lower(x).compile().as_text())
-  for name, printer in _PRINTERS.items():
-    ours = _collectives(je.jit(program(printer)).lower(x).compile().as_text())
-    assert ours == plain, f"{name}: {ours} collectives, plain program {plain}"
-
-  # ... and they run, showing the text of the whole values: one program
-  # printing at the top level with each printer in turn.
-  whole = jax.device_put(np.asarray(x), devices[0])
-  expected = {
-      "print": [f"x = {whole}", f"x = {whole * 2}"],
-      "print_repr_tree": ["{}".format({"n": shape, "x": v}) for v in (whole, whole * 2)],
-      "log": [f"x = {whole!r}", f"x = {whole * 2!r}"],
-      "jax.debug.print": [f"x = {whole}", f"x = {whole * 2}"],
+  # ... and they run, showing the text of the whole values, in program
+  # order: the top level's two, each iteration's (the devices' parts of one
+  # iteration assembled together, never another iteration's: a device may
+  # run iterations ahead of the first one's host calls) and cond's.
+  whole = np.asarray(x)
+  values = [whole, whole * 2,                                   # top
+            whole, whole * 0.5, whole * 0.25,                   # scan
+            whole + 0, whole * 0.5 + 1, whole * 0.25 + 2,       # fori_loop
+            whole]                                              # cond
+  values = [jax.device_put(v.astype(np.float32), devices[0]) for v in values]
+  texts = {
+      "print": [f"x = {v}" for v in values],
+      "print_repr_tree": ["{}".format({"n": shape, "x": v}) for v in values],
+      "log": [f"x = {v!r}" for v in values],
+      "jax.debug.print": [f"x = {v}" for v in values],
   }
-  capsys.readouterr()
-  logged, printed = (len(effects_capture.logged),
-                     len(effects_capture.printed))
-  je.jit(lambda v: [_programs(_PRINTERS[name])["top"](v)
-                    for name in expected])(x)
-  je.effects_barrier()
-  # (jax.debug.print is adopted: its lines are printed as je.print's)
-  lines = [line for name in ("print", "print_repr_tree", "jax.debug.print")
-           for line in expected[name]]
-  assert effects_capture.printed[printed:] == lines
-  assert capsys.readouterr().out == "".join(line + "\n" for line in lines)
-  assert [r.getMessage() for r in effects_capture.logged[logged:]] == (
-      expected["log"])
+  for name, printer in _PRINTERS.items():
+    f = je.jit(program(printer))
+    ours = _collectives(f.lower(x).compile().as_text())
+    assert ours == plain, f"{name}: {ours} collectives, plain program {plain}"
+    capsys.readouterr()
+    logged, printed = (len(effects_capture.logged),
+                       len(effects_capture.printed))
+    f(x)
+    je.effects_barrier()
+    if name == "log":
+      assert [r.getMessage() for r in effects_capture.logged[logged:]] == (
+          texts[name])
+      continue
+    # (jax.debug.print is adopted: its lines are printed as je.print's)
+    assert effects_capture.printed[printed:] == texts[name], name
+    assert capsys.readouterr().out == "".join(
+        line + "\n" for line in texts[name]), name
 
 
 # --- order, with the program's own collectives --------------------------------
