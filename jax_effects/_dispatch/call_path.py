@@ -17,7 +17,8 @@ the tree", places them among the modules):
    dispatches (``ThreadTokens.switch_mode``);
 3. fetch the runtime tokens (``ThreadTokens.tokens_for``: a failed token is
    never handed on, its chain starts afresh; one kept on other devices is
-   combined, ``token_store.combine``);
+   combined, ``token_store.combine``); a function's first call places its
+   scalar tokens as its token will return (:func:`_as_returned`);
 4. mark the thread dispatching (``TokenStore.dispatching``: a SIGINT
    is now handled by ``interrupts``);
 5. launch ``g``, under ``launch_lock`` when it spans several CPU devices; a
@@ -96,6 +97,26 @@ def _launch(site: _launch_lock.LaunchSite, outside_callback: bool, call,
   return call(*tokens, *args, **kwargs)
 
 
+def _as_returned(tokens, args, kwargs) -> tuple:
+  """``tokens``, their scalars replicated over the mesh of the first
+  argument sharded by name over several devices, where there is one: JAX
+  returns the computation's token so placed (its outputs' shardings follow
+  the arguments'), and the next call, passing that token back, finds this
+  call's executable. An uncommitted token is placed as an equivalent
+  ``GSPMDSharding``, which ``jax.jit`` caches apart: a second compile."""
+  for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+    sharding = getattr(leaf, "sharding", None)
+    if (isinstance(sharding, jax.sharding.NamedSharding)
+        and len(sharding.device_set) > 1):
+      target = jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(),
+          memory_kind=sharding.memory_kind)
+      return tuple(
+          t if jax.numpy.ndim(t) or getattr(t, "sharding", None) == target
+          else jax.device_put(t, target) for t in tokens)
+  return tokens
+
+
 def _placed_elsewhere(err: ValueError, tokens) -> bool:
   """Whether ``err`` is JAX refusing a runtime token kept on other devices
   than the computation's (step 5)."""
@@ -116,6 +137,8 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     state.switch_mode(mode)
   nested = state.dispatching   # (a call from a host callback of its call)
   tokens, read = state.tokens_for(keys, device_sharding, nested)
+  if device_sharding is None:   # (its token's placement not learnt yet)
+    tokens = _as_returned(tokens, args, kwargs)
   # Read before the launch: a call made inside it moves the thread's copies.
   seqs, seq = state.execution(keys)
   outer = _errors.enter_call() if nested else None

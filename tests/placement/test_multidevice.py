@@ -42,6 +42,34 @@ def test_runtime_token_follows_single_device_work(devices, effects_capture):
   assert all(t.is_ready() for t in per_device.values())
 
 
+def test_a_function_over_several_devices_compiles_once(mesh, effects_capture):
+  # The first call passes its runtime token replicated over the mesh of its
+  # argument, as the call returns it; the calls after it pass that token
+  # back and find the first call's executable. (Passed uncommitted, JAX
+  # placed it as an equivalent GSPMDSharding, which jax.jit caches apart
+  # from the NamedSharding it returns: a second compile of the program.)
+  from jax_effects._dispatch.function import describe
+
+  @je.jit
+  def f(x):
+    je.print("f {}", x.sum())
+    return x * 2
+
+  @je.jit
+  def g(x):
+    je.print("g {}", x[0])
+    return x + 1
+
+  x = jax.device_put(np.arange(16.0), NamedSharding(mesh, P("i")))
+  for _ in range(3):   # f starts the chain, then g and f take turns on it
+    f(x)
+    g(x)
+  je.effects_barrier()
+  assert effects_capture.printed == ["f 120.0", "g 0.0"] * 3
+  assert describe(f).executables == 1, describe(f)
+  assert describe(g).executables == 1, describe(g)
+
+
 def test_dispatch_order_across_devices_matches_eager(devices):
   seen = []
 
