@@ -14,10 +14,9 @@ from jax._src import core as _core
 from jax._src import effects as _effects
 from jax_effects._compat.versions import JAX_VERSION, optional
 
-# JAX's effect base class and unused-binder class: public in
-# ``jax.extend.core`` from JAX 0.10, only in ``jax._src`` on 0.8/0.9.
+# JAX's effect base class: public in ``jax.extend.core`` from JAX 0.10,
+# only in ``jax._src`` on 0.8/0.9.
 Effect = _effects.Effect
-DropVar = _core.DropVar
 
 
 def bind_equation(eqn, invals):
