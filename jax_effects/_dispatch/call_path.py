@@ -97,6 +97,14 @@ def _launch(site: _launch_lock.LaunchSite, outside_callback: bool, call,
   return call(*tokens, *args, **kwargs)
 
 
+def _compiles_first(call) -> bool:
+  """Whether calling ``call``, a ``jax.jit`` object (not an AOT-compiled
+  executable), compiles its first executable: only then is the runtime
+  tokens' placement worth a walk of the arguments (:func:`_as_returned`)."""
+  cache_size = getattr(call, "_cache_size", None)
+  return cache_size is not None and not cache_size()
+
+
 def _as_returned(tokens, args, kwargs) -> tuple:
   """``tokens``, their scalars replicated over the mesh of the first
   argument sharded by name over several devices, where there is one: JAX
@@ -137,7 +145,7 @@ def dispatch(state, mode: str, keys: tuple, device_sharding, call, args,
     state.switch_mode(mode)
   nested = state.dispatching   # (a call from a host callback of its call)
   tokens, read = state.tokens_for(keys, device_sharding, nested)
-  if device_sharding is None:   # (its token's placement not learnt yet)
+  if device_sharding is None and _compiles_first(call):
     tokens = _as_returned(tokens, args, kwargs)
   # Read before the launch: a call made inside it moves the thread's copies.
   seqs, seq = state.execution(keys)
