@@ -801,13 +801,14 @@ def run_python(program: Block, x: int):
   return program.python(x, events), events
 
 
-def _with_printed(ctx: Context, fn):
+def _with_printed(on_event, fn):
+  """``fn()``, each event its lines print given to ``on_event``."""
   from jax_effects._runtime import output as _output
 
   def on_line(line):
     event = parse_printed(line)
     if event is not None:
-      ctx.events.append(event)
+      on_event(event)
   _output.add_line_listener(on_line)
   try:
     return fn()
@@ -822,7 +823,7 @@ def run_eager(program: Block, x: int):
   def go():
     with jax.disable_jit():
       return int(fn(jnp.int32(x)))
-  return _with_printed(ctx, go), ctx.events
+  return _with_printed(ctx.events.append, go), ctx.events
 
 
 def run_jitted(program: Block, x: int, *, calls: int = 1):
@@ -835,7 +836,7 @@ def run_jitted(program: Block, x: int, *, calls: int = 1):
     outs = [fn(jnp.int32(x + i)) for i in range(calls)]
     je.effects_barrier()
     return [int(o) for o in outs]
-  outs = _with_printed(ctx, go)
+  outs = _with_printed(ctx.events.append, go)
   return (outs[0] if calls == 1 else outs), ctx.events
 
 
@@ -848,28 +849,23 @@ def run_jitted_together(programs: Sequence[Block], xs: Sequence[int], *,
   effects after the previous program's on each stream. Returns, per
   program, what :func:`run_jitted` returns for it: its prints are told apart
   by their label (``Context.label``), its callbacks by their context."""
-  from jax_effects._runtime import output as _output
   ctxs = [Context([], label=f"{i}/") for i in range(len(programs))]
   fns = [p.build(c) for p, c in zip(programs, ctxs)]
   fn = je.jit(lambda *ys: tuple(f(y) for f, y in zip(fns, ys)))
   stray: list = []
 
-  def on_line(line):
-    event = parse_printed(line)
-    if event is None:
-      return
+  def on_event(event):
     label, _, effect = event[0].rpartition("/")
     if label.isdigit() and int(label) < len(ctxs):
       ctxs[int(label)].events.append((effect, *event[1:]))
     else:
-      stray.append(line)
+      stray.append(event)
 
-  _output.add_line_listener(on_line)
-  try:
+  def go():
     outs = [fn(*[jnp.int32(x + c) for x in xs]) for c in range(calls)]
     je.effects_barrier()
-  finally:
-    _output.remove_line_listener(on_line)
-  assert not stray, f"lines of no program: {stray}"
+    return outs
+  outs = _with_printed(on_event, go)
+  assert not stray, f"events of no program: {stray}"
   return [([int(o[i]) for o in outs] if calls > 1 else int(outs[0][i]),
            ctx.events) for i, ctx in enumerate(ctxs)]
