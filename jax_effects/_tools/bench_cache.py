@@ -23,9 +23,10 @@ worst case for the pass) in four variants:
   (+24 ms here): the program's own cost, not the effects'.
 
 One cold process per variant fills the cache (its first call, reported);
-then each round runs one warm process per variant, in an order that
-rotates, and a ratio is the median over rounds of the ratio within a
-round (``bench._ratio``). Targets: ``o_prints`` / ``o_jax`` <= 1.2 (issue
+then each round runs two warm processes per variant, in an order that
+rotates and then in its reverse, each variant's two first calls averaged
+(a drift that is linear over the round cancels), and a ratio is the
+median over rounds of the ratio within a round (``bench._ratio``). Targets: ``o_prints`` / ``o_jax`` <= 1.2 (issue
 32); ``o_prints`` / ``o_jaxprint`` <= 1.2 where JAX caches its prints
 (issue 36). Each child's output is checked (its three lines, in order), and that
 no warm process wrote a cache entry (a miss compiles and writes one).
@@ -208,10 +209,16 @@ def bench_warm_cache(rounds: int, steps: int,
             for v in VARIANTS}
     entries = {v: _entries(dirs[v]) for v in VARIANTS}
     for r in range(rounds):
+      # (a round runs each variant twice, in an order and then its
+      # reverse, and sums the two: a drift of the machine's speed that is
+      # linear over the round cancels in its ratios, as in (f))
       k = r % len(VARIANTS)
       order = VARIANTS[k:] + VARIANTS[:k]
+      sums = dict.fromkeys(order, 0.0)
+      for v in order + order[::-1]:
+        sums[v] += _run_child(v, sizes[v], dirs[v])["first_call_s"] / 2
       for v in order:
-        samples[v].append(_run_child(v, sizes[v], dirs[v])["first_call_s"])
+        samples[v].append(sums[v])
     for v in VARIANTS:
       if v == "jaxprint200" and not _compat.jax_caches_host_callbacks():
         continue   # (JAX refuses to cache it: it compiles every time)

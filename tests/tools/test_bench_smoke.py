@@ -25,7 +25,7 @@ def test_bench_quick_reports_its_targets(tmp_path):
   targets = report["targets"]
   for name in ("c/i", "d/c", "b/a", "o_prints/jax", "o_plain/jax",
                "o_slices/jax", "o_200/jaxprint", "k_ours/plain",
-               "k_iii/plain", "k_ours/iii",
+               "k_iii/plain", "k_ours/iii", "k_rounds_ours/iii",
                "q_print/python", "q_log/python", "q_callback/python",
                "q_batched128/python", "q_batched1024/python"):
     assert math.isfinite(targets[name]["value"]), (name, targets[name])
