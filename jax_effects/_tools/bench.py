@@ -122,9 +122,13 @@ def _time_block(fn: Callable[[], Any], calls: int) -> float:
 
 
 def interleave(candidates: dict[str, tuple[Callable[[], Any], int]],
-               rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+               rounds: int, warmup: int = 2,
+               there_and_back: bool = False) -> dict[str, list[float]]:
   """Times ``{name: (fn, calls_per_block)}`` round-robin; seconds per call
-  (after ``warmup`` calls of each, the first compiling)."""
+  (after ``warmup`` calls of each, the first compiling). ``there_and_back``:
+  a round times the rotated order and then its reverse (ours, floor, floor,
+  ours), two blocks of each candidate, its samples ``2 * r`` and
+  ``2 * r + 1``: a drift that is linear over the round cancels in their sum."""
   names = list(candidates)
   for fn, _ in candidates.values():   # compile and warm up
     for _ in range(warmup):
@@ -132,7 +136,7 @@ def interleave(candidates: dict[str, tuple[Callable[[], Any], int]],
   samples: dict[str, list[float]] = {n: [] for n in names}
   for r in range(rounds):
     order = names[r % len(names):] + names[:r % len(names)]
-    for name in order:
+    for name in order + order[::-1] if there_and_back else order:
       fn, calls = candidates[name]
       samples[name].append(_time_block(fn, calls))
   return samples
@@ -669,14 +673,16 @@ def bench_partitioned(rounds: int, calls: int) -> tuple[dict, dict]:
 
 # --- (k): a progress bar in a long loop -------------------------------------------
 
-def bench_progress(rounds: int, steps: int, pair_rounds: int,
+def bench_progress(rounds: int, steps: int, short: int, pair_rounds: int,
                    every: int = 100) -> tuple[dict, dict]:
   """A ``steps``-step ``scan`` multiplying two 64x64 matrices per step: plain;
   with a ``jax_effects.progress`` bar updated every step (``every``: one
   host call per that many updates); floor (iii), the loop with a bare host
   callback in a ``cond`` every ``every`` steps (no bar); jax-tqdm's
   ``scan_tqdm(steps, print_rate=every)`` under ``jax.jit`` when jax_tqdm is
-  installed (it is not a dependency). Bars draw to ``os.devnull``."""
+  installed (it is not a dependency). Bars draw to ``os.devnull``. The
+  target times ours and the floor in loops of ``short`` steps,
+  ``pair_rounds`` rounds there and back (``interleave``)."""
   import jax
   import jax.numpy as jnp
 
@@ -702,7 +708,7 @@ def bench_progress(rounds: int, steps: int, pair_rounds: int,
           bar.update()
           return step(c, x)
         return jax.lax.scan(body, c, None, length=length)[0]
-    return ours
+    return lambda: ours(c0)
 
   # Floor (iii): the same loop under jax.jit with a bare host callback
   # (floor_p, nothing of ours) in a cond every ``every`` steps: what XLA's
@@ -712,7 +718,7 @@ def bench_progress(rounds: int, steps: int, pair_rounds: int,
 
   def floor_loop(length):
     @jax.jit
-    def floor_loop(c, token):
+    def loop(c, token):
       def body(carry, _):
         c, pending, token = carry
         pending = pending + 1
@@ -723,17 +729,15 @@ def bench_progress(rounds: int, steps: int, pair_rounds: int,
       c, _, token = jax.lax.scan(body, (c, jnp.int32(0), token), None,
                                  length=length)[0]
       return c, token   # (the token returned: XLA keeps every host call)
-    compiled = floor_loop.lower(c0, token).compile()   # (checked, called)
+    compiled = loop.lower(c0, token).compile()   # (checked, called)
     hlo = compiled.as_text()
     if "conditional" not in hlo or "custom-call" not in hlo:
       raise RuntimeError("bench (k): XLA removed floor (iii)'s host call")
     return lambda: compiled(c0, token)
 
-  ours = ours_loop(steps)
-  floor_call = floor_loop(steps)
   candidates = {"k_plain": (lambda: plain(c0), 1),
-                "k_ours_progress": (lambda: ours(c0), 1),
-                "k_floor_iii": (floor_call, 1)}
+                "k_ours_progress": (ours_loop(steps), 1),
+                "k_floor_iii": (floor_loop(steps), 1)}
   try:
     from jax_tqdm import scan_tqdm
   except ImportError:
@@ -758,24 +762,15 @@ def bench_progress(rounds: int, steps: int, pair_rounds: int,
   # runs, the fastest of 9 blocks of the whole loop read 0.95-1.22 and the
   # rotating rounds' median 0.74-1.15; over four processes of 60 rounds
   # here, this ratio read 1.00-1.04, the rounds' median (reported) 0.95-1.05.
-  short = max(every * 10, steps // 10)
-  pair_fns = {"ours": (lambda f=ours_loop(short): f(c0)),
-              "floor": floor_loop(short)}
-  for fn in pair_fns.values():
-    _sync(fn())
-  pair = {"ours": [], "floor": []}
-  blocks = {"ours": [], "floor": []}
-  for r in range(pair_rounds):
-    order = list(pair_fns) if r % 2 == 0 else list(pair_fns)[::-1]
-    sums = {name: 0.0 for name in order}
-    for name in order + order[::-1]:
-      blocks[name].append(_time_block(pair_fns[name], 1))
-      sums[name] += blocks[name][-1]
-    for name in order:
-      pair[name].append(sums[name])
+  blocks = interleave({"ours": (ours_loop(short), 1),
+                       "floor": (floor_loop(short), 1)},
+                      pair_rounds, warmup=1, there_and_back=True)
+  pair = {name: [there + back for there, back in zip(v[::2], v[1::2])]
+          for name, v in blocks.items()}
   sink.close()
   results: dict[str, Any] = {k: _summary_ms(v) for k, v in samples.items()}
-  results["k_setup"] = {"steps": steps, "every": every,
+  results["k_setup"] = {"steps": steps, "every": every, "short": short,
+                        "pair_rounds": pair_rounds,
                         "jax_tqdm": scan_tqdm is not None}
   ratios = {"k_ours/plain": _ratio(samples, "k_ours_progress", "k_plain"),
             "k_iii/plain": _ratio(samples, "k_floor_iii", "k_plain"),
@@ -966,8 +961,8 @@ TARGETS = {  # ratio name -> (comparison, bound, description); "=" reports
     "k_iii/plain": ("=", None, "floor (iii): the same loop, a bare host "
                                "callback in a cond every 100 steps / without"),
     "k_ours/iii": ("<=", 1.05, "the same loop, with a bar / floor (iii) "
-                               "(fastest of {progress_blocks} blocks of "
-                               "{progress_short:,} steps a side)"),
+                               "(fastest of 2 x {progress_pair_rounds} "
+                               "blocks of {progress_short:,} steps a side)"),
     "k_rounds_ours/iii": ("=", None, "the same, median of those blocks' "
                                      "rounds (ours, floor, floor, ours)"),
     "k_median_ours/iii": ("=", None, "the same, median of the rotating "
@@ -1102,7 +1097,7 @@ def main(argv=None) -> int:
            "memory_base": max(1, mem_total // 100),
            "progress_steps": progress_steps,
            "progress_short": max(1_000, progress_steps // 10),
-           "progress_blocks": 2 * (5 if quick else 60),
+           "progress_pair_rounds": 5 if quick else 60,
            "loop_print_steps": loop_print_steps,
            "o_prints": 20 if quick else bench_cache.PRINTS_200}
 
@@ -1118,15 +1113,17 @@ def main(argv=None) -> int:
       ("j", lambda: bench_partitioned(rounds, max(10, calls // 4))),
       ("l", lambda: bench_adopted(max(3, rounds // 3), max(10, loop_n // 2))),
       ("h", lambda: bench_memory(max(1, mem_total // 100), mem_total)),
-      ("k", lambda: bench_progress(5, progress_steps, 5 if quick else 60)),
+      ("k", lambda: bench_progress(5, progress_steps, sizes["progress_short"],
+                                   sizes["progress_pair_rounds"])),
       ("n", lambda: bench_async(max(6, rounds // 2))),
       ("m", lambda: bench_big.ratios(
           *bench_big.bench_big_arrays(interleave, _quiet_output,
                                       max(3, rounds // 3),
                                       max(4, calls // 20)),
           _ratio, _summary)),
-      # (o): 7 variants x (a cold + a warm process per round); --quick's
-      # one round still checks every child's lines and its cache hit
+      # (o): 7 variants x (a cold process, then two warm ones a round);
+      # --quick's one round still checks every child's lines and its
+      # cache hit
       ("o", lambda: _warm_cache(1 if quick else 4,
                                 200 if quick else 700, sizes["o_prints"])),
       ("p", lambda: bench_plain.bench_plain(

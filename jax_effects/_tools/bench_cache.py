@@ -26,9 +26,9 @@ One cold process per variant fills the cache (its first call, reported);
 then each round runs two warm processes per variant, in an order that
 rotates and then in its reverse, each variant's two first calls averaged
 (a drift that is linear over the round cancels), and a ratio is the
-median over rounds of the ratio within a round (``bench._ratio``). Targets: ``o_prints`` / ``o_jax`` <= 1.2 (issue
-32); ``o_prints`` / ``o_jaxprint`` <= 1.2 where JAX caches its prints
-(issue 36). Each child's output is checked (its three lines, in order), and that
+median over rounds of the ratio within a round (``bench._ratio``).
+Targets: ``o_prints`` / ``o_jax`` <= 1.2 (issue 32); ``o_prints`` /
+``o_jaxprint`` <= 1.2 where JAX caches its prints (issue 36). Each child's output is checked (its three lines, in order), and that
 no warm process wrote a cache entry (a miss compiles and writes one).
 
 ``o_200``: a user's program from the start of a fresh process to its
@@ -210,8 +210,8 @@ def bench_warm_cache(rounds: int, steps: int,
     entries = {v: _entries(dirs[v]) for v in VARIANTS}
     for r in range(rounds):
       # (a round runs each variant twice, in an order and then its
-      # reverse, and sums the two: a drift of the machine's speed that is
-      # linear over the round cancels in its ratios, as in (f))
+      # reverse, and averages the two: a drift of the machine's speed that
+      # is linear over the round cancels in its ratios, as in (f))
       k = r % len(VARIANTS)
       order = VARIANTS[k:] + VARIANTS[:k]
       sums = dict.fromkeys(order, 0.0)
