@@ -248,3 +248,56 @@ def traced_as_region(fun):
 _REGION_INFO = DebugInfo("jax_effects pass", "jax_effects region", None, None)
 _REGION_SIGNATURE = inspect.Signature(
     [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+
+
+# A stretch of equations re-emitted as one nested ``jit`` equation that
+# lowering inlines (``Inline.JAX_LATE``, JAX 0.11 on): staged in one step, not
+# copied equation by equation. No public API binds ``jit_p`` from a jaxpr; the
+# parameters are those ``jax.jit`` gives a nested call, JAX 0.11-0.12 (JAX
+# 0.8-0.10 lack the inlining at lowering: None there, the pass copies).
+from jax._src import api as _api  # noqa: E402
+from jax._src import pjit as _pjit  # noqa: E402
+
+_INLINE_LATE = getattr(getattr(_api, "Inline", None), "JAX_LATE", None)
+_closed_jaxpr = getattr(_core, "ClosedJaxpr", None)
+_STRETCH_INFO = DebugInfo("jax_effects pass", "jax_effects stretch", None, None)
+
+
+def stretch_binder_available() -> bool:
+  """Whether :func:`stretch_binder` stages stretches on this JAX."""
+  return _INLINE_LATE is not None
+
+
+def stretch_binder():
+  """``bind(eqns, invars, outvars, invals)``: ``eqns`` (a stretch of a
+  jaxpr's equations, without effects, reading ``invars`` and defining
+  ``outvars``) staged into the current trace as one equation inlined at
+  lowering; returns the values of ``outvars``, or None where an input is of
+  another trace or type (the caller copies the equations instead). None
+  where the trace stages no jaxpr or JAX cannot inline at lowering."""
+  trace = _core.trace_ctx.trace
+  if _INLINE_LATE is None or type(trace) is not _pe.DynamicJaxprTrace:
+    return None
+  tracer_type = _pe.DynamicJaxprTracer
+  ctx_mesh = _pjit.get_ctx_mesh(False)
+  unspecified = _pjit.UNSPECIFIED
+
+  def bind(eqns, invars, outvars, invals):
+    for v, x in zip(invars, invals):
+      if isinstance(x, _core.Tracer) and not (
+          type(x) is tracer_type and x._trace is trace
+          and (x.aval is v.aval or x.aval == v.aval)):
+        return None
+    jaxpr = _core.Jaxpr((), invars, outvars, eqns, _core.no_effects,
+                        _STRETCH_INFO)
+    if _closed_jaxpr is not None:   # (JAX 0.11; 0.12's Jaxpr holds consts)
+      jaxpr = _closed_jaxpr(jaxpr, ())
+    n, m = len(invars), len(outvars)
+    return _pjit.jit_p.bind(
+        *invals, jaxpr=jaxpr, in_shardings=(unspecified,) * n,
+        out_shardings=(unspecified,) * m, in_layouts=(None,) * n,
+        out_layouts=(None,) * m, donated_invars=(False,) * n,
+        ctx_mesh=ctx_mesh, name="jax_effects_stretch", keep_unused=False,
+        inline=_INLINE_LATE, compiler_options_kvs=())
+
+  return bind

@@ -168,10 +168,10 @@ class TraceCache:
     self._fun_ref = fun_ref
     self._traces: dict = {}
     #: A trace runs one of JAX's host calls that fail their execution
-    #: (``token_pass.may_fail``; ``ThreadTokens.tokens_for``).
+    #: (``token_pass.host_calls``; ``ThreadTokens.tokens_for``).
     self.may_fail = False
     #: A trace runs the user's own code on the host
-    #: (``token_pass.runs_user_code``; ``launch_lock.finish``).
+    #: (``token_pass.host_calls``; ``launch_lock.finish``).
     self.user_code = False
     #: The host target's sites of this function's programs
     #: (``host_target.keep_sites_in``), kept past ``jax.clear_caches()``.
@@ -238,10 +238,10 @@ class TraceCache:
 
     closed, out_shape = _jax_api.make_jaxpr(flat_fun, return_shape=True)(*dyn)
     out_tree = tree_util.tree_structure(out_shape)
-    if not self.may_fail and _token_pass.may_fail(closed.jaxpr):
-      self.may_fail = True
-    if not self.user_code and _token_pass.runs_user_code(closed.jaxpr):
-      self.user_code = True
+    if not (self.may_fail and self.user_code):
+      may_fail, user_code = _token_pass.host_calls(closed.jaxpr)
+      self.may_fail = self.may_fail or may_fail
+      self.user_code = self.user_code or user_code
     if keep and signature is not None and not any(
         isinstance(c, jax.core.Tracer) for c in closed.consts):
       # (a jaxpr closing over an enclosing trace's values is not reusable)

@@ -381,31 +381,31 @@ def refusal(eqn) -> NotImplementedError:
 #: JAX's own primitives that call the host and fail their execution when the
 #: host function raises (left to JAX by the pass).
 _MAY_FAIL = ("pure_callback", "ffi_call", "custom_call")
-
-
-def may_fail(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a sub-jaxpr) runs one of :data:`_MAY_FAIL`: its
-  computation may fail as a whole (``ThreadTokens.tokens_for``)."""
-  return any(
-      eqn.primitive.name in _MAY_FAIL
-      or (eqn.primitive.name == "debug_callback" and eqn.params.get("partitioned"))
-      or any(may_fail(sub) for sub in _compat.jaxprs_in_params(eqn.params))
-      for eqn in jaxpr.eqns)
-
-
 #: JAX's own primitives that run the user's function on the host.
 _USER_CODE = ("debug_callback", "io_callback", "pure_callback")
 
 
-def runs_user_code(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a sub-jaxpr) runs the user's own function on the
-  host, which may dispatch or block: its call waits for the computation
-  (``launch_lock.finish``)."""
-  return any(
-      eqn.primitive.name in _USER_CODE
-      or getattr(eqn.params.get("host_callback"), "user_code", False)
-      or any(runs_user_code(sub) for sub in _compat.jaxprs_in_params(eqn.params))
-      for eqn in jaxpr.eqns)
+def host_calls(jaxpr) -> tuple[bool, bool]:
+  """``(may_fail, user_code)``: whether ``jaxpr`` (or a sub-jaxpr) runs one
+  of :data:`_MAY_FAIL`, so its computation may fail as a whole
+  (``ThreadTokens.tokens_for``), and whether it runs the user's own
+  function on the host, which may dispatch or block, so its call waits for
+  the computation (``launch_lock.finish``). One walk of the equations."""
+  fail = user = False
+  for eqn in jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    if not fail and (name in _MAY_FAIL or (
+        name == "debug_callback" and params.get("partitioned"))):
+      fail = True
+    if not user and (name in _USER_CODE or getattr(
+        params.get("host_callback"), "user_code", False)):
+      user = True
+    if fail and user:
+      break
+    for sub in _compat.jaxprs_in_params(params):
+      sub_fail, sub_user = host_calls(sub)
+      fail, user = fail or sub_fail, user or sub_user
+  return fail, user
 
 
 def _shard_map_chain_keys(jaxpr, mode: str) -> set:

@@ -10,7 +10,12 @@ persistent cache (bench row (o)). What is copied must be what re-binding
 would have made: the differential tests below run programs with every kind
 of equation (control flow, literals, constants, weak types, dropped
 outputs, nested jit, custom derivatives, closures over an enclosing trace)
-against ``jax.jit`` and ``jax.disable_jit()``.
+against ``jax.jit`` and ``jax.disable_jit()``. Where JAX inlines a nested
+``jit`` at lowering (0.11 on), a run of :data:`~jax_effects._core.jaxpr_eval.STRETCH`
+or more such equations is staged as one equation instead
+(``_compat.stretch_binder``): the same tests run with every segment
+between two effects padded past that length, so each kind of equation is
+also staged inside a stretch.
 """
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,11 @@ from jax.interpreters import mlir
 
 import jax_effects as je
 from jax_effects import _compat
+from jax_effects._core import jaxpr_eval
+
+#: Elementwise steps (two equations each) that make every segment of
+#: ``_program`` between two effects a stretch; 0: none.
+PADS = [0, jaxpr_eval.STRETCH]
 
 
 class _CountingPrimitive(Primitive):
@@ -66,8 +76,15 @@ def test_a_first_call_binds_each_equation_once(capsys, with_print):
 BIG = np.linspace(0.0, 1.0, 1000, dtype=np.float32)   # a constant, not a literal
 
 
-def _program(emit):
-  """Every kind of equation a program has, with effects between them."""
+def _pad(v, pad):
+  for _ in range(pad):   # (exact: eager and compiled print the same)
+    v = -(-v)
+  return v
+
+
+def _program(emit, pad=0):
+  """Every kind of equation a program has, with effects between them;
+  ``pad`` steps more at the start of each segment between two effects."""
   @jax.custom_jvp
   def soft(x):
     return jnp.log1p(jnp.exp(x))
@@ -79,9 +96,10 @@ def _program(emit):
     return jnp.tanh(x) * 2
 
   def program(x, n):
-    y = x * 2.5 + 1                       # weak-typed literals
+    y = _pad(x, pad) * 2.5 + 1            # weak-typed literals
     emit("start {}", y[:3])
-    z = jnp.dot(BIG[:8], y) + jnp.ones(8).sum() * 3   # constants
+    z = _pad(y, pad)
+    z = jnp.dot(BIG[:8], z) + jnp.ones(8).sum() * 3   # constants
     def body(c, xs):
       return c + xs, c * xs
     c, _ = lax.scan(body, z, y)           # a dropped output
@@ -90,6 +108,7 @@ def _program(emit):
                                                          s[1] * 0.9),
                           (0, w))
     emit("mid {} {}", i, v.sum())
+    v = _pad(v, pad)
     u = inner(v) + soft(v)
     emit("end {}", u.mean())
     return u, i
@@ -97,28 +116,42 @@ def _program(emit):
   return program
 
 
-def test_a_program_of_every_kind_of_equation_as_under_jax_jit(capsys):
+def _stretches(jaxpr) -> int:
+  return sum(eqn.primitive.name in ("jit", "pjit")
+             and eqn.params["name"] == "jax_effects_stretch"
+             for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("pad", PADS)
+def test_a_program_of_every_kind_of_equation_as_under_jax_jit(capsys, pad):
   x = jnp.arange(8.0, dtype=jnp.float32)
-  ours = je.jit(_program(je.print))
+  ours = je.jit(_program(je.print, pad))
   out = ours(x, 5)
   je.effects_barrier()
   printed = capsys.readouterr().out
-  reference = jax.jit(_program(lambda *a: None))(x, 5)
+  reference = jax.jit(_program(lambda *a: None, pad))(x, 5)
   for a, b in zip(out, reference):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.dtype == b.dtype and a.weak_type == b.weak_type
   with jax.disable_jit():
-    _program(je.print)(x, 5)
+    _program(je.print, pad)(x, 5)
     je.effects_barrier()
   assert printed == capsys.readouterr().out
   assert printed.count("\n") == 3
+  # Each of the three segments before an effect is one stretch where JAX
+  # inlines at lowering; the lowered module calls none.
+  traced = ours.trace(x, 5)
+  staged = pad and _compat.stretch_binder_available()
+  assert _stretches(traced.jaxpr.jaxpr) == (3 if staged else 0)
+  assert "stretch" not in traced.lower().as_text()
 
 
-def test_its_derivative_and_batching_as_under_jax_jit(capsys):
+@pytest.mark.parametrize("pad", PADS)
+def test_its_derivative_and_batching_as_under_jax_jit(capsys, pad):
   x = jnp.arange(8.0, dtype=jnp.float32) / 8
 
   def loss(emit):
-    prog = _program(emit)
+    prog = _program(emit, pad)
     return lambda v: prog(v, 3)[0].sum()
 
   t = jnp.ones_like(x)   # (forward mode: the program has a while loop)
@@ -133,13 +166,15 @@ def test_its_derivative_and_batching_as_under_jax_jit(capsys):
   assert capsys.readouterr().out.count("start") == 3   # jvp 1, vmap 2
 
 
-def test_closures_over_an_enclosing_trace_are_bound_as_before(capsys):
-  # An input from another trace cannot be copied: bound as before.
+@pytest.mark.parametrize("pad", PADS)
+def test_closures_over_an_enclosing_trace_are_bound_as_before(capsys, pad):
+  # An input from another trace can be neither copied nor staged in a
+  # stretch: bound as before.
   @jax.jit
   def outer(x):
     @je.jit
     def f(y):
-      z = jnp.sin(x) + y      # x: the enclosing trace's
+      z = jnp.sin(x) + _pad(y, pad)      # x: the enclosing trace's
       je.print("z = {}", z)
       return z * x
 
