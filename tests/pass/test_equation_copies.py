@@ -217,3 +217,28 @@ def test_the_regions_the_pass_retraces_carry_its_debug_info(capsys):
   je.effects_barrier()
   assert (float(c), ys.tolist()) == (4.0, [0.0, 1.0])
   assert capsys.readouterr().out == "c = 0.0\nc = 1.0\npos\nw\nw\n"
+
+
+@pytest.mark.parametrize("pad", PADS)
+def test_stretches_inside_the_regions_the_pass_retraces(capsys, pad):
+  # A region with an effect is re-traced through the pass: its long runs
+  # are stretches too, in ``lax.scan``'s and ``lax.cond``'s traces.
+  def f(x):
+    def body(c, _):
+      c = _pad(c, pad) + 1
+      je.print("c = {}", c)
+      return _pad(c, pad), c
+    c, ys = lax.scan(body, x, None, length=3)
+    c = lax.cond(c > 0, lambda c: (je.print("pos"), _pad(c * 2, pad))[1],
+                 lambda c: c, c)
+    return c, ys
+
+  g = je.jit(f)
+  c, ys = g(jnp.float32(0))
+  je.effects_barrier()
+  assert (float(c), ys.tolist()) == (6.0, [1.0, 2.0, 3.0])
+  assert capsys.readouterr().out == "c = 1.0\nc = 2.0\nc = 3.0\npos\n"
+  staged = pad and _compat.stretch_binder_available()
+  inside = sum(_stretches(sub) for _, sub in
+               _sub_jaxprs(g.trace(jnp.float32(0)).jaxpr.jaxpr))
+  assert inside == (3 if staged else 0)   # two in the body, one in a branch
