@@ -114,17 +114,19 @@ def _with_stretches(jaxpr, unchanged: Callable[[Any], bool]) -> list | None:
 def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                args: Sequence[Any],
                handle: Callable[[Any, list], Any],
-               unchanged: Callable[[Any], bool] | None = None) -> list:
+               unchanged: Callable[[Any], bool] | None = None,
+               stretches: bool = False) -> list:
   """Evaluates ``jaxpr`` in the current trace; ``handle(eqn, invals)``
   returns each equation's output(s). One for which ``unchanged(eqn)``
-  holds is copied where it can be (no abstract evaluation: cheaper), a long
-  run of them staged as one equation (:data:`STRETCH`)."""
+  holds is copied where it can be (no abstract evaluation: cheaper); with
+  ``stretches``, a long run of them is staged as one equation
+  (:data:`STRETCH`)."""
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   copy = _compat.equation_copier(jaxpr) if unchanged is not None else None
   literal = jex_core.Literal
   items = bind_stretch = None
-  if copy is not None and len(jaxpr.eqns) >= STRETCH:
+  if stretches and copy is not None and len(jaxpr.eqns) >= STRETCH:
     bind_stretch = _compat.stretch_binder()
     if bind_stretch is not None:
       items = _with_stretches(jaxpr, unchanged)

@@ -347,7 +347,7 @@ def threaded(traces: TraceCache, mode: str, keys: tuple, args, kwargs):
   if missing:
     raise _call_path.NeedsTokens(missing)
   outs, token = _token_pass.thread_program(
-      closed, dyn, dict(zip(keys, runtime)), mode)
+      closed, dyn, dict(zip(keys, runtime)), mode, stretches=True)
   if token is None:
     token = jnp.zeros((), _token_value.TOKEN_DTYPE)
   return tree_util.tree_unflatten(out_tree, outs), token

@@ -112,6 +112,10 @@ class _Context(threading.local):
     # Counters stay on the host (a region under plain jax.jit, whose
     # counts the program around it keeps there: counter's fallback).
     self.host_counters = False
+    # Long runs of unchanged equations are staged as one
+    # (``jaxpr_eval.STRETCH``): in a threaded program only, so a program
+    # without effects keeps the jaxpr jax.jit would make.
+    self.stretches = False
 
 
 _context = _Context()
@@ -223,7 +227,8 @@ def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
                            else _staging.keys(), chains)
       return rule(eqn, invals, chains, mode)
     return _jaxpr_eval.rebind(eqn, invals)
-  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle, unchanged)
+  return _jaxpr_eval.eval_jaxpr(jaxpr, consts, args, handle, unchanged,
+                                _context.stretches)
 
 
 def unchanged(eqn) -> bool:
@@ -423,10 +428,12 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
 
 
 def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
-                  runtime_tokens: dict, mode: str):
+                  runtime_tokens: dict, mode: str, stretches: bool = False):
   """Threads a whole program; returns ``(outs, token)``: ``token`` (None:
   nothing to combine) is ready once every effect of it has run.
-  ``runtime_tokens``: ordered chain key -> runtime-token argument."""
+  ``runtime_tokens``: ordered chain key -> runtime-token argument;
+  ``stretches``: long runs of unchanged equations staged as one
+  (``jaxpr_eval.STRETCH``)."""
   shard_map_chains = _shard_map_chain_keys(closed.jaxpr, mode)
   # Each chain enters advanced to this execution's identity; one with no
   # per-device effect here takes a per-device token as one scalar first
@@ -436,7 +443,8 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
                               else jnp.max(t))
       for k, t in runtime_tokens.items()}
   chains = Chains(runtime_tokens, entered=True)
-  outs = _thread_whole(closed, args, chains, mode, shard_map_chains)
+  outs = _thread_whole(closed, args, chains, mode, shard_map_chains,
+                       stretches=stretches)
   # (Counters end here.)
   carriers = {k: c for k, c in chains.carriers.items() if _effects.crosses_dispatch(k)}
   finals = list(carriers.values())
@@ -467,20 +475,20 @@ def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
 
 
 def _thread_whole(closed, args, chains: Chains, mode: str, shard_map_chains: set,
-                  region: bool = False) -> list:
+                  region: bool = False, stretches: bool = False) -> list:
   """Threads the whole of ``closed``, no stage in force, the pass told
   which chains have per-device effects; a ``region`` (:func:`thread_region`)
   at the top, its counters on the host."""
   c = _context
-  saved = c.kind, c.masks, c.shard_map_chains, c.host_counters
-  c.shard_map_chains = shard_map_chains
+  saved = c.kind, c.masks, c.shard_map_chains, c.host_counters, c.stretches
+  c.shard_map_chains, c.stretches = shard_map_chains, stretches
   if region:
     c.kind, c.masks, c.host_counters = "top", (), True
   try:
     with _no_stages():
       return thread_jaxpr(closed.jaxpr, closed.consts, args, chains, mode)
   finally:
-    c.kind, c.masks, c.shard_map_chains, c.host_counters = saved
+    c.kind, c.masks, c.shard_map_chains, c.host_counters, c.stretches = saved
 
 
 def _final_token(finals: list):

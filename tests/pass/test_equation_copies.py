@@ -242,3 +242,15 @@ def test_stretches_inside_the_regions_the_pass_retraces(capsys, pad):
   inside = sum(_stretches(sub) for _, sub in
                _sub_jaxprs(g.trace(jnp.float32(0)).jaxpr.jaxpr))
   assert inside == (3 if staged else 0)   # two in the body, one in a branch
+
+
+def test_a_program_without_effects_keeps_the_jaxpr_jax_jit_makes():
+  # Stretches are for threaded programs: a print-free one (what a drop-in
+  # jax.jit runs most) is the same jaxpr as under jax.jit, however long.
+  def f(x):
+    return _pad(x, 2 * jaxpr_eval.STRETCH) + 1
+
+  x = jnp.arange(4.0)
+  ours = je.jit(f).trace(x).jaxpr
+  assert _stretches(ours.jaxpr) == 0
+  assert str(ours) == str(jax.jit(f).trace(x).jaxpr)
