@@ -4,7 +4,9 @@ The walk both jaxpr interpreters share (the token-threading pass and the
 masking of effects in a vmapped ``cond`` branch, ``_primitives.effect``):
 :func:`eval_jaxpr`, with a ``handle(eqn, invals)`` per interpreter; an
 equation it leaves unchanged is copied into the trace, not re-bound
-(``_compat.equation_copier``).
+(``_compat.equation_copier``), and, where the caller asks (a threaded
+program), a long run of them is staged as one nested ``jit`` that lowering
+inlines (:data:`STRETCH`, ``_compat.stretch_binder``).
 :data:`CALLEES`: the call-like primitives both inline. No part of the
 token calling convention: the callers add it.
 """
