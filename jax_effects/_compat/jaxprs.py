@@ -216,12 +216,9 @@ def hi_primitive_expansion(eqn):
       jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                            weak_type=v.aval.weak_type) for v in eqn.invars))
 
-# The jaxprs in an equation's params: public from JAX 0.10, in
-# ``jax._src.core`` on 0.8/0.9.
-try:
-  from jax.extend.core import jaxprs_in_params  # noqa: E402
-except ImportError:  # JAX < 0.10
-  from jax._src.core import jaxprs_in_params  # noqa: E402
+# The jaxprs in an equation's params (``jax.extend.core``'s from JAX 0.10;
+# ``core``: why not from there).
+from jax_effects._compat.core import jaxprs_in_params  # noqa: E402
 
 
 # An equation and its jaxpr made from a lowering rule's parameters (a region

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from jax.extend import core as jex_core
-from jax.extend import source_info_util
-from jax.extend.core import primitives as jex_prims
-
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
+from jax_effects._compat.core import primitives as jprims
 
 #: Call-like primitive -> the parameter holding its callee (a ClosedJaxpr or
 #: a Jaxpr), whose evaluation is the primitive's evaluation.
-CALLEES: dict[jex_core.Primitive, str] = {
-    jex_prims.jit_p: "jaxpr",
-    jex_prims.remat_p: "jaxpr",
-    jex_prims.closed_call_p: "call_jaxpr",
-    jex_prims.call_p: "call_jaxpr",
-    jex_prims.custom_jvp_call_p: "call_jaxpr",
-    jex_prims.custom_vjp_call_p: "call_jaxpr",
+CALLEES: dict[jcore.Primitive, str] = {
+    jprims.jit_p: "jaxpr",
+    jprims.remat_p: "jaxpr",
+    jprims.closed_call_p: "call_jaxpr",
+    jprims.call_p: "call_jaxpr",
+    jprims.custom_jvp_call_p: "call_jaxpr",
+    jprims.custom_vjp_call_p: "call_jaxpr",
     _compat.custom_vmap_p: "call",
     _compat.composite_p: _compat.COMPOSITE_CALLEE,
     _compat.compute_on_p: "jaxpr",
@@ -39,7 +37,7 @@ CALLEES.pop(None, None)   # (compute_on_p where JAX lacks it: _compat.MISSING)
 
 def split(closed) -> tuple:
   """``(jaxpr, consts)`` of a ClosedJaxpr or a Jaxpr."""
-  if isinstance(closed, jex_core.ClosedJaxpr):
+  if isinstance(closed, jcore.ClosedJaxpr):
     return closed.jaxpr, closed.consts
   return closed, ()
 
@@ -86,7 +84,7 @@ def _with_stretches(jaxpr, unchanged: Callable[[Any], bool]) -> list | None:
     runs.append((start, len(eqns)))
   if not runs:
     return None
-  literal = jex_core.Literal
+  literal = jcore.Literal
   last_read: dict = {}
   for i, eqn in enumerate(eqns):
     for v in eqn.invars:
@@ -113,7 +111,7 @@ def _with_stretches(jaxpr, unchanged: Callable[[Any], bool]) -> list | None:
   return items
 
 
-def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
+def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any],
                args: Sequence[Any],
                handle: Callable[[Any, list], Any],
                unchanged: Callable[[Any], bool] | None = None,
@@ -126,7 +124,7 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   copy = _compat.equation_copier(jaxpr) if unchanged is not None else None
-  literal = jex_core.Literal
+  literal = jcore.Literal
   items = bind_stretch = None
   if stretches and copy is not None and len(jaxpr.eqns) >= STRETCH:
     bind_stretch = _compat.stretch_binder()
@@ -137,7 +135,7 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
     for eqn in items:   # (a DropVar binder is written, never read)
       if type(eqn) is _Stretch:
         # (located at its first equation's user code, not in this module)
-        with source_info_util.user_context(
+        with jcore.source_info_util.user_context(
             eqn.eqns[0].source_info.traceback):
           outs = bind_stretch(eqn.eqns, eqn.invars, eqn.outvars,
                               [env[v] for v in eqn.invars])
@@ -151,7 +149,7 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
       if copy is not None and unchanged(eqn):   # type: ignore[misc]
         outs = copy(eqn, invals)
       if outs is None:
-        with source_info_util.user_context(
+        with jcore.source_info_util.user_context(
             eqn.source_info.traceback,
             name_stack=eqn.source_info.name_stack), eqn.ctx.manager:
           outs = handle(eqn, invals)

@@ -80,14 +80,14 @@ import math
 
 import jax
 from jax import lax
-from jax.extend import core as jex_core
-from jax.extend.core import primitives as jex_prims
 from jax.interpreters import mlir
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.sharding import Sharding
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
+from jax_effects._compat.core import primitives as jprims
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
@@ -108,7 +108,7 @@ def _cond_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   return outs
 
 
-_token_pass.register_rule(jex_prims.cond_p, _cond_rule)
+_token_pass.register_rule(jprims.cond_p, _cond_rule)
 
 
 def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
@@ -188,7 +188,7 @@ def _while_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   return outs
 
 
-_token_pass.register_rule(jex_prims.while_p, _while_rule, keeps_stages=True)
+_token_pass.register_rule(jprims.while_p, _while_rule, keeps_stages=True)
 
 
 def _while_loop(cond_fun, body_fun, init):
@@ -288,7 +288,7 @@ def _strip_mined(scan, loop, keys, carry, xs, length, steps, reverse):
   return carry, [jnp.concatenate(parts) for parts in zip(*ys_parts)]
 
 
-_token_pass.register_rule(jex_prims.scan_p, _scan_rule, keeps_stages=True)
+_token_pass.register_rule(jprims.scan_p, _scan_rule, keeps_stages=True)
 
 
 def _constrain(value, sharding):
@@ -308,7 +308,7 @@ def _inline_rule(param: str, eqn, invals, chains: _token_pass.Chains, mode: str)
   """Call-like primitives (``_core.jaxpr_eval.CALLEES``), inlined with the
   caller's chains; a ``jit``'s shardings kept (:func:`_constrain_flat`)."""
   jaxpr, consts = _jaxpr_eval.split(eqn.params[param])
-  if eqn.primitive is not jex_prims.jit_p:
+  if eqn.primitive is not jprims.jit_p:
     return _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
   invals = _constrain_flat(invals, eqn.params["in_shardings"])
   outs = _token_pass.thread_jaxpr(jaxpr, consts, invals, chains, mode)
@@ -341,7 +341,7 @@ def _linear_solve_rule(eqn, invals, chains: _token_pass.Chains, mode: str):
   return _token_pass.thread_jaxpr(solve.jaxpr, solve.consts, args, chains, mode)
 
 
-_token_pass.register_rule(jex_prims.linear_solve_p, _linear_solve_rule,
+_token_pass.register_rule(jprims.linear_solve_p, _linear_solve_rule,
                           keeps_stages=True)
 
 
@@ -435,18 +435,18 @@ def _holds_our_effects(params) -> bool:
              for j in _compat.jaxprs_in_params(params))
 
 
-def _one_equation(ctx, primitive, params) -> jex_core.ClosedJaxpr:
+def _one_equation(ctx, primitive, params) -> jcore.ClosedJaxpr:
   """The equation being lowered, as a jaxpr of its own (the pass's input);
   its effects are its sub-jaxprs' (the pass reads only its own kinds)."""
   effects = set().union(*(j.effects for j in _compat.jaxprs_in_params(params)))
-  invars = [jex_core.Var(a) for a in ctx.avals_in]
-  outvars = [jex_core.Var(a) for a in ctx.avals_out]
+  invars = [jcore.Var(a) for a in ctx.avals_in]
+  outvars = [jcore.Var(a) for a in ctx.avals_out]
   eqn = _compat.new_jaxpr_eqn(invars, outvars, primitive, params, effects,
                               ctx=ctx.jaxpr_eqn_ctx)
   info = _compat.DebugInfo(primitive.name, "jax_effects plain jax.jit region",
                            None, None)
-  return jex_core.ClosedJaxpr(
-      jex_core.Jaxpr([], invars, outvars, [eqn], effects, info), [])
+  return jcore.ClosedJaxpr(
+      jcore.Jaxpr([], invars, outvars, [eqn], effects, info), [])
 
 
 def through_the_pass(primitive, rule):

@@ -26,11 +26,11 @@ import threading
 from typing import Callable
 
 from jax import lax
-from jax.extend.core import primitives as jex_prims
 import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._compat.core import primitives as jprims
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._primitives import batching as _batching
@@ -173,9 +173,9 @@ def _staged(jaxpr, mode: str, found: dict, nested: bool = False) -> dict:
           isinstance(v.aval.dtype, np.dtype) for v in eqn.invars):
         (key,) = _effects.chain_keys(eqn.effects, mode)
         found.setdefault(key, []).append((eqn, request, nested))
-    elif prim is jex_prims.scan_p:
+    elif prim is jprims.scan_p:
       _staged(eqn.params["jaxpr"].jaxpr, mode, found, True)
-    elif prim is jex_prims.while_p:
+    elif prim is jprims.while_p:
       if not eqn.params["cond_jaxpr"].out_avals[0].shape:
         _staged(eqn.params["body_jaxpr"].jaxpr, mode, found, True)
     elif prim in _jaxpr_eval.CALLEES:

@@ -27,10 +27,10 @@ import threading
 from typing import Any, Callable, Sequence
 
 from jax import lax
-from jax.extend import core as jex_core
 import jax.numpy as jnp
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
 from jax_effects._pass import staging as _staging
@@ -43,12 +43,12 @@ from jax_effects._runtime import token_value as _token_value
 #: A rule: ``rule(eqn, invals, chains, mode) -> outputs`` (see the docstring).
 Rule = Callable[..., Sequence[Any]]
 #: Primitive -> rule; add to it only through :func:`register_rule`.
-RULES: dict[jex_core.Primitive, Rule] = {}
+RULES: dict[jcore.Primitive, Rule] = {}
 #: The primitives whose rules keep the stages in force (``staging``).
-KEEPS_STAGES: set[jex_core.Primitive] = set()
+KEEPS_STAGES: set[jcore.Primitive] = set()
 
 
-def register_rule(primitive: jex_core.Primitive, rule: Rule,
+def register_rule(primitive: jcore.Primitive, rule: Rule,
                   keeps_stages: bool = False) -> None:
   """Makes the pass thread chains through ``primitive`` with ``rule``.
 
@@ -201,7 +201,7 @@ def _no_stages():
   return _staging.hidden() if _staging.stages.by_key else contextlib.nullcontext()
 
 
-def thread_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any],
+def thread_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any], chains: Chains, mode: str) -> list:
   """Evaluates ``jaxpr`` in the current trace, threading ``chains``."""
   def handle(eqn, invals):
@@ -309,7 +309,7 @@ def _bind_threaded(key, host_callback, invals, chains: Chains):
   return bind_on_chain(chains, key, bind, per_device is None or key in per_device)
 
 
-def region(closed: jex_core.ClosedJaxpr | jex_core.Jaxpr, keys: tuple,
+def region(closed: jcore.ClosedJaxpr | jcore.Jaxpr, keys: tuple,
            mode: str, consts: Sequence[Any] = (),
            kind: str | None = None) -> Callable:
   """``fn(carriers, *args) -> (carriers, outs)`` running a sub-jaxpr threaded.
@@ -427,7 +427,7 @@ def _shard_map_chain_keys(jaxpr, mode: str) -> set:
   return keys
 
 
-def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
+def thread_program(closed: jcore.ClosedJaxpr, args: Sequence[Any],
                   runtime_tokens: dict, mode: str, stretches: bool = False):
   """Threads a whole program; returns ``(outs, token)``: ``token`` (None:
   nothing to combine) is ready once every effect of it has run.
@@ -458,7 +458,7 @@ def thread_program(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
   return outs, _final_token(finals)
 
 
-def thread_region(closed: jex_core.ClosedJaxpr, args: Sequence[Any],
+def thread_region(closed: jcore.ClosedJaxpr, args: Sequence[Any],
                   carrier, mode: str):
   """Threads a region lowered under plain ``jax.jit``
   (``control_flow_rules``), every chain entering with ``carrier``; returns

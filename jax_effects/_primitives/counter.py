@@ -19,12 +19,12 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import effect as _effect
 from jax_effects._primitives import host_callback as _host_callback
@@ -70,7 +70,7 @@ _effects.register_chain_kind(CounterEffect, lambda effect, mode: effect.counter,
                              local_key_type=Counter)
 
 
-counter_p = Primitive("jax_effects_counter")
+counter_p = jcore.Primitive("jax_effects_counter")
 
 
 def _abstract_eval(x, *, counter, op):

@@ -30,9 +30,6 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.extend import core as jex_core
-from jax.extend.core import Primitive
-from jax.extend.core import primitives as jex_prims
 from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
@@ -40,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
+from jax_effects._compat.core import primitives as jprims
 from jax_effects import _jax_api
 from jax_effects._core import effects as _effects
 from jax_effects._core import jaxpr_eval as _jaxpr_eval
@@ -53,7 +52,7 @@ from jax_effects._runtime import placement as _placement
 from jax_effects._runtime import threads as _threads
 from jax_effects._runtime import token_store as _token_store
 
-effect_p = Primitive("jax_effects_effect")
+effect_p = jcore.Primitive("jax_effects_effect")
 effect_p.multiple_results = True
 
 
@@ -296,7 +295,7 @@ def _has_marker(jaxprs) -> bool:
   return any(_effects.has_own_marker(j.effects) for j in jaxprs)
 
 
-_jax_while_batcher = batching.fancy_primitive_batchers[jex_prims.while_p]
+_jax_while_batcher = batching.fancy_primitive_batchers[jprims.while_p]
 
 
 def _while_batcher(axis_data, args, dims, **params):
@@ -330,7 +329,7 @@ def _while_batcher(axis_data, args, dims, **params):
     control_dependence.depth -= 1
 
 
-batching.fancy_primitive_batchers[jex_prims.while_p] = _while_batcher
+batching.fancy_primitive_batchers[jprims.while_p] = _while_batcher
 
 
 def _eval_masked(jaxpr, consts, mask, args):
@@ -381,8 +380,8 @@ def _masked_scan(p, mask, invals):
 
 #: Primitive -> ``rule(params, mask, invals) -> outputs``: the primitive
 #: re-expressed with ``lax`` around masked sub-computations.
-MASK_RULES = {jex_prims.cond_p: _masked_cond, jex_prims.while_p: _masked_while,
-              jex_prims.scan_p: _masked_scan}
+MASK_RULES = {jprims.cond_p: _masked_cond, jprims.while_p: _masked_while,
+              jprims.scan_p: _masked_scan}
 
 
 def _masked_higher_order(eqn, mask, invals):
@@ -401,7 +400,7 @@ def _masked_higher_order(eqn, mask, invals):
       f"predicate unbatched, or move the effect out of the '{name}'.")
 
 
-_jax_cond_batcher = batching.fancy_primitive_batchers[jex_prims.cond_p]
+_jax_cond_batcher = batching.fancy_primitive_batchers[jprims.cond_p]
 
 
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
@@ -426,7 +425,7 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
                                      [True] * (1 + len(ops)), [True] * n_outs)
     taken = jax.lax.eq(index, jax.lax.full_like(index, i))
     ops_ = [_bcast_select_n(taken, jax.lax.stop_gradient(x), x) for x in ops]
-    branch_outs.append(jex_core.jaxpr_as_fun(batched)(taken, *ops_))
+    branch_outs.append(jcore.jaxpr_as_fun(batched)(taken, *ops_))
   outs = [_bcast_select_n(index, *o) for o in zip(*branch_outs)]
   return outs, [0] * len(outs)
 
@@ -438,4 +437,4 @@ def _bcast_select_n(which, *cases):
   return jax.lax.select_n(which, *cases)
 
 
-batching.fancy_primitive_batchers[jex_prims.cond_p] = _cond_batcher
+batching.fancy_primitive_batchers[jprims.cond_p] = _cond_batcher

@@ -23,12 +23,12 @@ import dataclasses
 import itertools
 
 from jax.core import ShapedArray
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 import jax.numpy as jnp
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_specs as _host_specs
@@ -132,7 +132,7 @@ def _join(ctx, kind: str, operands, n_out: int, passthrough: int = 0,
   return _host_target.emit(sub, side, operands, None)
 
 
-exported_entry_p = Primitive("jax_effects_exported_entry")
+exported_entry_p = jcore.Primitive("jax_effects_exported_entry")
 exported_entry_p.def_effectful_abstract_eval(
     lambda *, order=EXPORTED_ORDER: (_CARRIER, {order}))
 
@@ -146,7 +146,7 @@ def _entry_lowering(ctx, *, order=EXPORTED_ORDER):
 
 mlir.register_lowering(exported_entry_p, _entry_lowering, cacheable=False)
 
-exported_exit_p = Primitive("jax_effects_exported_exit")
+exported_exit_p = jcore.Primitive("jax_effects_exported_exit")
 exported_exit_p.multiple_results = True
 exported_exit_p.def_effectful_abstract_eval(
     lambda carrier, *, order=EXPORTED_ORDER: ([], {order}))
@@ -189,7 +189,7 @@ def exit(token, order=EXPORTED_ORDER) -> None:  # noqa: A001 - the convention's 
   exported_exit_p.bind(token, **_params(order))
 
 
-exported_call_p = Primitive("jax_effects_exported_call")
+exported_call_p = jcore.Primitive("jax_effects_exported_call")
 exported_call_p.multiple_results = True
 
 

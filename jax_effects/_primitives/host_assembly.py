@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_functions as _host_functions
 from jax_effects._primitives import host_target as _host_target
@@ -259,7 +259,7 @@ def lower_cached(ctx, key, fn, *args) -> list:
       _jaxprs.clear()
     closed = _jaxprs[key] = jax.make_jaxpr(fn)(
         *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in))
-  return mlir.lower_fun(jex_core.jaxpr_as_fun(closed),
+  return mlir.lower_fun(jcore.jaxpr_as_fun(closed),
                         multiple_results=True)(ctx, *args)
 
 

@@ -80,11 +80,11 @@ from typing import Any, Callable
 import weakref
 
 import jax
-from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import mlir
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._core import effects as _effects
 from jax_effects._primitives import host_callback as _host_callback
 from jax_effects._primitives import host_functions as _host_functions
@@ -846,7 +846,7 @@ def join(ctx, own):
   for token in (tokens.get(e) for e in tokens.effects()):
     if not any(token == seen for seen in distinct):
       distinct.append(token)
-  return distinct[0] if len(distinct) == 1 else hlo.after_all(distinct)
+  return distinct[0] if len(distinct) == 1 else jcore.hlo.after_all(distinct)
 
 
 def _joins(ctx) -> bool:
@@ -864,7 +864,7 @@ def set_joined(ctx, own, token) -> None:
     ctx.set_tokens_out(tokens.update_tokens(mlir.TokenSet({own: token})))
     return
   ctx.set_tokens_out(mlir.TokenSet({
-      e: token if e == own else hlo.after_all([token, tokens.get(e)])
+      e: token if e == own else jcore.hlo.after_all([token, tokens.get(e)])
       for e in tokens.effects()}))
 
 

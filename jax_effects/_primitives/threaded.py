@@ -27,19 +27,19 @@ import dataclasses
 import threading
 
 import jax
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects import _jax_api
 from jax_effects._primitives import edges as _edges
 from jax_effects._primitives import host_assembly as _host_assembly
 from jax_effects._primitives import host_target as _host_target
 from jax_effects._runtime import placement as _placement
 
-threaded_effect_p = Primitive("jax_effects_threaded_effect")
+threaded_effect_p = jcore.Primitive("jax_effects_threaded_effect")
 threaded_effect_p.multiple_results = True
 
 
@@ -191,7 +191,7 @@ def _all_devices_mesh(num_devices: int):
 
 
 # The host call inside on_first_device's shard_map.
-first_device_call_p = Primitive("jax_effects_first_device_call")
+first_device_call_p = jcore.Primitive("jax_effects_first_device_call")
 first_device_call_p.multiple_results = True
 # (The carrier keeps its operand's type and the results are strong-typed, as
 # the pass-through branch's are: cond requires equal types.)
@@ -212,7 +212,7 @@ mlir.register_lowering(first_device_call_p, _first_device_call_lowering,
 
 # Identity on a carrier entering a shard_map (``_pass.control_flow_rules``):
 # after on_first_device only device 0's copy is current, so it is broadcast.
-from_first_device_p = Primitive("jax_effects_from_first_device")
+from_first_device_p = jcore.Primitive("jax_effects_from_first_device")
 from_first_device_p.def_abstract_eval(lambda aval: aval)
 from_first_device_p.def_impl(lambda x: x)
 

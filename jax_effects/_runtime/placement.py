@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jax_effects import _compat
+from jax_effects._compat import core as jcore
 from jax_effects._runtime import token_value as _token_value
 
 
@@ -185,8 +186,6 @@ def at_lowering(ctx, operands: list, avals_in: list):
 
 
 def _per_device_table(mesh, operands, avals_in):
-  from jax.extend.mlir.dialects import stablehlo  # lowering-time only
-
   sizes = tuple(mesh.axis_sizes)
   try:
     flat = list(np.asarray(mesh.devices).flat)
@@ -202,6 +201,6 @@ def _per_device_table(mesh, operands, avals_in):
       table.append(Placement(None, shard, jax.process_index()))
     else:
       table.append(Placement(flat[pid].id, shard, flat[pid].process_index))
-  pid_value = stablehlo.partition_id()
+  pid_value = jcore.hlo.partition_id()
   pid_aval = jax.core.ShapedArray((), np.uint32)
   return tuple(table), [*operands, pid_value], [*avals_in, pid_aval]

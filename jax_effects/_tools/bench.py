@@ -169,7 +169,7 @@ def floor_primitive():
   if _floor_p is not None:
     return _floor_p
   import jax
-  from jax.extend.core import Primitive
+  from jax_effects._compat.core import Primitive
   from jax.interpreters import mlir
   import numpy as np
 
@@ -456,7 +456,7 @@ def make_program(emit: Callable[[Any], None], n_effects: int = 200) -> Callable:
 
 def count_equations(closed, primitive: str | None = None) -> int:
   """Equations (of ``primitive``, or all) in a jaxpr, sub-jaxprs included."""
-  import jax.extend.core as jex
+  from jax_effects._compat import core as jcore
 
   def count(jaxpr) -> int:
     total = 0
@@ -464,9 +464,9 @@ def count_equations(closed, primitive: str | None = None) -> int:
       total += primitive is None or eqn.primitive.name == primitive
       for p in eqn.params.values():
         for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-          if isinstance(sub, jex.ClosedJaxpr):
+          if isinstance(sub, jcore.ClosedJaxpr):
             total += count(sub.jaxpr)
-          elif isinstance(sub, jex.Jaxpr):
+          elif isinstance(sub, jcore.Jaxpr):
             total += count(sub)
     return total
   return count(closed.jaxpr)
@@ -1128,7 +1128,7 @@ def main(argv=None) -> int:
                                 200 if quick else 700, sizes["o_prints"])),
       ("p", lambda: bench_plain.bench_plain(
           interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
-          max(10, calls // 4), 2 if quick else 12)),
+          max(10, calls // 4), 2 if quick else 16)),
       ("q", lambda: bench_loop_print.bench_loop_print(
           interleave, _ratio, _summary, max(5, rounds // 3),
           loop_print_steps)),

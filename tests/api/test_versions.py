@@ -353,3 +353,41 @@ def test_a_feature_whose_internals_are_missing_alone_is_refused(forked):
   assert "calling a jax.export function with effects needs a JAX internal" in refused
   assert f"JAX {jax.__version__} lacks" in refused
   assert "Fix: install a tested JAX" in refused
+
+
+_NOTHING_OF_JAX_EXTEND = """
+import json, sys
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import jax_effects as je
+
+def step(x):
+  je.print("sum {}", x.sum())
+  je.log("log {}", x[0])
+  return x + 1
+
+def per_device(v):
+  je.print("shard {}", v.sum())
+  return v * 2
+
+mesh = jax.sharding.Mesh(jax.devices()[:2], ("d",))
+x = jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P("d")))
+je.jit(step)(x)
+je.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"),
+                     out_specs=P("d")))(x)
+je.effects_barrier()
+print("REPORT", json.dumps(sorted(
+    m for m in sys.modules if m == "jax.extend"
+    or m.startswith(("jax.extend.", "jax._src.pallas")))))
+"""
+
+
+def test_import_and_use_load_nothing_of_jax_extend_or_pallas():
+  # ``jax.extend``'s __init__ imports Pallas, whose configuration states
+  # (JAX 0.11+) enter every jax.jit call's key, and costs ~25 ms of our
+  # import: ``_compat.core`` takes the same objects from where it does.
+  proc = run_script(_NOTHING_OF_JAX_EXTEND, env={
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert _report(proc) == []
+  assert "sum 6.0" in proc.stdout and "shard 1.0" in proc.stdout
