@@ -362,8 +362,9 @@ def exclude_from_tracebacks(path: str) -> None:
 # The user's line that bound an equation, from its ``source_info``: JAX's
 # ``source_info_util.user_frame`` (its own files and the registered paths
 # left out), the same on JAX 0.8-0.12; no public form (``jax.extend``'s
-# ``summarize`` gives only its text).
-from jax._src import source_info_util as _source_info_util  # noqa: E402
+# ``summarize`` gives only its text). ``core`` imports the module.
+from jax_effects._compat.core import (  # noqa: E402
+    source_info_util as _source_info_util)
 
 
 def user_line(source_info) -> tuple[str, int] | None:
