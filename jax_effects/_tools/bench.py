@@ -510,7 +510,10 @@ def bench_compile(rounds: int, n_effects: int) -> tuple[dict, dict]:
   # A round is ours, JAX's, JAX's, ours (or JAX's first): a drift of the
   # machine's speed that is linear over the round cancels in its ratio
   # (each side's two compiles summed). Over six idle runs with one compile
-  # per side a round, the median read 0.96-1.11.
+  # per side a round, the median read 0.96-1.11. With 7 rounds of two,
+  # 17 runs of one version read 0.96-1.15 (standard deviation 0.047,
+  # XLA's compile of one module varying by ~15% in CPU time): the bench
+  # runs 10.
   samples = {"f_ours_compile": [], "f_jax_compile": []}
   cpu = {"f_ours_compile": [], "f_jax_compile": []}
   ratio_rounds: dict[str, list] = {"cpu": [], "wall": []}
@@ -1087,7 +1090,7 @@ def main(argv=None) -> int:
   jax_calls = max(5, calls // 10)
   loop_n = args.loop or (100 if quick else 1000)
   n_effects = args.effects or (40 if quick else 200)
-  compile_rounds = args.compile_rounds or (1 if quick else 7)
+  compile_rounds = args.compile_rounds or (1 if quick else 10)
   mem_total = args.memory_calls or (5_000 if quick else 100_000)
   progress_steps = args.progress_steps or (10_000 if quick else 100_000)
   loop_print_steps = args.loop_print_steps or (2_000 if quick else 20_000)
@@ -1121,10 +1124,10 @@ def main(argv=None) -> int:
                                       max(3, rounds // 3),
                                       max(4, calls // 20)),
           _ratio, _summary)),
-      # (o): 7 variants x (a cold process, then two warm ones a round);
-      # --quick's one round still checks every child's lines and its
-      # cache hit
-      ("o", lambda: _warm_cache(1 if quick else 4,
+      # (o): 7 variants x (a cold process, then two warm ones a round;
+      # bench_cache.REPORTED_ROUNDS); --quick's one round still checks
+      # every child's lines and its cache hit
+      ("o", lambda: _warm_cache(1 if quick else 8,
                                 200 if quick else 700, sizes["o_prints"])),
       ("p", lambda: bench_plain.bench_plain(
           interleave, _quiet_output, _ratio, _summary, max(5, rounds // 2),
