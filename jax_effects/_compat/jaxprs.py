@@ -247,47 +247,55 @@ _REGION_SIGNATURE = inspect.Signature(
     [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
 
 
-# A stretch of equations re-emitted as one nested ``jit`` equation that
-# lowering inlines (``Inline.JAX_LATE``, JAX 0.11 on): staged in one step, not
-# copied equation by equation. No public API binds ``jit_p`` from a jaxpr; the
-# parameters are those ``jax.jit`` gives a nested call, JAX 0.11-0.12 (JAX
-# 0.8-0.10 lack the inlining at lowering: None there, the pass copies).
+# A stretch of equations re-emitted as one nested ``jit`` equation: staged in
+# one step, not copied equation by equation. No public API binds ``jit_p``
+# from a jaxpr; the parameters are those ``jax.jit`` gives a nested call, JAX
+# 0.8-0.12. Lowering inlines it from 0.11 (``Inline.JAX_LATE``); on 0.8-0.10
+# it lowers as JAX lowers a ``jit`` in a ``jit`` there, a private function the
+# module calls, which XLA inlines before it optimizes (its ``CallInliner``).
+# ``ctx_mesh``: ``get_ctx_mesh`` from 0.10, the concrete mesh on 0.8-0.9.
 from jax._src import api as _api  # noqa: E402
+from jax._src import mesh as _mesh  # noqa: E402
 from jax._src import pjit as _pjit  # noqa: E402
 
 _INLINE_LATE = getattr(getattr(_api, "Inline", None), "JAX_LATE", None)
 _closed_jaxpr = getattr(_core, "ClosedJaxpr", None)
 _STRETCH_INFO = DebugInfo("jax_effects pass", "jax_effects stretch", None, None)
+_ctx_mesh = getattr(_pjit, "get_ctx_mesh",
+                    lambda _resource_env: _mesh.get_concrete_mesh())
 
 
-def stretch_binder_available() -> bool:
-  """Whether :func:`stretch_binder` stages stretches on this JAX."""
+def stretches_inlined_at_lowering() -> bool:
+  """Whether lowering inlines :func:`stretch_binder`'s equations (JAX 0.11
+  on); before, the lowered module calls each as a private function."""
   return _INLINE_LATE is not None
 
 
 def stretch_binder():
   """``bind(eqns, invars, outvars, invals)``: ``eqns`` (a stretch of a
   jaxpr's equations, without effects, reading ``invars`` and defining
-  ``outvars``) staged into the current trace as one equation inlined at
-  lowering; returns the values of ``outvars``, or None where an input is of
+  ``outvars``) staged into the current trace as one nested ``jit``
+  equation; returns the values of ``outvars``, or None where an input is of
   another trace or type (the caller copies the equations instead). None
-  where the trace stages no jaxpr or JAX cannot inline at lowering."""
+  where the trace stages no jaxpr."""
   trace = _core.trace_ctx.trace
-  if _INLINE_LATE is None or type(trace) is not _pe.DynamicJaxprTrace:
+  if type(trace) is not _pe.DynamicJaxprTrace:
     return None
   tracer_type = _pe.DynamicJaxprTracer
-  ctx_mesh = _pjit.get_ctx_mesh(False)
+  ctx_mesh = _ctx_mesh(False)
   unspecified = _pjit.UNSPECIFIED
+  inline = False if _INLINE_LATE is None else _INLINE_LATE
 
   def bind(eqns, invars, outvars, invals):
     for v, x in zip(invars, invals):
       if isinstance(x, _core.Tracer) and not (
           type(x) is tracer_type and x._trace is trace
-          and (x.aval is v.aval or x.aval == v.aval)):
-        return None
+          and (x.aval is v.aval or x.aval == v.aval)) or getattr(
+              v.aval, "has_qdd", False):
+        return None   # (quasi-dynamic data: as equation_copier's copy)
     jaxpr = _core.Jaxpr((), invars, outvars, eqns, _core.no_effects,
                         _STRETCH_INFO)
-    if _closed_jaxpr is not None:   # (JAX 0.11; 0.12's Jaxpr holds consts)
+    if _closed_jaxpr is not None:   # (0.8-0.11; 0.12's Jaxpr holds consts)
       jaxpr = _closed_jaxpr(jaxpr, ())
     n, m = len(invars), len(outvars)
     return _pjit.jit_p.bind(
@@ -295,6 +303,6 @@ def stretch_binder():
         out_shardings=(unspecified,) * m, in_layouts=(None,) * n,
         out_layouts=(None,) * m, donated_invars=(False,) * n,
         ctx_mesh=ctx_mesh, name="jax_effects_stretch", keep_unused=False,
-        inline=_INLINE_LATE, compiler_options_kvs=())
+        inline=inline, compiler_options_kvs=())
 
   return bind

@@ -5,8 +5,8 @@ masking of effects in a vmapped ``cond`` branch, ``_primitives.effect``):
 :func:`eval_jaxpr`, with a ``handle(eqn, invals)`` per interpreter; an
 equation it leaves unchanged is copied into the trace, not re-bound
 (``_compat.equation_copier``), and, where the caller asks (a threaded
-program), a long run of them is staged as one nested ``jit`` that lowering
-inlines (:data:`STRETCH`, ``_compat.stretch_binder``).
+program), a long run of them is staged as one nested ``jit``
+(:data:`STRETCH`, ``_compat.stretch_binder``).
 :data:`CALLEES`: the call-like primitives both inline. No part of the
 token calling convention: the callers add it.
 """
@@ -48,10 +48,11 @@ def rebind(eqn, invals):
 
 
 #: A run of at least this many equations that the caller leaves unchanged
-#: and that carry no effect is staged as one nested ``jit`` equation, inlined
-#: at lowering, where JAX can (``_compat.stretch_binder``): one step for the
-#: run, where copying costs a few microseconds an equation. Shorter runs are
-#: copied (the lowered module is the same either way).
+#: and that carry no effect is staged as one nested ``jit`` equation
+#: (``_compat.stretch_binder``): one step for the run, where copying costs a
+#: few microseconds an equation. Shorter runs are copied. (From JAX 0.11
+#: lowering inlines a stretch, and the module is the same either way; before,
+#: the module calls it as a function, which XLA inlines.)
 STRETCH = 32
 
 

@@ -10,10 +10,11 @@ persistent cache (bench row (o)). What is copied must be what re-binding
 would have made: the differential tests below run programs with every kind
 of equation (control flow, literals, constants, weak types, dropped
 outputs, nested jit, custom derivatives, closures over an enclosing trace)
-against ``jax.jit`` and ``jax.disable_jit()``. Where JAX inlines a nested
-``jit`` at lowering (0.11 on), a run of :data:`~jax_effects._core.jaxpr_eval.STRETCH`
-or more such equations is staged as one equation instead
-(``_compat.stretch_binder``): the same tests run with every segment
+against ``jax.jit`` and ``jax.disable_jit()``. A run of
+:data:`~jax_effects._core.jaxpr_eval.STRETCH` or more such equations is
+staged as one nested ``jit`` equation instead (``_compat.stretch_binder``;
+inlined at lowering from JAX 0.11, a function the module calls before):
+the same tests run with every segment
 between two effects padded past that length, so each kind of equation is
 also staged inside a stretch.
 """
@@ -138,12 +139,13 @@ def test_a_program_of_every_kind_of_equation_as_under_jax_jit(capsys, pad):
     je.effects_barrier()
   assert printed == capsys.readouterr().out
   assert printed.count("\n") == 3
-  # Each of the three segments before an effect is one stretch where JAX
-  # inlines at lowering; the lowered module calls none.
+  # Each of the three segments before an effect is one stretch. From JAX
+  # 0.11 lowering inlines them; before, the module calls each.
   traced = ours.trace(x, 5)
-  staged = pad and _compat.stretch_binder_available()
-  assert _stretches(traced.jaxpr.jaxpr) == (3 if staged else 0)
-  assert "stretch" not in traced.lower().as_text()
+  assert _stretches(traced.jaxpr.jaxpr) == (3 if pad else 0)
+  calls = traced.lower().as_text().count("call @jax_effects_stretch")
+  assert calls == (0 if _compat.stretches_inlined_at_lowering() else
+                   3 if pad else 0)
 
 
 @pytest.mark.parametrize("pad", PADS)
@@ -238,10 +240,9 @@ def test_stretches_inside_the_regions_the_pass_retraces(capsys, pad):
   je.effects_barrier()
   assert (float(c), ys.tolist()) == (6.0, [1.0, 2.0, 3.0])
   assert capsys.readouterr().out == "c = 1.0\nc = 2.0\nc = 3.0\npos\n"
-  staged = pad and _compat.stretch_binder_available()
   inside = sum(_stretches(sub) for _, sub in
                _sub_jaxprs(g.trace(jnp.float32(0)).jaxpr.jaxpr))
-  assert inside == (3 if staged else 0)   # two in the body, one in a branch
+  assert inside == (3 if pad else 0)   # two in the body, one in a branch
 
 
 def test_a_program_without_effects_keeps_the_jaxpr_jax_jit_makes():
